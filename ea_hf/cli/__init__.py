@@ -1,0 +1,62 @@
+"""``ea-hf``: the command-line entry point.
+
+Sub-commands:
+    ea-hf patch MODEL OUT_DIR [--alpha A --beta B ...]   patch a checkpoint and save it as an EA checkpoint
+    ea-hf summary MODEL                                   list the evolving attention modules of a checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .. import __version__
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ea-hf", description="Evolving Attention for Hugging Face Transformers")
+    parser.add_argument("--version", action="version", version=f"ea_hf {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    patch = commands.add_parser("patch", help="patch a checkpoint with evolving attention and save it")
+    patch.add_argument("model", help="Hub id or local directory of a supported checkpoint")
+    patch.add_argument("out_dir", help="directory to write the EA checkpoint to (must not exist or be empty)")
+    patch.add_argument("--alpha", type=float, default=0.2, help="weight of the previous layer's logits (0.2)")
+    patch.add_argument("--beta", type=float, default=0.2, help="weight of the convolution branch (0.2)")
+    patch.add_argument("--kernel-size", type=int, default=3, help="odd convolution kernel size (3)")
+    patch.add_argument("--layers", type=_layers, default=None, help="comma-separated layers to patch (all)")
+    patch.add_argument("--init", default="kaiming_uniform", help="convolution init scheme (kaiming_uniform)")
+    patch.add_argument("--seed", type=int, default=0, help="seed for the new convolution weights (0)")
+    patch.add_argument(
+        "--auto-class",
+        default=None,
+        help="transformers class to load MODEL with, e.g. AutoModelForSequenceClassification "
+        "(default: the checkpoint's own architecture)",
+    )
+
+    summary = commands.add_parser("summary", help="list the evolving attention modules of an EA checkpoint")
+    summary.add_argument("model", help="Hub id or local directory of an EA checkpoint")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from . import commands
+
+    try:
+        return getattr(commands, args.command)(args)
+    except (ValueError, NotImplementedError, OSError, FileExistsError) as error:
+        print(f"ea-hf {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Walking a transformers model: where its attention lives, and turning it into Evolving Attention.
+
+Each supported architecture is described by an :class:`ArchitectureAdapter`, a few lines of data naming
+its attention classes. Everything else is found by walking the module tree: an attention module inside
+``<stack>.<list>.<i>`` is layer ``i`` of ``<stack>``, and the layers of one stack form one residual chain.
+
+This file is copied beside the weights of saved EA checkpoints (see ``configuration.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from .attention import (
+    ATTENTION_IMPLEMENTATION,
+    MODULE_ATTRIBUTE,
+    AttentionMapEvolution,
+    start_chain,
+)
+from .configuration import (
+    CONFIG_ATTRIBUTE,
+    EvolvingAttentionSettings,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchitectureAdapter:
+    """Where an architecture keeps its attention.
+
+    Args:
+        self_attention: class names of its self-attention modules (those that call transformers'
+            attention interface with the full logits of one layer).
+        num_heads_attribute: attribute of those modules holding the number of heads.
+    """
+
+    self_attention: tuple[str, ...]
+    num_heads_attribute: str = "num_attention_heads"
+
+
+#: Supported architectures, by transformers ``model_type``. All share the attention-interface path.
+ADAPTERS: dict[str, ArchitectureAdapter] = {
+    "bert": ArchitectureAdapter(("BertSelfAttention",)),
+    "roberta": ArchitectureAdapter(("RobertaSelfAttention",)),
+    "xlm-roberta": ArchitectureAdapter(("XLMRobertaSelfAttention",)),
+    "camembert": ArchitectureAdapter(("CamembertSelfAttention",)),
+    "electra": ArchitectureAdapter(("ElectraSelfAttention",)),
+    "distilbert": ArchitectureAdapter(("DistilBertSelfAttention",), num_heads_attribute="n_heads"),
+    "vit": ArchitectureAdapter(("ViTAttention",)),
+    "deit": ArchitectureAdapter(("DeiTAttention",)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSite:
+    """One attention module of a model and its place in a layer stack."""
+
+    name: str
+    module: nn.Module
+    stack_name: str
+    layer: int
+    kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchedModule:
+    """One row of :func:`summary`."""
+
+    name: str
+    kind: str
+    layer: int
+    previous_layer: int | None
+    alpha: float
+    beta: float
+    kernel_size: int
+    parameters: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchSummary:
+    """What :func:`summary` reports: the evolving attention modules and the parameters they add."""
+
+    modules: tuple[PatchedModule, ...]
+    added_parameters: int
+    total_parameters: int
+
+    def __str__(self) -> str:
+        lines = [f"{'module':<52} {'kind':<8} {'layer':>5} {'prev':>5} {'alpha':>6} {'beta':>6} {'k':>3} {'params':>8}"]
+        for m in self.modules:
+            prev = "-" if m.previous_layer is None else str(m.previous_layer)
+            lines.append(
+                f"{m.name:<52} {m.kind:<8} {m.layer:>5} {prev:>5} {m.alpha:>6g} {m.beta:>6g} "
+                f"{m.kernel_size:>3} {m.parameters:>8,}"
+            )
+        share = 100.0 * self.added_parameters / max(self.total_parameters, 1)
+        lines.append(
+            f"{len(self.modules)} evolving attention modules, {self.added_parameters:,} added parameters "
+            f"({share:.3f} % of {self.total_parameters:,})"
+        )
+        return "\n".join(lines)
+
+
+def base_model_type(config) -> str:
+    """The transformers model_type of a config, seen through an EA config class (``ea-bert`` -> ``bert``)."""
+    return getattr(type(config), "evolving_attention_base", type(config)).model_type
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ADAPTERS)
+
+
+def adapter_for(model: nn.Module) -> ArchitectureAdapter:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"Expected a transformers PreTrainedModel, got {type(model).__name__}")
+    model_type = base_model_type(config)
+    adapter = ADAPTERS.get(model_type)
+    if adapter is None:
+        raise ValueError(
+            f"Evolving attention does not support model_type {model_type!r} ({type(model).__name__}). "
+            f"Supported: {', '.join(supported_model_types())}."
+        )
+    return adapter
+
+
+def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
+    """Every self-attention module of a supported model, with its stack and layer index."""
+    adapter = adapter_for(model)
+    sites = []
+    for name, module in model.named_modules():
+        if type(module).__name__ not in adapter.self_attention:
+            continue
+        parts = name.split(".")
+        numeric = [i for i, part in enumerate(parts) if part.isdigit()]
+        if not numeric or numeric[-1] == 0:
+            raise ValueError(f"Cannot place attention module {name!r} in a layer stack")
+        index = numeric[-1]
+        stack_name = ".".join(parts[: index - 1])
+        kind = "decoder" if getattr(module, "is_causal", False) else "encoder"
+        sites.append(AttentionSite(name, module, stack_name, int(parts[index]), kind))
+    if not sites:
+        raise ValueError(f"Found no attention modules ({', '.join(adapter.self_attention)}) in {type(model).__name__}")
+    return sites
+
+
+def is_patched(model: nn.Module) -> bool:
+    return any(hasattr(module, MODULE_ATTRIBUTE) for module in model.modules())
+
+
+def plan_evolution(
+    model: nn.Module, settings: Mapping[str, EvolvingAttentionSettings]
+) -> list[tuple[AttentionSite, AttentionMapEvolution | None]]:
+    """Check that ``settings`` fit ``model`` and return the sites to patch, without touching the model.
+
+    Raises ValueError (or NotImplementedError for decoders) naming every problem at once.
+    """
+    sites = find_attention_sites(model)
+    problems = []
+    decoders = sorted({s.name for s in sites if s.kind != "encoder"})
+    if decoders:
+        raise NotImplementedError(
+            f"{type(model).__name__} has causal (decoder) self-attention ({decoders[0]}, ...); evolving "
+            "attention for decoders is not supported for this architecture. Use an encoder model "
+            "(is_decoder=False)."
+        )
+    unknown_kinds = sorted(set(settings) - {s.kind for s in sites})
+    if unknown_kinds:
+        problems.append(f"settings for attention kind(s) {unknown_kinds} that {type(model).__name__} does not have")
+    by_stack: dict[tuple[str, str], list[AttentionSite]] = {}
+    for site in sites:
+        by_stack.setdefault((site.stack_name, site.kind), []).append(site)
+    planned = []
+    for (stack_name, kind), stack_sites in by_stack.items():
+        chosen = settings.get(kind)
+        if chosen is None:
+            continue
+        num_layers = len(stack_sites)
+        if chosen.layers is not None:
+            out_of_range = [i for i in chosen.layers if i >= num_layers]
+            if out_of_range:
+                problems.append(
+                    f"layer indices {out_of_range} out of range for {stack_name or 'the model'} "
+                    f"({kind}), which has {num_layers} layers (0..{num_layers - 1})"
+                )
+                continue
+        planned.append((chosen, sorted(stack_sites, key=lambda s: s.layer)))
+    if problems:
+        raise ValueError("Cannot patch the model: " + "; ".join(problems))
+    return planned
+
+
+def attach_evolution(model: PreTrainedModel, settings: Mapping[str, EvolvingAttentionSettings]) -> None:
+    """Give the model's attention modules their evolution modules and route attention through them.
+
+    The model's classes and config are left as they are (see :func:`patch` for the full conversion).
+    """
+    plan = plan_evolution(model, settings)
+    adapter = adapter_for(model)
+    for chosen, stack_sites in plan:
+        previous = None
+        for site in stack_sites:
+            if chosen.layers is not None and site.layer not in chosen.layers:
+                continue
+            reference = next(site.module.parameters())
+            evolution = AttentionMapEvolution(
+                getattr(site.module, adapter.num_heads_attribute),
+                alpha=chosen.alpha,
+                beta=chosen.beta,
+                kernel_size=chosen.kernel_size,
+                init=chosen.init,
+                causal=site.kind == "decoder",
+                kind=site.kind,
+                position=site.layer,
+                previous=previous,
+                device=reference.device,
+                dtype=reference.dtype,
+            )
+            setattr(site.module, MODULE_ATTRIBUTE, evolution)
+            previous = site.layer
+        stack = model.get_submodule(stack_sites[0].stack_name)
+        if not any(hook is start_chain for hook in stack._forward_pre_hooks.values()):
+            stack.register_forward_pre_hook(start_chain, with_kwargs=True)
+    model.config._attn_implementation_internal = ATTENTION_IMPLEMENTATION
+
+
+def detach_evolution(model: nn.Module) -> None:
+    """Remove what :func:`attach_evolution` added (modules and chain hooks)."""
+    for module in model.modules():
+        if hasattr(module, MODULE_ATTRIBUTE):
+            delattr(module, MODULE_ATTRIBUTE)
+        for handle_id, hook in list(module._forward_pre_hooks.items()):
+            if hook is start_chain:
+                del module._forward_pre_hooks[handle_id]
+                module._forward_pre_hooks_with_kwargs.pop(handle_id, None)
+
+
+def _register_output_capture(model: PreTrainedModel) -> None:
+    # transformers records `output_attentions` & co. per model class, registered in PreTrainedModel.__init__;
+    # a class swapped in afterwards needs the same entry.
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+
+
+def patch(
+    model: PreTrainedModel,
+    alpha: float = 0.2,
+    beta: float = 0.2,
+    kernel_size: int = 3,
+    layers: list[int] | None = None,
+    init: str = "kaiming_uniform",
+) -> PreTrainedModel:
+    """Turn a loaded transformers model into an Evolving Attention model, in place.
+
+    Every self-attention layer (or those listed in ``layers``) gets a ``kernel_size`` x ``kernel_size``
+    convolution over its attention map, mixed as in TPAMI 2023 section 3.1; the new weights are drawn from
+    torch's RNG with the ``init`` scheme. The model and its config become their EA classes (``EABert...``,
+    ``model_type="ea-bert"``), so ``save_pretrained`` writes an EA checkpoint that the Auto classes load
+    back, with ea_hf installed or through ``trust_remote_code=True``. All checks run before anything is
+    changed; on error the model is left as it was.
+
+    Args:
+        model: a loaded model of a supported architecture (see :data:`ADAPTERS`).
+        alpha: weight of the previous layer's logits, in [0, 1].
+        beta: weight of the convolution branch, in [0, 1].
+        kernel_size: odd kernel size of the convolution.
+        layers: indices of the layers to patch; ``None`` for all.
+        init: convolution initialisation, one of ``kaiming_uniform`` (default), ``xavier_uniform``,
+            ``normal`` or ``dirac``.
+
+    Returns:
+        The same model object, patched.
+
+    Example:
+        >>> import ea_hf
+        >>> from transformers import BertConfig, BertModel
+        >>> model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ...                              intermediate_size=37))
+        >>> model = ea_hf.patch(model, alpha=0.2, beta=0.2)
+        >>> model.config.model_type, type(model).__name__
+        ('ea-bert', 'EABertModel')
+    """
+    from .configuration import evolving_attention_config_class
+    from .modeling import auto_map_for, evolving_attention_model_class
+
+    settings = {"encoder": EvolvingAttentionSettings(alpha, beta, kernel_size, layers, init)}
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"ea_hf.patch expects a transformers PreTrainedModel, got {type(model).__name__}")
+    if is_patched(model) or getattr(model.config, CONFIG_ATTRIBUTE, None) is not None:
+        raise ValueError(f"{type(model).__name__} is already patched with evolving attention; call ea_hf.unpatch first")
+    plan_evolution(model, settings)
+    model_class = evolving_attention_model_class(type(model))
+    config_class = evolving_attention_config_class(type(model.config))
+
+    original_attention = model.config._attn_implementation
+    attach_evolution(model, settings)
+    config = model.config
+    config.__class__ = config_class
+    setattr(config, CONFIG_ATTRIBUTE, {kind: s.to_dict() for kind, s in settings.items()})
+    config.auto_map = auto_map_for(config_class)
+    model.__class__ = model_class
+    _register_output_capture(model)
+    model._ea_original_attn_implementation = original_attention
+    return model
+
+
+def unpatch(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo :func:`patch` in place: remove the evolution modules and restore the original classes.
+
+    Works on models patched by :func:`patch` and on EA models loaded from a checkpoint; the result computes
+    exactly what the original architecture computes. Returns the same model object.
+
+    Example:
+        >>> import ea_hf
+        >>> from transformers import BertConfig, BertModel
+        >>> model = ea_hf.patch(BertModel(BertConfig(hidden_size=32, num_hidden_layers=2,
+        ...                                          num_attention_heads=4, intermediate_size=37)))
+        >>> type(ea_hf.unpatch(model)).__name__
+        'BertModel'
+    """
+    if not is_patched(model):
+        raise ValueError(f"{type(model).__name__} is not patched with evolving attention")
+    detach_evolution(model)
+    config = model.config
+    base_config_class = getattr(type(config), "evolving_attention_base", None)
+    if base_config_class is not None:
+        config.__class__ = base_config_class
+    config.__dict__.pop(CONFIG_ATTRIBUTE, None)
+    config.__dict__.pop("auto_map", None)
+    base_model_class = getattr(type(model), "evolving_attention_base", None)
+    if base_model_class is not None:
+        model.__class__ = base_model_class
+        _register_output_capture(model)
+    original = model.__dict__.pop("_ea_original_attn_implementation", None)
+    config._attn_implementation_internal = model.get_correct_attn_implementation(original)
+    return model
+
+
+def summary(model: nn.Module) -> PatchSummary:
+    """Report the evolving attention modules of a model and the number of parameters they add.
+
+    Example:
+        >>> import ea_hf
+        >>> from transformers import BertConfig, BertModel
+        >>> model = ea_hf.patch(BertModel(BertConfig(hidden_size=32, num_hidden_layers=2,
+        ...                                          num_attention_heads=4, intermediate_size=37)))
+        >>> ea_hf.summary(model).added_parameters  # 2 layers x (4*4*3*3 + 4)
+        296
+    """
+    rows = []
+    for name, module in model.named_modules():
+        if isinstance(module, AttentionMapEvolution):
+            rows.append(
+                PatchedModule(
+                    name=name,
+                    kind=module.kind,
+                    layer=module.position,
+                    previous_layer=module.previous,
+                    alpha=module.alpha,
+                    beta=module.beta,
+                    kernel_size=module.kernel_size,
+                    parameters=sum(p.numel() for p in module.parameters()),
+                )
+            )
+    return PatchSummary(
+        modules=tuple(rows),
+        added_parameters=sum(row.parameters for row in rows),
+        total_parameters=sum(p.numel() for p in model.parameters()),
+    )

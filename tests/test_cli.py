@@ -1,0 +1,55 @@
+"""The ``ea-hf`` command line."""
+
+import json
+
+import torch
+import transformers
+
+import ea_hf
+from ea_hf.cli import main
+
+
+def test_patch_command_writes_a_loadable_checkpoint_with_tokenizer(minilm_path, tmp_path, capsys):
+    out = tmp_path / "ea"
+    assert (
+        main(["patch", minilm_path, str(out), "--alpha", "0.3", "--beta", "0.1", "--layers", "1,3", "--seed", "5"]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "2 evolving attention modules, 2,616 added parameters" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["evolving_attention"]["encoder"] == {
+        "alpha": 0.3,
+        "beta": 0.1,
+        "kernel_size": 3,
+        "layers": [1, 3],
+        "init": "kaiming_uniform",
+    }
+    assert (out / "tokenizer.json").exists()
+    model = transformers.AutoModel.from_pretrained(out)
+    assert [m.layer for m in ea_hf.summary(model).modules] == [1, 3]
+
+    # Same seed, same weights: the command is reproducible.
+    again = tmp_path / "again"
+    assert (
+        main(["patch", minilm_path, str(again), "--alpha", "0.3", "--beta", "0.1", "--layers", "1,3", "--seed", "5"])
+        == 0
+    )
+    other = transformers.AutoModel.from_pretrained(again)
+    first = model.encoder.layer[1].attention.self.evolving_attention.weight
+    assert torch.equal(first, other.encoder.layer[1].attention.self.evolving_attention.weight)
+
+    assert main(["summary", str(out)]) == 0
+    assert "encoder.layer.3.attention.self.evolving_attention" in capsys.readouterr().out
+
+
+def test_patch_command_errors_are_clear_and_nonzero(minilm_path, tmp_path, capsys):
+    assert main(["patch", minilm_path, str(tmp_path / "x"), "--alpha", "2"]) == 2
+    assert "alpha must be in [0, 1], got 2.0" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    assert main(["patch", minilm_path, str(tmp_path / "full")]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    assert main(["summary", minilm_path]) == 2
+    assert "is not an evolving attention checkpoint" in capsys.readouterr().err
