@@ -23,7 +23,6 @@ This file is copied beside the weights of saved EA checkpoints (see ``configurat
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -254,11 +253,6 @@ def register_attention() -> None:
     """Register the attention and mask functions with transformers (idempotent)."""
     AttentionInterface.register(ATTENTION_IMPLEMENTATION, evolving_attention_forward)
     AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, evolving_attention_mask)
-
-
-def chain_logits(chain: Mapping[Any, torch.Tensor], kind: str = "encoder") -> list[torch.Tensor]:
-    """The logits recorded in a chain for one attention kind, in layer order (for inspection and tests)."""
-    return [chain[k] for k in sorted(k for k in chain if k[0] == kind)]
 
 
 register_attention()

@@ -35,14 +35,19 @@ def max_abs_diff(a, b) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_exactness_on_pretrained_minilm(minilm, minilm_tokenizer):
+@pytest.mark.parametrize("reference_attention", ["sdpa", "eager"])
+def test_exactness_on_pretrained_minilm(minilm_path, minilm_tokenizer, reference_attention):
+    model = transformers.AutoModel.from_pretrained(minilm_path, attn_implementation=reference_attention).eval()
     batch = minilm_tokenizer(SENTENCES, padding=True, return_tensors="pt")
     with torch.no_grad():
-        reference = minilm(**batch).last_hidden_state
-        ea_hf.patch(minilm, alpha=0.0, beta=0.0)
-        patched = minilm(**batch).last_hidden_state
+        reference = model(**batch).last_hidden_state
+        ea_hf.patch(model, alpha=0.0, beta=0.0)
+        patched = model(**batch).last_hidden_state
     mask = batch["attention_mask"].bool()
     assert max_abs_diff(patched[mask], reference[mask]) <= EXACT
+    if reference_attention == "eager":
+        # Same arithmetic as transformers' eager path, padded positions included.
+        assert max_abs_diff(patched, reference) <= EXACT
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
@@ -151,6 +156,7 @@ def test_nothing_survives_between_calls():
 
 
 def test_two_threads_match_serial_runs():
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = ea_hf.patch(tiny_model("bert"), alpha=0.5, beta=0.5)
@@ -174,7 +180,7 @@ def test_two_threads_match_serial_runs():
         for i in (0, 1):
             assert torch.equal(results[i], serial[i])
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads_before)
 
 
 def test_train_eval_and_no_grad_modes_agree():
