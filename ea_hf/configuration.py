@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import transformers
@@ -118,12 +118,22 @@ def settings_from_config(config: PreTrainedConfig) -> dict[str, EvolvingAttentio
 # --------------------------------------------------------------------------------------------------
 
 EA_PREFIX = "EA"
-_class_lock = threading.Lock()
+_class_lock = threading.RLock()
 _config_classes: dict[type, type] = {}
 
 
 def ea_model_type(base_model_type: str) -> str:
     return f"ea-{base_model_type}"
+
+
+def cached_ea_class(base: type, cache: dict[type, type], build: Callable[[str], type]) -> type:
+    """Return ``cache[base]``, building the EA class ``EA<base>`` once (thread-safe); EA classes map to themselves."""
+    if getattr(base, "evolving_attention_base", None) is not None:
+        return base
+    with _class_lock:
+        if base not in cache:
+            cache[base] = build(EA_PREFIX + base.__name__)
+        return cache[base]
 
 
 def evolving_attention_config_class(base: type[PreTrainedConfig]) -> type[PreTrainedConfig]:
@@ -137,25 +147,22 @@ def evolving_attention_config_class(base: type[PreTrainedConfig]) -> type[PreTra
         >>> evolving_attention_config_class(BertConfig).model_type
         'ea-bert'
     """
-    if getattr(base, "evolving_attention_base", None) is not None:
-        return base
-    with _class_lock:
-        cls = _config_classes.get(base)
-        if cls is None:
-            name = EA_PREFIX + base.__name__
-            namespace = {
-                "__module__": __name__,
-                "__qualname__": name,
-                "__doc__": f"{base.__name__} with Evolving Attention settings (``{CONFIG_ATTRIBUTE}``).",
-                "__annotations__": {CONFIG_ATTRIBUTE: dict | None},
-                CONFIG_ATTRIBUTE: None,
-                "model_type": ea_model_type(base.model_type),
-                "evolving_attention_base": base,
-            }
-            cls = strict(type(name, (base,), namespace))
-            cls._auto_class = "AutoConfig"
-            _config_classes[base] = cls
+
+    def build(name: str) -> type[PreTrainedConfig]:
+        namespace = {
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"{base.__name__} with Evolving Attention settings (``{CONFIG_ATTRIBUTE}``).",
+            "__annotations__": {CONFIG_ATTRIBUTE: dict | None},
+            CONFIG_ATTRIBUTE: None,
+            "model_type": ea_model_type(base.model_type),
+            "evolving_attention_base": base,
+        }
+        cls = strict(type(name, (base,), namespace))
+        cls._auto_class = "AutoConfig"
         return cls
+
+    return cached_ea_class(base, _config_classes, build)
 
 
 def _transformers_class(ea_name: str, kind: type) -> type | None:

@@ -12,7 +12,6 @@ config's ``auto_map`` points at it, so ``trust_remote_code=True`` loads them whe
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import transformers
@@ -23,6 +22,7 @@ from .configuration import (
     CONFIG_ATTRIBUTE,
     EA_PREFIX,
     _transformers_class,
+    cached_ea_class,
     evolving_attention_config_class,
     settings_from_config,
 )
@@ -109,7 +109,6 @@ class EvolvingAttentionModelMixin:
         )
 
 
-_class_lock = threading.RLock()
 _model_classes: dict[type, type] = {}
 
 
@@ -122,35 +121,24 @@ def evolving_attention_model_class(base: type[PreTrainedModel]) -> type[PreTrain
         >>> cls.__name__, cls.config_class.model_type
         ('EABertForMaskedLM', 'ea-bert')
     """
-    if getattr(base, "evolving_attention_base", None) is not None:
-        return base
-    with _class_lock:
-        cls = _model_classes.get(base)
-        if cls is None:
-            name = EA_PREFIX + base.__name__
-            config_class = evolving_attention_config_class(base.config_class)
-            auto_name = next(
-                (
-                    auto
-                    for auto, cls_name in auto_class_names(base.config_class.model_type).items()
-                    if cls_name == base.__name__
-                ),
-                None,
-            )
-            cls = type(
-                name,
-                (EvolvingAttentionModelMixin, base),
-                {
-                    "__module__": __name__,
-                    "__qualname__": name,
-                    "__doc__": f"{base.__name__} with Evolving Attention (see ea_hf.patch).",
-                    "config_class": config_class,
-                    "evolving_attention_base": base,
-                    "_auto_class": auto_name,
-                },
-            )
-            _model_classes[base] = cls
-        return cls
+
+    def build(name: str) -> type[PreTrainedModel]:
+        auto_names = auto_class_names(base.config_class.model_type)
+        return type(
+            name,
+            (EvolvingAttentionModelMixin, base),
+            {
+                "__module__": __name__,
+                "__qualname__": name,
+                "__doc__": f"{base.__name__} with Evolving Attention (see ea_hf.patch).",
+                "config_class": evolving_attention_config_class(base.config_class),
+                "evolving_attention_base": base,
+                # The Auto class under which save_pretrained files this class in `auto_map`.
+                "_auto_class": next((auto for auto, cls in auto_names.items() if cls == base.__name__), None),
+            },
+        )
+
+    return cached_ea_class(base, _model_classes, build)
 
 
 def auto_map_for(config_class: type[PreTrainedConfig]) -> dict[str, str]:

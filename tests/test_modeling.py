@@ -18,15 +18,9 @@ from ea_hf.modeling import auto_class_names
 
 SETTINGS = {"alpha": 0.4, "beta": 0.3, "kernel_size": 3, "layers": [0, 2], "init": "xavier_uniform"}
 
-# Heads whose tiny models need settings this test does not give (decoders are refused by ea_hf.patch).
-SKIPPED_HEADS = {"AutoModelForCausalLM"}
-
-
-def heads(model_type):
-    return [name for name in auto_class_names(model_type) if name not in SKIPPED_HEADS]
-
-
-HEAD_CASES = [(model_type, head) for model_type in ARCHITECTURES for head in heads(model_type)]
+# Every head, the causal-LM ones included: with is_decoder=False (the tiny configs' default) their attention is
+# bidirectional; decoder configurations are refused by ea_hf.patch (tests/test_patching.py).
+HEAD_CASES = [(model_type, head) for model_type in ARCHITECTURES for head in auto_class_names(model_type)]
 
 
 def load_quietly(auto_class, path, **kwargs):
