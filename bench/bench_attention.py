@@ -1,0 +1,477 @@
+"""Side-by-side benchmark: BERT-Base with eager attention, with sdpa, and with Evolving Attention (ea_hf).
+
+Every (variant, N, mode) case runs in a fresh subprocess of this script (``--case VARIANT N MODE``), which
+builds the model, times the case and reports its own peak memory as one JSON line on stdout; the parent
+collects the cases, computes the ratios against eager, writes a JSON file, a PNG plot and a Markdown table.
+
+    python bench/bench_attention.py                     # full run: N in {128, 512}, 5 repeats, 2 warm-ups
+    python bench/bench_attention.py --quick             # smoke test: N = 64, 2 repeats, 1 warm-up
+
+See bench/README.md for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+VARIANTS = ("eager", "sdpa", "ea")
+MODES = ("inference", "training")
+LABELS = {"eager": "eager", "sdpa": "sdpa", "ea": "EA"}
+EA_ALPHA = 0.2
+EA_BETA = 0.2
+#: Line prefix of a child's result on stdout (anything else a library prints there is ignored).
+RESULT_PREFIX = "BENCH_RESULT "
+#: Targets from the issue: (metric, mode, N) -> the largest acceptable EA/eager ratio.
+TARGETS = {
+    ("time", "inference", 512): 1.15,
+    ("time", "training", 128): 1.08,
+    ("time", "training", 512): 1.15,
+    ("memory", "training", 512): 1.3,
+}
+MIB = 1024.0 * 1024.0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Child: one (variant, N, mode) case in its own process.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def current_rss_mib() -> float:
+    """Resident set size of this process now (VmRSS), in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def build_model(variant: str, device):
+    """BERT-Base (transformers.BertConfig defaults) with random weights, dropout off, fp32."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)  # same BERT weights for every variant
+    config = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertModel(config)
+    model.set_attn_implementation("sdpa" if variant == "sdpa" else "eager")
+    if variant == "ea":
+        import ea_hf
+
+        model = ea_hf.patch(model, alpha=EA_ALPHA, beta=EA_BETA)
+    return model.to(device=device, dtype=torch.float32)
+
+
+def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, batch: int, threads: int) -> dict:
+    import torch
+
+    try:  # import in every variant so that all children carry the same libraries
+        import ea_hf  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(REPO_ROOT))
+        import ea_hf  # noqa: F401
+
+    torch.set_num_threads(threads)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+
+    model = build_model(variant, device)
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
+    attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
+
+    # What the attention function of layer 0 is actually given as its mask (an all-ones mask may be dropped).
+    seen_masks: list[str] = []
+
+    def record_mask(module, args, kwargs):
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        seen_masks.append("none" if mask is None else f"{mask.dtype} {tuple(mask.shape)}")
+
+    hook = model.encoder.layer[0].attention.self.register_forward_pre_hook(record_mask, with_kwargs=True)
+
+    if mode == "inference":
+        model.eval()
+    else:
+        model.train()  # dropout probabilities are 0, so train and eval compute the same thing
+
+    def step() -> None:
+        if mode == "inference":
+            with torch.no_grad():
+                model(input_ids=input_ids, attention_mask=attention_mask)
+        else:
+            output = model(input_ids=input_ids, attention_mask=attention_mask)
+            loss = output.last_hidden_state.float().pow(2).mean()
+            loss.backward()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    # Memory before the case: the model and inputs exist, nothing has run yet.
+    sync()
+    if cuda:
+        # GPU path: kept simple and NOT tested here (the benchmark machine has no GPU).
+        torch.cuda.reset_peak_memory_stats()
+        before_mib = torch.cuda.memory_allocated() / MIB
+        peak_before_mib = before_mib
+    else:
+        before_mib = current_rss_mib()
+        peak_before_mib = peak_rss_mib()
+
+    load_before = os.getloadavg()
+    times, cpu_times = [], []
+    for index in range(warmup + repeats):
+        model.zero_grad(set_to_none=True)
+        sync()
+        cpu_start = time.process_time()
+        start = time.perf_counter()
+        step()
+        sync()
+        elapsed = time.perf_counter() - start
+        cpu_elapsed = time.process_time() - cpu_start
+        if index == 0:
+            hook.remove()
+        if index >= warmup:
+            times.append(elapsed)
+            cpu_times.append(cpu_elapsed)
+    load_after = os.getloadavg()
+
+    if cuda:
+        peak_mib = torch.cuda.max_memory_allocated() / MIB
+        memory_source = "torch.cuda.max_memory_allocated (peak of the case; before = memory_allocated after setup)"
+    else:
+        peak_mib = peak_rss_mib()
+        memory_source = "ru_maxrss of a fresh process (before = VmRSS after model creation)"
+    return {
+        "variant": variant,
+        "n": length,
+        "mode": mode,
+        "batch": batch,
+        "threads": threads,
+        "device": device.type,
+        "attn_implementation": model.config._attn_implementation,
+        "attention_mask_seen_by_attention": seen_masks[0] if seen_masks else "not recorded",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "warmup": warmup,
+        "repeats": repeats,
+        "times_s": times,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "mean_s": statistics.fmean(times),
+        "stdev_s": statistics.stdev(times) if len(times) > 1 else 0.0,
+        # CPU seconds of this process per timed repetition; cpu/wall well below `threads` means it was starved.
+        "cpu_times_s": cpu_times,
+        "cpu_over_wall": statistics.fmean(c / t for c, t in zip(cpu_times, times, strict=True)),
+        "loadavg_1min_before_after": [load_before[0], load_after[0]],
+        "memory_source": memory_source,
+        "before_mib": before_mib,
+        "peak_before_case_mib": peak_before_mib,
+        "peak_mib": peak_mib,
+        "increment_mib": peak_mib - before_mib,
+        "case_raised_peak": peak_mib > peak_before_mib,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Parent: spawn the cases, collect, compare, write.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def spawn_case(variant: str, length: int, mode: str, args: argparse.Namespace) -> dict:
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--case",
+        variant,
+        str(length),
+        mode,
+        "--repeats",
+        str(args.repeats),
+        "--warmup",
+        str(args.warmup),
+        "--batch",
+        str(args.batch),
+        "--threads",
+        str(args.threads),
+    ]
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[name] = str(args.threads)
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+    wall = time.perf_counter() - start
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if done.returncode != 0 or not lines:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+        raise RuntimeError(f"case {variant} N={length} {mode} failed (exit code {done.returncode})")
+    result = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    result["process_wall_s"] = wall
+    return result
+
+
+def machine_info(threads: int) -> dict:
+    import torch
+    import transformers
+
+    processor = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+        if names:
+            processor = names[0]
+    except OSError:
+        pass
+    cuda = torch.cuda.is_available()
+    return {
+        "platform": platform.platform(),
+        "processor": processor,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": threads,
+        "device": "cuda" if cuda else "cpu",
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+    }
+
+
+def machine_line(info: dict) -> str:
+    device = info["gpu"] if info["device"] == "cuda" else f"{info['device']}, {info['threads']} threads"
+    return (
+        f"{info['processor'] or info['machine']} ({info['cpu_count']} CPUs), {info['platform']}, "
+        f"Python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, {device}"
+    )
+
+
+def compare(results: list[dict], lengths: list[int]) -> list[dict]:
+    """One row per (N, mode): medians, peaks and the sdpa and EA ratios against eager."""
+    by_key = {(r["variant"], r["n"], r["mode"]): r for r in results}
+    rows = []
+    for length in lengths:
+        for mode in MODES:
+            cases = {v: by_key[(v, length, mode)] for v in VARIANTS}
+            eager = cases["eager"]
+            row = {"n": length, "mode": mode}
+            for v in VARIANTS:
+                row[f"{v}_median_ms"] = cases[v]["median_s"] * 1e3
+                row[f"{v}_peak_mib"] = cases[v]["peak_mib"]
+                row[f"{v}_increment_mib"] = cases[v]["increment_mib"]
+            for v in ("sdpa", "ea"):
+                row[f"{v}_over_eager_time"] = cases[v]["median_s"] / eager["median_s"]
+                row[f"{v}_over_eager_peak_memory"] = cases[v]["peak_mib"] / eager["peak_mib"]
+                row[f"{v}_over_eager_memory_increment"] = (
+                    cases[v]["increment_mib"] / eager["increment_mib"] if eager["increment_mib"] > 0 else None
+                )
+            for metric, ratio_key in (("time", "ea_over_eager_time"), ("memory", "ea_over_eager_peak_memory")):
+                target = TARGETS.get((metric, mode, length))
+                row[f"ea_{metric}_target"] = target
+                row[f"ea_{metric}_pass"] = None if target is None else row[ratio_key] <= target
+            rows.append(row)
+    return rows
+
+
+def target_cell(target: float | None, passed: bool | None) -> str:
+    if target is None:
+        return "-"
+    return f"<= {target:g} {'pass' if passed else 'FAIL'}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    header = [
+        "N",
+        "mode",
+        "eager ms",
+        "sdpa ms",
+        "EA ms",
+        "EA/eager time",
+        "time target",
+        "eager peak MiB",
+        "EA peak MiB",
+        "EA/eager memory",
+        "memory target",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] * 1 + ["---"] + ["---:"] * 9) + "|"]
+    for r in rows:
+        cells = [
+            str(r["n"]),
+            r["mode"],
+            f"{r['eager_median_ms']:.1f}",
+            f"{r['sdpa_median_ms']:.1f}",
+            f"{r['ea_median_ms']:.1f}",
+            f"{r['ea_over_eager_time']:.3f}",
+            target_cell(r["ea_time_target"], r["ea_time_pass"]),
+            f"{r['eager_peak_mib']:.0f}",
+            f"{r['ea_peak_mib']:.0f}",
+            f"{r['ea_over_eager_peak_memory']:.3f}",
+            target_cell(r["ea_memory_target"], r["ea_memory_pass"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], info: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [f"N={r['n']}\n{r['mode']}" for r in rows]
+    positions = list(range(len(rows)))
+    width = 0.38
+    memory_label = "peak GPU memory" if info["device"] == "cuda" else "peak RSS"
+    figure, axes = plt.subplots(1, 2, figsize=(max(8.0, 2.4 * len(rows) + 3), 4.6))
+    panels = (("time", "time", "median time / eager"), ("memory", "peak_memory", f"{memory_label} / eager"))
+    for axis, (metric, key, ylabel) in zip(axes, panels, strict=True):
+        for offset, variant, colour in ((-width / 2, "sdpa", "#7f9fbf"), (width / 2, "ea", "#d9822b")):
+            values = [r[f"{variant}_over_eager_{key}"] for r in rows]
+            label = f"{LABELS[variant]} / eager"
+            bars = axis.bar([p + offset for p in positions], values, width, label=label, color=colour)
+            axis.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
+        for p, r in zip(positions, rows, strict=True):
+            target = r[f"ea_{metric}_target"]
+            if target is not None:
+                axis.hlines(target, p, p + width, colors="#b22222", linestyles="--", linewidth=1.5)
+                axis.annotate(
+                    f"target {target:g}", (p + width, target), fontsize=7, color="#b22222", ha="left", va="bottom"
+                )
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_xticks(positions, groups)
+        axis.set_ylabel(ylabel)
+        axis.set_title(f"{metric} ratio against eager (lower is better)")
+        top = max(max(r[f"ea_over_eager_{key}"], r[f"sdpa_over_eager_{key}"]) for r in rows)
+        axis.set_ylim(0, max(top, 1.35) * 1.15)
+        axis.legend(loc="upper left", fontsize=8)
+    figure.suptitle(f"BERT-Base, batch {info['batch']}: eager vs sdpa vs Evolving Attention", fontsize=10)
+    figure.text(0.5, 0.005, machine_line(info), ha="center", fontsize=7, color="#555555")
+    figure.tight_layout(rect=(0, 0.03, 1, 0.97))
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main_parent(args: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    info = machine_info(args.threads)
+    info["batch"] = args.batch
+    device = info["device"]
+    suffix = "_quick" if args.quick else ""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"bench_{device}{suffix}.json"
+    png_path = out / f"bench_{device}{suffix}.png"
+    markdown_path = Path(args.markdown) if args.markdown else out / f"bench_{device}{suffix}.md"
+    print(f"machine: {machine_line(info)}", flush=True)
+
+    results = []
+    for length in args.lengths:
+        for mode in MODES:
+            for variant in VARIANTS:
+                result = spawn_case(variant, length, mode, args)
+                results.append(result)
+                print(
+                    f"  {LABELS[variant]:<5} N={length:<4} {mode:<9} median {result['median_s'] * 1e3:8.1f} ms  "
+                    f"peak {result['peak_mib']:7.0f} MiB (before {result['before_mib']:.0f} MiB)  "
+                    f"cpu/wall {result['cpu_over_wall']:.2f}  [{result['process_wall_s']:.0f} s]",
+                    flush=True,
+                )
+    rows = compare(results, args.lengths)
+    table = markdown_table(rows)
+    wall = time.perf_counter() - start
+    report = {
+        "benchmark": "BERT-Base (BertConfig defaults, random weights, fp32): eager vs sdpa vs ea_hf Evolving Attention",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": info,
+        "machine_line": machine_line(info),
+        "settings": {
+            "lengths": args.lengths,
+            "modes": list(MODES),
+            "variants": {
+                "eager": 'BertModel(BertConfig()), attn_implementation="eager"',
+                "sdpa": 'BertModel(BertConfig()), attn_implementation="sdpa"',
+                "ea": f"ea_hf.patch(BertModel(BertConfig()), alpha={EA_ALPHA}, beta={EA_BETA}) "
+                '(attn_implementation="evolving_attention", kernel 3)',
+            },
+            "batch": args.batch,
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "dtype": "float32",
+            "dropout": 0.0,
+            "inputs": "random input_ids, all-ones attention_mask",
+            "training_step": "model.train(); forward; loss = last_hidden_state.float().pow(2).mean(); backward "
+            "(gradients set to None before every repetition, outside the timed region)",
+            "timing": "time.perf_counter around one step, median of the timed repetitions after the warm-ups",
+            "memory": "each case in a fresh subprocess; CPU: peak RSS (ru_maxrss) of that process, before = VmRSS "
+            "after model creation; CUDA: torch.cuda.max_memory_allocated",
+            "quick": args.quick,
+        },
+        "targets": [{"metric": m, "mode": mode, "n": n, "max_ea_over_eager": t} for (m, mode, n), t in TARGETS.items()],
+        "cases": results,
+        "comparison": rows,
+        "markdown_table": table,
+        "wall_time_s": wall,
+    }
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    markdown_path.parent.mkdir(parents=True, exist_ok=True)
+    markdown_path.write_text(table)
+    plot(rows, info, png_path)
+    print()
+    print(table)
+    print(f"wall time {wall:.0f} s; wrote {json_path}, {png_path}, {markdown_path}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(BENCH_DIR / "results"), help="output folder (default bench/results)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512], help="sequence lengths N")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per case (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs per case")
+    parser.add_argument("--batch", type=int, default=1, help="batch size")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every case")
+    parser.add_argument("--quick", action="store_true", help="smoke test: N=64, 2 repeats, 1 warm-up")
+    parser.add_argument("--markdown", metavar="PATH", help="also write the Markdown table here (default: in --out)")
+    parser.add_argument(
+        "--case", nargs=3, metavar=("VARIANT", "N", "MODE"), help="internal: run one case and print it as JSON"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.repeats, args.warmup = [64], 2, 1
+    if args.case:
+        variant, length, mode = args.case
+        if variant not in VARIANTS or mode not in MODES:
+            parser.error(f"--case expects VARIANT in {VARIANTS} and MODE in {MODES}")
+        args.case = (variant, int(length), mode)
+    if args.repeats < 1 or args.warmup < 0 or args.batch < 1 or args.threads < 1:
+        parser.error("--repeats, --batch and --threads must be positive, --warmup non-negative")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.case:
+        variant, length, mode = args.case
+        result = run_case(variant, length, mode, args.repeats, args.warmup, args.batch, args.threads)
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+    else:
+        main_parent(args)
+
+
+if __name__ == "__main__":
+    main()
