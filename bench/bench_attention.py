@@ -57,6 +57,19 @@ def current_rss_mib() -> float:
     return float("nan")
 
 
+def system_cpu_seconds() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot, from the first line of /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan"), float("nan")
+    fields += [0] * (8 - len(fields))
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    hertz = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / hertz, steal / hertz
+
+
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (ru_maxrss is in KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -135,6 +148,8 @@ def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, ba
         peak_before_mib = peak_rss_mib()
 
     load_before = os.getloadavg()
+    busy_before, steal_before = system_cpu_seconds()
+    own_before = time.process_time()
     times, cpu_times = [], []
     for index in range(warmup + repeats):
         model.zero_grad(set_to_none=True)
@@ -151,6 +166,8 @@ def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, ba
             times.append(elapsed)
             cpu_times.append(cpu_elapsed)
     load_after = os.getloadavg()
+    busy_after, steal_after = system_cpu_seconds()
+    own_cpu = time.process_time() - own_before
 
     if cuda:
         peak_mib = torch.cuda.max_memory_allocated() / MIB
@@ -179,6 +196,10 @@ def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, ba
         "cpu_times_s": cpu_times,
         "cpu_over_wall": statistics.fmean(c / t for c, t in zip(cpu_times, times, strict=True)),
         "loadavg_1min_before_after": [load_before[0], load_after[0]],
+        # Machine-wide CPU seconds used by everything except this process during warm-ups + repetitions, and
+        # hypervisor steal: both near 0 when the case had the machine to itself (/proc/stat, 10 ms resolution).
+        "other_processes_cpu_s": max(0.0, (busy_after - busy_before) - own_cpu),
+        "steal_s": steal_after - steal_before,
         "memory_source": memory_source,
         "before_mib": before_mib,
         "peak_before_case_mib": peak_before_mib,
@@ -276,6 +297,7 @@ def compare(results: list[dict], lengths: list[int]) -> list[dict]:
                 row[f"{v}_increment_mib"] = cases[v]["increment_mib"]
             for v in ("sdpa", "ea"):
                 row[f"{v}_over_eager_time"] = cases[v]["median_s"] / eager["median_s"]
+                row[f"{v}_over_eager_time_min"] = cases[v]["min_s"] / eager["min_s"]
                 row[f"{v}_over_eager_peak_memory"] = cases[v]["peak_mib"] / eager["peak_mib"]
                 row[f"{v}_over_eager_memory_increment"] = (
                     cases[v]["increment_mib"] / eager["increment_mib"] if eager["increment_mib"] > 0 else None
@@ -337,7 +359,7 @@ def plot(rows: list[dict], info: dict, path: Path) -> None:
     positions = list(range(len(rows)))
     width = 0.38
     memory_label = "peak GPU memory" if info["device"] == "cuda" else "peak RSS"
-    figure, axes = plt.subplots(1, 2, figsize=(max(8.0, 2.4 * len(rows) + 3), 4.6))
+    figure, axes = plt.subplots(1, 2, figsize=(max(11.0, 2.4 * len(rows) + 3), 4.8))
     panels = (("time", "time", "median time / eager"), ("memory", "peak_memory", f"{memory_label} / eager"))
     for axis, (metric, key, ylabel) in zip(axes, panels, strict=True):
         for offset, variant, colour in ((-width / 2, "sdpa", "#7f9fbf"), (width / 2, "ea", "#d9822b")):
@@ -345,13 +367,12 @@ def plot(rows: list[dict], info: dict, path: Path) -> None:
             label = f"{LABELS[variant]} / eager"
             bars = axis.bar([p + offset for p in positions], values, width, label=label, color=colour)
             axis.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
+        target_label = "EA target (at most)"
         for p, r in zip(positions, rows, strict=True):
             target = r[f"ea_{metric}_target"]
             if target is not None:
-                axis.hlines(target, p, p + width, colors="#b22222", linestyles="--", linewidth=1.5)
-                axis.annotate(
-                    f"target {target:g}", (p + width, target), fontsize=7, color="#b22222", ha="left", va="bottom"
-                )
+                axis.hlines(target, p, p + width, colors="#b22222", linestyles="--", linewidth=1.8, label=target_label)
+                target_label = None
         axis.axhline(1.0, color="black", linewidth=0.8)
         axis.set_xticks(positions, groups)
         axis.set_ylabel(ylabel)
@@ -388,7 +409,8 @@ def main_parent(args: argparse.Namespace) -> None:
                 print(
                     f"  {LABELS[variant]:<5} N={length:<4} {mode:<9} median {result['median_s'] * 1e3:8.1f} ms  "
                     f"peak {result['peak_mib']:7.0f} MiB (before {result['before_mib']:.0f} MiB)  "
-                    f"cpu/wall {result['cpu_over_wall']:.2f}  [{result['process_wall_s']:.0f} s]",
+                    f"cpu/wall {result['cpu_over_wall']:.2f}  other {result['other_processes_cpu_s']:.1f} s  "
+                    f"[{result['process_wall_s']:.0f} s]",
                     flush=True,
                 )
     rows = compare(results, args.lengths)
