@@ -9,8 +9,15 @@ positional bias, no padding or causal mask), Evolving Attention (TPAMI 2023, sec
 
 Conv_i is a 2-D convolution over the N x N map with the heads as channels. Entries that the mask removes,
 and the rows of padded queries, are zeroed before the convolution, so padding never reaches a valid entry:
-a padded sequence sees exactly the zero border it would see alone. A causal convolution additionally drops
-the kernel rows below its centre, so a query row only reads rows at or above it.
+a padded sequence sees exactly the zero border it would see alone.
+
+Sequence-to-sequence models have three chains (TPAMI section 3.1, "Convolution Masks for Seq2Seq Models"):
+encoder self-attention, decoder self-attention and encoder-decoder (cross) attention. The last two convolve
+causally: their kernels keep only the rows at and above the centre, so query row i reads rows i - k//2 .. i
+and nothing from a later target position; in decoder self-attention the future (masked) entries are zero
+anyway, and cross attention reads every (non-padding) source column. When ``generate`` decodes step by step
+with a KV cache, the earlier rows each causal convolution needs are kept on the cache object
+(:class:`ConvolutionHistory`) and reordered with it in beam search.
 
 A_logit_i reaches layer i+1 through a dict that lives for one forward call of the layer stack: a forward
 pre-hook on the stack puts a fresh dict into the keyword arguments that transformers hands down to every
@@ -22,6 +29,7 @@ This file is copied beside the weights of saved EA checkpoints (see ``configurat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -38,6 +46,14 @@ ATTENTION_IMPLEMENTATION = "evolving_attention"
 CHAIN_KWARG = "evolving_attention_chain"
 #: Attribute of a patched attention module that holds its :class:`AttentionMapEvolution`.
 MODULE_ATTRIBUTE = "evolving_attention"
+#: Keyword argument that carries the KV cache (if any) down to the attention calls of causal layers.
+CACHE_KWARG = "evolving_attention_cache"
+#: Attribute of a transformers ``Cache`` object under which the convolution histories of its model are kept.
+CACHE_ATTRIBUTE = "evolving_attention_histories"
+#: Attention kinds whose convolution is causal: decoder self-attention and encoder-decoder (cross) attention.
+CAUSAL_KINDS = ("decoder", "cross")
+#: Chain entry with the decoder's real (non-padding) query rows, for the cross-attention convolution.
+DECODER_ROWS_KEY = "decoder_rows"
 #: Additive float masks at or below this value count as "masked" when deciding what the convolution sees.
 MASKED_LOGIT_THRESHOLD = -1e4
 
@@ -45,14 +61,16 @@ MASKED_LOGIT_THRESHOLD = -1e4
 class AttentionMapEvolution(nn.Module):
     """Evolves one layer's attention logits from those of the previous layer in its chain.
 
-    The convolution weight has shape [H, H, k, k] and is stored directly (not as an ``nn.Conv2d``) so that
-    transformers' per-architecture weight initialisation leaves it to :meth:`reset_parameters`.
+    The convolution weight is stored directly (not as an ``nn.Conv2d``) so that transformers' per-architecture
+    weight initialisation leaves it to :meth:`reset_parameters`. It has shape [H, H, k, k]; a causal
+    convolution (decoder self-attention and cross attention) only has the kernel rows at and above the centre,
+    [H, H, k // 2 + 1, k], so a query row reads rows at or above it and never a later one.
 
     Args:
         num_heads: number of attention heads H (the convolution's channels).
         alpha, beta, kernel_size, init: see :class:`~ea_hf.configuration.EvolvingAttentionSettings`.
-        causal: mask the kernel so a query row only reads rows at or above it (decoder self-attention).
-        kind: the chain this layer belongs to (``"encoder"`` for encoder self-attention).
+        kind: the chain this layer belongs to: ``"encoder"`` (self-attention), ``"decoder"`` (causal
+            self-attention) or ``"cross"`` (encoder-decoder attention). The last two convolve causally.
         position: this layer's index in its stack.
         previous: index of the previous evolving layer of the same chain, ``None`` for the first one.
 
@@ -61,6 +79,8 @@ class AttentionMapEvolution(nn.Module):
         >>> chain = {}
         >>> evolution(torch.zeros(1, 4, 5, 5), None, chain).shape
         torch.Size([1, 4, 5, 5])
+        >>> AttentionMapEvolution(4, alpha=0.0, beta=0.2, kernel_size=3, kind="decoder").weight.shape
+        torch.Size([4, 4, 2, 3])
     """
 
     def __init__(
@@ -71,7 +91,6 @@ class AttentionMapEvolution(nn.Module):
         beta: float,
         kernel_size: int,
         init: str = "kaiming_uniform",
-        causal: bool = False,
         kind: str = "encoder",
         position: int = 0,
         previous: int | None = None,
@@ -79,29 +98,35 @@ class AttentionMapEvolution(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        if kind not in CAUSAL_KINDS and kind != "encoder":
+            raise ValueError(f"Unknown attention kind {kind!r}; expected 'encoder', 'decoder' or 'cross'")
         self.num_heads = num_heads
         self.alpha = float(alpha)
         self.beta = float(beta)
         self.kernel_size = kernel_size
         self.init = init
-        self.causal = causal
         self.kind = kind
         self.position = position
         self.previous = previous
+        rows = kernel_size // 2 + 1 if self.causal else kernel_size
         factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(num_heads, num_heads, kernel_size, kernel_size, **factory))
+        self.weight = nn.Parameter(torch.empty(num_heads, num_heads, rows, kernel_size, **factory))
         self.bias = nn.Parameter(torch.empty(num_heads, **factory))
-        if causal:
-            rows = torch.arange(kernel_size, device=device).unsqueeze(1).expand(kernel_size, kernel_size)
-            self.register_buffer("kernel_mask", (rows <= kernel_size // 2).to(self.weight.dtype), persistent=False)
-        else:
-            self.kernel_mask = None
         self.reset_parameters()
+
+    @property
+    def causal(self) -> bool:
+        return self.kind in CAUSAL_KINDS
+
+    @property
+    def context_rows(self) -> int:
+        """How many earlier rows of its input the convolution reads for one output row."""
+        return self.kernel_size // 2
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kernel_size={self.kernel_size}, alpha={self.alpha}, beta={self.beta}, "
-            f"kind={self.kind!r}, position={self.position}, previous={self.previous}, causal={self.causal}"
+            f"kind={self.kind!r}, position={self.position}, previous={self.previous}"
         )
 
     @torch.no_grad()
@@ -110,11 +135,12 @@ class AttentionMapEvolution(nn.Module):
 
         ``kaiming_uniform`` is torch's ``nn.Conv2d`` default (weight and bias); ``xavier_uniform`` and
         ``normal`` (std 0.02) draw the weight and zero the bias; ``dirac`` starts as the identity map per head
-        with a zero bias. Parameters already loaded from a checkpoint are left alone.
+        with a zero bias (for a causal kernel the centre is its last row). Parameters already loaded from a
+        checkpoint are left alone.
         """
         if self.init == "kaiming_uniform":
             hf_init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-            bound = 1.0 / math.sqrt(self.num_heads * self.kernel_size**2)
+            bound = 1.0 / math.sqrt(self.weight[0].numel())
             hf_init.uniform_(self.bias, -bound, bound)
             return
         if self.init == "xavier_uniform":
@@ -122,7 +148,11 @@ class AttentionMapEvolution(nn.Module):
         elif self.init == "normal":
             hf_init.normal_(self.weight, mean=0.0, std=0.02)
         elif self.init == "dirac":
-            hf_init.dirac_(self.weight)
+            if getattr(self.weight, "_is_hf_initialized", False):
+                return
+            self.weight.zero_()
+            heads = torch.arange(self.num_heads)
+            self.weight[heads, heads, self.context_rows, self.kernel_size // 2] = 1.0
         else:
             raise ValueError(f"Unknown init scheme {self.init!r}")
         hf_init.zeros_(self.bias)
@@ -131,22 +161,33 @@ class AttentionMapEvolution(nn.Module):
     def key(self) -> tuple[str, int]:
         return (self.kind, self.position)
 
-    def convolve(self, attention_in: torch.Tensor, conv_mask: torch.Tensor | None) -> torch.Tensor:
-        """ReLU(Conv(A_in)) with masked entries zeroed on the way in."""
-        if conv_mask is not None:
-            attention_in = attention_in.masked_fill(~conv_mask, 0.0)
-        weight = self.weight if self.kernel_mask is None else self.weight * self.kernel_mask
-        return F.relu(F.conv2d(attention_in, weight, self.bias, padding=self.kernel_size // 2))
+    def convolve(self, conv_input: torch.Tensor, rows_before: int = 0) -> torch.Tensor:
+        """ReLU(Conv(A_in)) for the rows of ``conv_input`` after its first ``rows_before`` (earlier, cached) rows.
+
+        ``conv_input`` must already have its masked entries zeroed; outside the map the convolution sees zeros.
+        """
+        c = self.context_rows
+        if not self.causal:
+            return F.relu(F.conv2d(conv_input, self.weight, self.bias, padding=c))
+        # Zero rows above the first one stand for the rows that do not exist yet (or are not cached);
+        # with the kernel's bottom row at the centre, output row i reads input rows i - c .. i.
+        padded = F.pad(conv_input, (c, c, c - rows_before, 0))
+        return F.relu(F.conv2d(padded, self.weight, self.bias))
 
     def forward(
-        self, scores: torch.Tensor, conv_mask: torch.Tensor | None, chain: dict[Any, torch.Tensor] | None
+        self,
+        scores: torch.Tensor,
+        conv_mask: torch.Tensor | None,
+        chain: dict[Any, Any] | None,
+        history: ConvolutionHistory | None = None,
     ) -> torch.Tensor:
         """Return A_logit for this layer and record it in ``chain`` for the next layer.
 
         Args:
-            scores: S, the layer's logits [B, H, Q, K] without padding or causal masks.
+            scores: S, the layer's logits [B, H, Q, K] (positional bias included, no padding or causal mask).
             conv_mask: boolean [B, 1 or H, Q, K], True where an entry may enter the convolution; None if all may.
             chain: the per-call dict of previous layers' logits.
+            history: for incremental decoding, the earlier rows of this layer's convolution input.
         """
         if chain is None:
             raise RuntimeError(
@@ -165,9 +206,72 @@ class AttentionMapEvolution(nn.Module):
                 attention_in = self.alpha * previous + (1.0 - self.alpha) * scores
         logits = attention_in
         if self.beta != 0.0:
-            logits = self.beta * self.convolve(attention_in, conv_mask) + (1.0 - self.beta) * attention_in
+            conv_input = attention_in if conv_mask is None else attention_in.masked_fill(~conv_mask, 0.0)
+            rows_before = 0
+            if history is not None:
+                conv_input, rows_before = history.extend(conv_input, self.context_rows)
+            convolved = self.convolve(conv_input, rows_before)
+            logits = self.beta * convolved + (1.0 - self.beta) * attention_in
         chain[self.key] = logits
         return logits
+
+
+@dataclasses.dataclass
+class ConvolutionHistory:
+    """The last input rows of one causal convolution, kept with a KV cache between decoding steps.
+
+    A decoding step computes only the new query rows of the attention map, but the causal convolution of row i
+    reads rows i - k // 2 .. i of its input. Those earlier rows are kept here, on the cache object that
+    ``generate`` passes from step to step (see :func:`convolution_history`), and reordered with it in beam
+    search (see :func:`reorder_convolution_histories`).
+    """
+
+    rows: torch.Tensor | None = None
+    seen: int = 0
+
+    def extend(self, new_rows: torch.Tensor, keep: int) -> tuple[torch.Tensor, int]:
+        """Return (earlier rows + ``new_rows``, number of earlier rows) and remember the last ``keep`` rows."""
+        earlier = self.rows
+        if earlier is None:
+            full = new_rows
+        else:
+            if earlier.shape[0] != new_rows.shape[0]:
+                raise RuntimeError(
+                    f"Evolving attention cache holds rows for batch size {earlier.shape[0]}, but the step has "
+                    f"batch size {new_rows.shape[0]}; the KV cache was resized outside generate()."
+                )
+            # Keys added since then are later tokens, masked (zero) in the earlier rows.
+            earlier = F.pad(earlier, (0, new_rows.shape[-1] - earlier.shape[-1]))
+            full = torch.cat([earlier, new_rows], dim=-2)
+        self.rows = full[..., full.shape[-2] - min(keep, full.shape[-2]) :, :]
+        self.seen += new_rows.shape[-2]
+        return full, 0 if earlier is None else earlier.shape[-2]
+
+
+def convolution_history(cache: Any, key: tuple[str, int], past: int) -> ConvolutionHistory:
+    """The :class:`ConvolutionHistory` of one layer, stored on the transformers ``Cache`` object itself.
+
+    ``past`` is the number of tokens the cache held before this step; a step with no past starts afresh.
+    """
+    histories = cache.__dict__.setdefault(CACHE_ATTRIBUTE, {})
+    history = histories.get(key)
+    if past <= 0:
+        history = histories[key] = ConvolutionHistory()
+    elif history is None or history.seen != past:
+        seen = 0 if history is None else history.seen
+        raise RuntimeError(
+            f"The KV cache holds {past} earlier tokens but evolving attention ({key[0]} layer {key[1]}) kept "
+            f"convolution rows for {seen}. The cache was filled, cropped or reordered outside this model's "
+            "forward/generate (assisted decoding and cache cropping are not supported)."
+        )
+    return history
+
+
+def reorder_convolution_histories(cache: Any, beam_idx: torch.LongTensor) -> None:
+    """Reorder the kept convolution rows along the batch like the KV cache (beam search)."""
+    for history in cache.__dict__.get(CACHE_ATTRIBUTE, {}).values():
+        if history.rows is not None:
+            history.rows = history.rows.index_select(0, beam_idx.to(history.rows.device))
 
 
 def split_attention_mask(
@@ -181,21 +285,45 @@ def split_attention_mask(
     return attention_mask > MASKED_LOGIT_THRESHOLD, attention_mask
 
 
-def self_attention_conv_mask(allowed: torch.Tensor | None, query_length: int) -> torch.Tensor | None:
-    """Entries that may enter the convolution in self-attention: allowed ones in rows of real tokens.
+def real_query_rows(allowed: torch.Tensor, query_length: int, past: int = 0) -> torch.Tensor:
+    """[B, 1 or H, Q, 1]: True for query rows of real (non-padding) tokens in self-attention.
 
-    In self-attention queries and keys are the same tokens, so a query is a real (non-padding) token
-    exactly when some query may attend to it as a key.
+    Queries and keys are the same tokens, query row i being key ``past + i``; a token is real exactly when it
+    may attend to itself.
     """
+    allowed = allowed.expand(*allowed.shape[:-2], query_length, allowed.shape[-1])
+    if allowed.shape[-1] < past + query_length:
+        raise NotImplementedError(
+            "Evolving self-attention needs every query among the keys; "
+            f"got {query_length} queries after {past} cached tokens over {allowed.shape[-1]} keys."
+        )
+    return torch.diagonal(allowed, offset=past, dim1=-2, dim2=-1).unsqueeze(-1)
+
+
+def self_attention_conv_mask(allowed: torch.Tensor | None, query_length: int, past: int = 0) -> torch.Tensor | None:
+    """Entries that may enter the convolution in self-attention: allowed ones in rows of real tokens."""
     if allowed is None:
         return None
-    if allowed.shape[-1] != query_length:
-        raise NotImplementedError(
-            "Evolving self-attention needs the full attention map (queries == keys); "
-            f"got {query_length} queries over {allowed.shape[-1]} keys (a KV cache?)."
-        )
-    real_tokens = allowed.any(dim=-2, keepdim=True)
-    return allowed & real_tokens.transpose(-1, -2)
+    return allowed & real_query_rows(allowed, query_length, past)
+
+
+def convolution_mask(
+    kind: str, allowed: torch.Tensor | None, query_length: int, past: int, chain: dict[Any, Any]
+) -> torch.Tensor | None:
+    """Which entries of the [B, H, Q, K] map the convolution of an attention ``kind`` may read.
+
+    Self-attention zeroes masked entries and the rows of padding queries (and records the decoder's real rows
+    in the chain); cross attention zeroes padded source columns and the decoder's padding rows.
+    """
+    if kind == "cross":
+        rows = chain.get(DECODER_ROWS_KEY)
+        if allowed is None:
+            return rows
+        return allowed if rows is None else allowed & rows
+    conv_mask = self_attention_conv_mask(allowed, query_length, past)
+    if kind == "decoder" and allowed is not None:
+        chain[DECODER_ROWS_KEY] = real_query_rows(allowed, query_length, past)
+    return conv_mask
 
 
 def evolving_attention_forward(
@@ -206,22 +334,33 @@ def evolving_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    position_bias: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers attention function (``attn_implementation="evolving_attention"``).
 
-    Attention modules without an :class:`AttentionMapEvolution` (layers left out of the patch, cross
-    attention) get plain eager attention, so a whole model can use this one implementation.
-    Returns the output [B, N, H, D] and the (evolved) attention probabilities [B, H, N, N].
+    Attention modules without an :class:`AttentionMapEvolution` (layers or kinds left out of the patch) get
+    plain eager attention, so a whole model can use this one implementation. ``position_bias`` (T5's relative
+    position bias) is part of the logits S that evolve. Returns the output [B, Q, H, D] and the (evolved)
+    attention probabilities [B, H, Q, K].
     """
     if scaling is None:
         scaling = query.size(-1) ** -0.5
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if position_bias is not None:
+        scores = scores + position_bias
     allowed, additive = split_attention_mask(attention_mask)
     evolution = getattr(module, MODULE_ATTRIBUTE, None)
     if evolution is not None:
-        conv_mask = self_attention_conv_mask(allowed, scores.shape[-2])
-        scores = evolution(scores, conv_mask, kwargs.get(CHAIN_KWARG))
+        chain = kwargs.get(CHAIN_KWARG)
+        cache = kwargs.get(CACHE_KWARG)
+        query_length = scores.shape[-2]
+        past = 0 if cache is None else cache.get_seq_length() - query_length
+        history = None
+        if cache is not None and evolution.causal and evolution.beta != 0.0:
+            history = convolution_history(cache, evolution.key, past)
+        conv_mask = convolution_mask(evolution.kind, allowed, query_length, past, chain if chain is not None else {})
+        scores = evolution(scores, conv_mask, chain, history)
     if additive is not None:
         scores = scores + additive
     elif allowed is not None:
@@ -246,6 +385,18 @@ def evolving_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
 def start_chain(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """Forward pre-hook for a layer stack: give this call its own, empty chain of attention logits."""
     kwargs[CHAIN_KWARG] = {}
+    return args, kwargs
+
+
+def pass_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """Forward pre-hook for a causal attention module: hand its KV cache on to the attention function.
+
+    Attention modules consume ``past_key_values`` themselves; the convolution needs it too, to keep the
+    earlier rows of its input between decoding steps.
+    """
+    cache = kwargs.get("past_key_values")
+    if cache is not None:
+        kwargs[CACHE_KWARG] = cache
     return args, kwargs
 
 

@@ -17,8 +17,9 @@ import transformers
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-#: The attention kinds that carry their own residual chain. Encoder-only models have "encoder" alone.
-ATTENTION_KINDS = ("encoder",)
+#: The attention kinds that carry their own residual chain: encoder self-attention, decoder self-attention
+#: and encoder-decoder (cross) attention. Encoder-only models have "encoder" alone.
+ATTENTION_KINDS = ("encoder", "decoder", "cross")
 
 #: Initialisation schemes for the convolution weights (the bias always starts at zero except for
 #: ``kaiming_uniform``, which is torch's own ``Conv2d`` scheme, bias included).
@@ -98,11 +99,31 @@ class EvolvingAttentionSettings:
         return cls(**data)
 
 
-def settings_from_config(config: PreTrainedConfig) -> dict[str, EvolvingAttentionSettings]:
-    """Read the per-kind settings stored in an EA config (``config.evolving_attention``)."""
+def default_settings(
+    kinds: list[str] | tuple[str, ...], encoder: EvolvingAttentionSettings | None = None
+) -> dict[str, EvolvingAttentionSettings]:
+    """The papers' defaults for the attention ``kinds`` of a model, derived from the encoder's settings.
+
+    On machine translation the papers use the residual (skip) connection only in the encoder, so the decoder
+    and cross chains start with alpha = 0 and otherwise share the encoder's beta, kernel and init (all layers).
+
+    Example:
+        >>> default_settings(["encoder", "cross"])["cross"].alpha
+        0.0
+    """
+    encoder = encoder or EvolvingAttentionSettings()
+    return {
+        kind: encoder if kind == "encoder" else dataclasses.replace(encoder, alpha=0.0, layers=None)
+        for kind in ATTENTION_KINDS
+        if kind in kinds
+    }
+
+
+def settings_from_config(config: PreTrainedConfig) -> dict[str, EvolvingAttentionSettings] | None:
+    """Read the per-kind settings stored in an EA config (``config.evolving_attention``); None if unset."""
     stored = getattr(config, CONFIG_ATTRIBUTE, None)
     if stored is None:
-        return {kind: EvolvingAttentionSettings() for kind in ATTENTION_KINDS}
+        return None
     if not isinstance(stored, Mapping):
         raise ValueError(f"config.{CONFIG_ATTRIBUTE} must be a mapping of attention kind to settings")
     unknown = sorted(set(stored) - set(ATTENTION_KINDS))

@@ -14,19 +14,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, PreTrainedConfig, PreTrainedModel
 
-from .attention import ATTENTION_IMPLEMENTATION, AttentionMapEvolution
+from .attention import ATTENTION_IMPLEMENTATION, AttentionMapEvolution, reorder_convolution_histories
 from .configuration import (
     CONFIG_ATTRIBUTE,
     EA_PREFIX,
     _transformers_class,
     cached_ea_class,
+    default_settings,
     evolving_attention_config_class,
     settings_from_config,
 )
-from .patching import ADAPTERS, attach_evolution
+from .patching import ADAPTERS, attach_evolution, attention_kinds
 
 
 def _auto_model_classes() -> dict[str, type]:
@@ -69,6 +71,8 @@ class EvolvingAttentionModelMixin:
     def __init__(self, config: PreTrainedConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         settings = settings_from_config(config)
+        if settings is None:
+            settings = default_settings(attention_kinds(self))
         setattr(config, CONFIG_ATTRIBUTE, {kind: s.to_dict() for kind, s in settings.items()})
         if not getattr(config, "auto_map", None):
             config.auto_map = auto_map_for(type(config))
@@ -93,6 +97,16 @@ class EvolvingAttentionModelMixin:
         for module in self.modules():
             if isinstance(module, AttentionMapEvolution):
                 module.reset_parameters()
+
+    def _reorder_cache(self, past_key_values: Any, beam_idx: torch.LongTensor) -> Any:
+        # Beam search reorders the KV cache; the convolution rows kept on it must follow the same beams.
+        reorder = getattr(super(), "_reorder_cache", None)
+        if reorder is not None:
+            past_key_values = reorder(past_key_values, beam_idx)
+        else:
+            past_key_values.reorder_cache(beam_idx)
+        reorder_convolution_histories(past_key_values, beam_idx)
+        return past_key_values
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, **kwargs: Any):
         keywords = getattr(gradient_checkpointing_func, "keywords", None) or {}

@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 
 from .attention import (
     ATTENTION_IMPLEMENTATION,
     MODULE_ATTRIBUTE,
     AttentionMapEvolution,
+    pass_cache,
     start_chain,
 )
 from .configuration import (
+    ATTENTION_KINDS,
     CONFIG_ATTRIBUTE,
     EvolvingAttentionSettings,
+    default_settings,
 )
 
 
@@ -32,14 +36,20 @@ class ArchitectureAdapter:
     """Where an architecture keeps its attention.
 
     Args:
-        self_attention: class names of its self-attention modules (those that call transformers'
-            attention interface with the full logits of one layer).
+        attention: class names of its attention modules (those that call transformers' attention interface
+            with the full logits of one layer).
         num_heads_attribute: attribute of those modules holding the number of heads.
+        cross_attention: attribute names under which its layers hold encoder-decoder attention modules.
+            Other attention modules are decoder self-attention if their ``is_causal`` is true, else encoder
+            self-attention.
     """
 
-    self_attention: tuple[str, ...]
+    attention: tuple[str, ...]
     num_heads_attribute: str = "num_attention_heads"
+    cross_attention: tuple[str, ...] = ()
 
+
+_BART_FAMILY: dict[str, Any] = {"num_heads_attribute": "num_heads", "cross_attention": ("encoder_attn",)}
 
 #: Supported architectures, by transformers ``model_type``. All share the attention-interface path.
 ADAPTERS: dict[str, ArchitectureAdapter] = {
@@ -51,6 +61,10 @@ ADAPTERS: dict[str, ArchitectureAdapter] = {
     "distilbert": ArchitectureAdapter(("DistilBertSelfAttention",), num_heads_attribute="n_heads"),
     "vit": ArchitectureAdapter(("ViTAttention",)),
     "deit": ArchitectureAdapter(("DeiTAttention",)),
+    "t5": ArchitectureAdapter(("T5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
+    "bart": ArchitectureAdapter(("BartAttention",), **_BART_FAMILY),
+    "mbart": ArchitectureAdapter(("MBartAttention",), **_BART_FAMILY),
+    "marian": ArchitectureAdapter(("MarianAttention",), **_BART_FAMILY),
 }
 
 
@@ -127,23 +141,37 @@ def adapter_for(model: nn.Module) -> ArchitectureAdapter:
 
 
 def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
-    """Every self-attention module of a supported model, with its stack and layer index."""
+    """Every attention module of a supported model, with its stack, layer index and kind.
+
+    An attention module at ``<stack>.<list>.<i>.<...>`` is layer ``i`` of ``<stack>``.
+    """
     adapter = adapter_for(model)
     sites = []
     for name, module in model.named_modules():
-        if type(module).__name__ not in adapter.self_attention:
+        if type(module).__name__ not in adapter.attention:
             continue
         parts = name.split(".")
         numeric = [i for i, part in enumerate(parts) if part.isdigit()]
-        if not numeric or numeric[-1] == 0:
+        if not numeric or numeric[0] == 0:
             raise ValueError(f"Cannot place attention module {name!r} in a layer stack")
-        index = numeric[-1]
+        index = numeric[0]
         stack_name = ".".join(parts[: index - 1])
-        kind = "decoder" if getattr(module, "is_causal", False) else "encoder"
+        if parts[-1] in adapter.cross_attention:
+            kind = "cross"
+        elif getattr(module, "is_causal", False):
+            kind = "decoder"
+        else:
+            kind = "encoder"
         sites.append(AttentionSite(name, module, stack_name, int(parts[index]), kind))
     if not sites:
-        raise ValueError(f"Found no attention modules ({', '.join(adapter.self_attention)}) in {type(model).__name__}")
+        raise ValueError(f"Found no attention modules ({', '.join(adapter.attention)}) in {type(model).__name__}")
     return sites
+
+
+def attention_kinds(model: nn.Module) -> list[str]:
+    """The attention kinds a model has, in :data:`ATTENTION_KINDS` order."""
+    present = {site.kind for site in find_attention_sites(model)}
+    return [kind for kind in ATTENTION_KINDS if kind in present]
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -159,13 +187,15 @@ def plan_evolution(
     """
     sites = find_attention_sites(model)
     problems = []
-    decoders = sorted({s.name for s in sites if s.kind != "encoder"})
-    if decoders:
+    if not any(site.kind == "encoder" for site in sites):
+        decoder = next(site.name for site in sites if site.kind != "encoder")
         raise NotImplementedError(
-            f"{type(model).__name__} has causal (decoder) self-attention ({decoders[0]}, ...); evolving "
-            "attention for decoders is not supported for this architecture. Use an encoder model "
-            "(is_decoder=False)."
+            f"{type(model).__name__} is a decoder-only model ({decoder}, ...); evolving attention supports "
+            "encoder and encoder-decoder models. Use an encoder configuration (is_decoder=False) or a "
+            "sequence-to-sequence model."
         )
+    if not settings:
+        problems.append("no attention kind is left to patch")
     unknown_kinds = sorted(set(settings) - {s.kind for s in sites})
     if unknown_kinds:
         problems.append(f"settings for attention kind(s) {unknown_kinds} that {type(model).__name__} does not have")
@@ -211,7 +241,6 @@ def attach_evolution(model: PreTrainedModel, settings: Mapping[str, EvolvingAtte
                 beta=chosen.beta,
                 kernel_size=chosen.kernel_size,
                 init=chosen.init,
-                causal=site.kind == "decoder",
                 kind=site.kind,
                 position=site.layer,
                 previous=previous,
@@ -219,11 +248,21 @@ def attach_evolution(model: PreTrainedModel, settings: Mapping[str, EvolvingAtte
                 dtype=reference.dtype,
             )
             setattr(site.module, MODULE_ATTRIBUTE, evolution)
+            if evolution.causal:
+                site.module.register_forward_pre_hook(pass_cache, with_kwargs=True)
             previous = site.layer
         stack = model.get_submodule(stack_sites[0].stack_name)
         if not any(hook is start_chain for hook in stack._forward_pre_hooks.values()):
             stack.register_forward_pre_hook(start_chain, with_kwargs=True)
-    model.config._attn_implementation_internal = ATTENTION_IMPLEMENTATION
+    set_attention_implementation(model, ATTENTION_IMPLEMENTATION)
+
+
+def set_attention_implementation(model: nn.Module, implementation: str) -> None:
+    """Set the attention implementation on every config in the model (T5's stacks keep their own copies)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PreTrainedConfig):
+            config._attn_implementation_internal = implementation
 
 
 def detach_evolution(model: nn.Module) -> None:
@@ -232,7 +271,7 @@ def detach_evolution(model: nn.Module) -> None:
         if hasattr(module, MODULE_ATTRIBUTE):
             delattr(module, MODULE_ATTRIBUTE)
         for handle_id, hook in list(module._forward_pre_hooks.items()):
-            if hook is start_chain:
+            if hook is start_chain or hook is pass_cache:
                 del module._forward_pre_hooks[handle_id]
                 module._forward_pre_hooks_with_kwargs.pop(handle_id, None)
 
@@ -245,6 +284,45 @@ def _register_output_capture(model: PreTrainedModel) -> None:
     _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
 
 
+KindSettings = EvolvingAttentionSettings | Mapping[str, Any] | bool | None
+
+
+def resolve_settings(
+    model: nn.Module, encoder: EvolvingAttentionSettings, overrides: Mapping[str, KindSettings]
+) -> dict[str, EvolvingAttentionSettings]:
+    """Settings per attention kind of ``model``: the encoder's, the papers' defaults, and the user's overrides.
+
+    An override is an :class:`EvolvingAttentionSettings`, a mapping of fields to change in the default,
+    ``False`` to leave that kind plain, or ``None``/``True`` for the default.
+    """
+    kinds = attention_kinds(model)
+    settings = default_settings(kinds, encoder)
+    problems = []
+    for kind, override in overrides.items():
+        if override is None or override is True:
+            continue
+        if kind not in kinds:
+            if override is not False:
+                problems.append(f"{type(model).__name__} has no {kind} attention to configure")
+            continue
+        if override is False:
+            settings.pop(kind)
+        elif isinstance(override, EvolvingAttentionSettings):
+            settings[kind] = override
+        elif isinstance(override, Mapping):
+            try:
+                settings[kind] = EvolvingAttentionSettings.from_dict({**settings[kind].to_dict(), **override})
+            except ValueError as error:
+                problems.append(f"{kind}: {error}")
+        else:
+            problems.append(
+                f"{kind} must be a mapping of settings, EvolvingAttentionSettings, True or False; got {override!r}"
+            )
+    if problems:
+        raise ValueError("Cannot patch the model: " + "; ".join(problems))
+    return settings
+
+
 def patch(
     model: PreTrainedModel,
     alpha: float = 0.2,
@@ -252,6 +330,9 @@ def patch(
     kernel_size: int = 3,
     layers: list[int] | None = None,
     init: str = "kaiming_uniform",
+    *,
+    decoder: KindSettings = None,
+    cross: KindSettings = None,
 ) -> PreTrainedModel:
     """Turn a loaded transformers model into an Evolving Attention model, in place.
 
@@ -262,14 +343,23 @@ def patch(
     back, with ea_hf installed or through ``trust_remote_code=True``. All checks run before anything is
     changed; on error the model is left as it was.
 
+    Encoder-decoder models (T5, BART, mBART, Marian) have two more chains, each with its own settings:
+    decoder self-attention and encoder-decoder (cross) attention. Both convolve causally. By default they
+    follow the papers' translation setup: no skip connection (alpha = 0), the encoder's beta, kernel and
+    init, every layer.
+
     Args:
         model: a loaded model of a supported architecture (see :data:`ADAPTERS`).
-        alpha: weight of the previous layer's logits, in [0, 1].
-        beta: weight of the convolution branch, in [0, 1].
-        kernel_size: odd kernel size of the convolution.
-        layers: indices of the layers to patch; ``None`` for all.
+        alpha: weight of the previous layer's logits, in [0, 1] (encoder self-attention).
+        beta: weight of the convolution branch, in [0, 1] (encoder; default for the other chains).
+        kernel_size: odd kernel size of the convolution (encoder; default for the other chains).
+        layers: indices of the encoder layers to patch; ``None`` for all.
         init: convolution initialisation, one of ``kaiming_uniform`` (default), ``xavier_uniform``,
-            ``normal`` or ``dirac``.
+            ``normal`` or ``dirac`` (encoder; default for the other chains).
+        decoder: decoder self-attention settings: a mapping of fields that override the default (e.g.
+            ``{"alpha": 0.1, "layers": [0, 1]}``), an :class:`EvolvingAttentionSettings`, or ``False`` to
+            leave it plain.
+        cross: encoder-decoder attention settings, in the same forms as ``decoder``.
 
     Returns:
         The same model object, patched.
@@ -282,15 +372,25 @@ def patch(
         >>> model = ea_hf.patch(model, alpha=0.2, beta=0.2)
         >>> model.config.model_type, type(model).__name__
         ('ea-bert', 'EABertModel')
+
+        An encoder-decoder model, with a skip connection in the decoder too and plain cross attention:
+
+        >>> from transformers import T5Config, T5ForConditionalGeneration
+        >>> t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+        ...                                          num_heads=4, decoder_start_token_id=0))
+        >>> t5 = ea_hf.patch(t5, alpha=0.2, beta=0.2, decoder={"alpha": 0.1}, cross=False)
+        >>> {kind: s["alpha"] for kind, s in t5.config.evolving_attention.items()}
+        {'encoder': 0.2, 'decoder': 0.1}
     """
     from .configuration import evolving_attention_config_class
     from .modeling import auto_map_for, evolving_attention_model_class
 
-    settings = {"encoder": EvolvingAttentionSettings(alpha, beta, kernel_size, layers, init)}
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"ea_hf.patch expects a transformers PreTrainedModel, got {type(model).__name__}")
+    encoder = EvolvingAttentionSettings(alpha, beta, kernel_size, layers, init)
     if is_patched(model) or getattr(model.config, CONFIG_ATTRIBUTE, None) is not None:
         raise ValueError(f"{type(model).__name__} is already patched with evolving attention; call ea_hf.unpatch first")
+    settings = resolve_settings(model, encoder, {"decoder": decoder, "cross": cross})
     plan_evolution(model, settings)
     model_class = evolving_attention_model_class(type(model))
     config_class = evolving_attention_config_class(type(model.config))
@@ -335,7 +435,7 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
         model.__class__ = base_model_class
         _register_output_capture(model)
     original = model.__dict__.pop("_ea_original_attn_implementation", None)
-    config._attn_implementation_internal = model.get_correct_attn_implementation(original)
+    set_attention_implementation(model, model.get_correct_attn_implementation(original))
     return model
 
 

@@ -40,16 +40,50 @@ socket.socket.connect = _loopback_only_connect
 TEXT_ARCHITECTURES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert"]
 IMAGE_ARCHITECTURES = ["vit", "deit"]
 ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES
+SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian"]
+ALL_ARCHITECTURES = ARCHITECTURES + SEQ2SEQ_ARCHITECTURES
 NUM_LAYERS = 3
 NUM_HEADS = 4
 VOCAB_SIZE = 99
 IMAGE_SIZE = 16
 
 
+PAD, BOS, EOS = 1, 0, 2  # special token ids of the tiny seq2seq configs
+
+
 def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
-    """A small random config of an architecture: 3 layers, 4 heads, hidden size 32."""
+    """A small random config of an architecture: 3 layers (per stack), 4 heads, hidden size 32."""
     common = dict(hidden_size=32, num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS, intermediate_size=37)
-    if model_type == "distilbert":
+    special = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS)
+    if model_type == "t5":
+        kwargs = dict(
+            special,
+            vocab_size=VOCAB_SIZE,
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=NUM_LAYERS,
+            num_heads=NUM_HEADS,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+        )
+    elif model_type in SEQ2SEQ_ARCHITECTURES:
+        # BART-family weights are drawn with std 0.02 by default, which makes every attention map nearly
+        # uniform; a larger std gives the tiny models attention worth evolving.
+        kwargs = dict(
+            special,
+            vocab_size=VOCAB_SIZE,
+            d_model=32,
+            encoder_layers=NUM_LAYERS,
+            decoder_layers=NUM_LAYERS,
+            encoder_attention_heads=NUM_HEADS,
+            decoder_attention_heads=NUM_HEADS,
+            encoder_ffn_dim=37,
+            decoder_ffn_dim=37,
+            max_position_embeddings=64,
+            init_std=0.2,
+        )
+    elif model_type == "distilbert":
         kwargs = dict(dim=32, n_layers=NUM_LAYERS, n_heads=NUM_HEADS, hidden_dim=37, vocab_size=VOCAB_SIZE)
     elif model_type in IMAGE_ARCHITECTURES:
         kwargs = dict(common, image_size=IMAGE_SIZE, patch_size=4, num_channels=3)
@@ -67,7 +101,10 @@ def tiny_model(model_type: str, auto_class=transformers.AutoModel, seed: int = 0
 
 
 def tiny_inputs(model_type: str, batch: int = 3, length: int = 9, seed: int = 1) -> dict[str, torch.Tensor]:
-    """Inputs for a tiny model; text batches are right-padded to different lengths."""
+    """Inputs for a tiny model; text batches are right-padded to different lengths.
+
+    Seq2seq inputs end each source sequence with EOS (classification heads pool there) and add decoder inputs.
+    """
     generator = torch.Generator().manual_seed(seed)
     if model_type in IMAGE_ARCHITECTURES:
         return {"pixel_values": torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)}
@@ -75,7 +112,15 @@ def tiny_inputs(model_type: str, batch: int = 3, length: int = 9, seed: int = 1)
     attention_mask = torch.ones(batch, length, dtype=torch.long)
     for row in range(1, batch):
         attention_mask[row, length - 2 * row :] = 0
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if model_type in SEQ2SEQ_ARCHITECTURES:
+        real = attention_mask.sum(-1)
+        input_ids[attention_mask == 0] = PAD
+        input_ids[torch.arange(batch), real - 1] = EOS
+        decoder_input_ids = torch.randint(5, VOCAB_SIZE, (batch, length - 2), generator=generator)
+        decoder_input_ids[:, 0] = BOS
+        inputs["decoder_input_ids"] = decoder_input_ids
+    return inputs
 
 
 def first_output(outputs) -> torch.Tensor:

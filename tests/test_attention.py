@@ -6,10 +6,13 @@ from torch import nn
 from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, padding_mask_function
 
 from ea_hf.attention import (
+    CACHE_ATTRIBUTE,
+    CACHE_KWARG,
     CHAIN_KWARG,
     AttentionMapEvolution,
     evolving_attention_forward,
     evolving_attention_mask,
+    reorder_convolution_histories,
     self_attention_conv_mask,
 )
 
@@ -111,12 +114,29 @@ def test_padding_entries_never_reach_the_convolution():
     assert (a[..., :4, :4] - alone).abs().max() <= 1e-12
 
 
+def full_kernel(evolution: AttentionMapEvolution) -> torch.Tensor:
+    """A causal evolution's weight as the k x k kernel it stands for: zero rows below the centre."""
+    k = evolution.kernel_size
+    weight = torch.zeros(evolution.num_heads, evolution.num_heads, k, k, dtype=evolution.weight.dtype)
+    weight[:, :, : k // 2 + 1] = evolution.weight.detach()
+    return weight
+
+
+@pytest.mark.parametrize("kernel_size", [1, 3, 5])
+@pytest.mark.parametrize("kind", ["decoder", "cross"])
+def test_causal_convolution_is_the_masked_kernel(kernel_size, kind):
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.0, beta=1.0, kernel_size=kernel_size, kind=kind).double()
+    assert evolution.causal and evolution.weight.shape == (H, H, kernel_size // 2 + 1, kernel_size)
+    x = torch.randn(B, H, N, N + 2, dtype=torch.float64)
+    expected = torch.relu(reference_conv(x, full_kernel(evolution), evolution.bias.detach()))
+    assert (evolution.convolve(x) - expected).abs().max() <= 1e-12
+
+
 @pytest.mark.parametrize("kernel_size", [3, 5])
 def test_causal_evolution_never_reads_the_future(kernel_size):
     torch.manual_seed(0)
-    evolution = AttentionMapEvolution(H, alpha=0.5, beta=1.0, kernel_size=kernel_size, causal=True).double()
-    assert evolution.kernel_mask[kernel_size // 2 + 1 :].abs().sum() == 0
-    assert evolution.kernel_mask[: kernel_size // 2 + 1].min() == 1
+    evolution = AttentionMapEvolution(H, alpha=0.5, beta=1.0, kernel_size=kernel_size, kind="decoder").double()
     allowed = torch.ones(N, N, dtype=torch.bool).tril()[None, None]
     conv_mask = self_attention_conv_mask(allowed, N)
     scores = torch.randn(1, H, N, N, dtype=torch.float64)
@@ -134,6 +154,105 @@ def test_causal_evolution_never_reads_the_future(kernel_size):
     perturbed[..., 3:, :] += 1.0
     diff = open_kernel(perturbed, conv_mask, {}) - open_kernel(scores, conv_mask, {})
     assert (diff * allowed)[..., :3, :].abs().max() > 1e-3
+
+
+class FakeCache:
+    """What the attention function uses of a transformers Cache: the number of tokens it holds."""
+
+    def __init__(self):
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+def decoder_layers(kernel_size, alpha=0.3, beta=0.7):
+    layers = []
+    for i, kind in enumerate(["decoder", "cross", "decoder", "cross"]):
+        evolution = AttentionMapEvolution(
+            H,
+            alpha=alpha,
+            beta=beta,
+            kernel_size=kernel_size,
+            kind=kind,
+            position=i // 2,
+            previous=None if i < 2 else 0,
+        ).double()
+        layers.append(FakeAttention(evolution).eval())
+    return layers
+
+
+@pytest.mark.parametrize("kernel_size", [1, 3, 5])
+def test_step_by_step_decoding_with_kept_rows_equals_the_full_map(kernel_size):
+    """Two decoder layers (self + cross each): feeding tokens one or two at a time, with the convolution rows
+    kept on the cache, gives the full forward's rows; left padding in the decoder included."""
+    torch.manual_seed(0)
+    layers = decoder_layers(kernel_size)
+    source = 6
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64) for _ in range(3))
+    ck, cv = (torch.randn(B, H, source, D, dtype=torch.float64) for _ in range(2))
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[1, :2] = False  # left-padded target
+    source_valid = torch.ones(B, source, dtype=torch.bool)
+    source_valid[0, 4:] = False
+    causal = torch.ones(N, N, dtype=torch.bool).tril() & valid[:, None, None, :]
+    cross = source_valid[:, None, None, :]
+
+    def run(rows, past, cache):
+        chain, outputs = {}, []
+        for layer in layers:
+            is_cross = layer.evolving_attention.kind == "cross"
+            keys, values = (ck, cv) if is_cross else (k[:, :, : past + len(rows)], v[:, :, : past + len(rows)])
+            mask = cross if is_cross else causal[:, :, rows, : past + len(rows)]
+            kwargs = {CHAIN_KWARG: chain, CACHE_KWARG: cache}
+            outputs.append(evolving_attention_forward(layer, q[:, :, rows], keys, values, mask, **kwargs)[0])
+        return outputs
+
+    full = run(list(range(N)), 0, None)
+    cache = FakeCache()
+    for start, stop in [(0, 1), (1, 3), (3, 4), (4, 5), (5, 7)]:
+        cache.length = stop  # the KV cache is updated before attention runs
+        steps = run(list(range(start, stop)), start, cache)
+        for step, whole in zip(steps, full, strict=True):
+            real = valid[:, start:stop]
+            assert (step - whole[:, start:stop])[real].abs().max() <= 1e-12
+    assert len(cache.__dict__[CACHE_ATTRIBUTE]) == 4
+
+
+def test_kept_rows_follow_beam_reordering_and_detect_a_stale_cache():
+    torch.manual_seed(0)
+    layers = decoder_layers(3)[:1]
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64) for _ in range(3))
+    causal = torch.ones(N, N, dtype=torch.bool).tril()[None, None]
+
+    def step(queries, rows, cache):
+        kwargs = {CHAIN_KWARG: {}, CACHE_KWARG: cache}
+        keys = k[:, :, : rows.stop]
+        return evolving_attention_forward(
+            layers[0], queries[:, :, rows], keys, v[:, :, : rows.stop], causal[..., rows, : rows.stop], **kwargs
+        )[0]
+
+    cache = FakeCache()
+    cache.length = 3
+    step(q, slice(0, 3), cache)
+    beam_idx = torch.tensor([1, 0])
+    reorder_convolution_histories(cache, beam_idx)
+    # After reordering, batch row 0 continues what was row 1: same as a full run on the swapped queries.
+    swapped = q.clone()
+    swapped[:, :, :3] = q[beam_idx, :, :3]
+    k_swapped = k.clone()
+    k_swapped[:, :, :3] = k[beam_idx, :, :3]
+    k, k_saved = k_swapped, k
+    cache.length = 4
+    stepped = step(swapped, slice(3, 4), cache)
+    whole = evolving_attention_forward(
+        layers[0], swapped[:, :, :4], k[:, :, :4], v[:, :, :4], causal[..., :4, :4], **{CHAIN_KWARG: {}}
+    )[0]
+    assert (stepped - whole[:, 3:4]).abs().max() <= 1e-12
+    k = k_saved
+    cache.length = 6  # two tokens the evolution never saw
+    with pytest.raises(RuntimeError, match="holds 5 earlier tokens"):
+        step(q, slice(5, 6), cache)
 
 
 def test_mask_function_always_materialises_causal_masks():
@@ -158,7 +277,10 @@ def test_missing_chain_or_previous_layer_is_an_error():
         evolving_attention_forward(layers[1], q, q, q, None, **{CHAIN_KWARG: {}})
 
 
-def test_kv_cache_shapes_are_refused_for_self_attention():
+def test_query_rows_are_located_among_cached_keys():
     allowed = torch.ones(1, 1, 1, 6, dtype=torch.bool)
-    with pytest.raises(NotImplementedError, match="queries == keys"):
-        self_attention_conv_mask(allowed, 1)
+    allowed[..., 2] = False
+    assert torch.equal(self_attention_conv_mask(allowed, 1, past=5), allowed)  # a real query keeps its row
+    assert not self_attention_conv_mask(allowed, 1, past=2).any()  # a padding query reads nothing
+    with pytest.raises(NotImplementedError, match="queries after 6 cached tokens"):
+        self_attention_conv_mask(allowed, 1, past=6)

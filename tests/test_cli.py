@@ -2,8 +2,10 @@
 
 import json
 
+import pytest
 import torch
 import transformers
+from conftest import tiny_model
 
 import ea_hf
 from ea_hf.cli import main
@@ -53,3 +55,44 @@ def test_patch_command_errors_are_clear_and_nonzero(minilm_path, tmp_path, capsy
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
     assert main(["summary", minilm_path]) == 2
     assert "is not an evolving attention checkpoint" in capsys.readouterr().err
+
+
+def test_patch_command_takes_per_kind_settings_for_seq2seq_models(tmp_path, capsys):
+    plain = tmp_path / "t5"
+    tiny_model("t5", transformers.AutoModelForSeq2SeqLM).save_pretrained(plain)
+    out = tmp_path / "ea"
+    assert (
+        main(
+            [
+                "patch",
+                str(plain),
+                str(out),
+                "--alpha",
+                "0.3",
+                "--decoder",
+                '{"alpha": 0.1, "layers": [2]}',
+                "--cross",
+                "off",
+            ]
+        )
+        == 0
+    )
+    stored = json.loads((out / "config.json").read_text())["evolving_attention"]
+    assert set(stored) == {"encoder", "decoder"}
+    assert (stored["decoder"]["alpha"], stored["decoder"]["layers"]) == (0.1, [2])
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(out)
+    assert [(m.kind, m.layer) for m in ea_hf.summary(model).modules] == [
+        ("encoder", 0),
+        ("encoder", 1),
+        ("encoder", 2),
+        ("decoder", 2),
+    ]
+    capsys.readouterr()
+
+    assert main(["patch", str(plain), str(tmp_path / "bad"), "--cross", '{"beta": 3}']) == 2
+    assert "cross: Invalid evolving-attention settings: beta must be in [0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["patch", str(plain), str(tmp_path / "bad"), "--decoder", "alpha=0.1"])
+    assert exit_info.value.code == 2
+    assert 'expected "off" or a JSON object' in capsys.readouterr().err

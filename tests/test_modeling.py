@@ -10,7 +10,14 @@ import textwrap
 import pytest
 import torch
 import transformers
-from conftest import ARCHITECTURES, first_output, tiny_config, tiny_inputs, tiny_model
+from conftest import (
+    ALL_ARCHITECTURES,
+    SEQ2SEQ_ARCHITECTURES,
+    first_output,
+    tiny_config,
+    tiny_inputs,
+    tiny_model,
+)
 from safetensors.torch import load_file
 
 import ea_hf
@@ -18,9 +25,22 @@ from ea_hf.modeling import auto_class_names
 
 SETTINGS = {"alpha": 0.4, "beta": 0.3, "kernel_size": 3, "layers": [0, 2], "init": "xavier_uniform"}
 
-# Every head, the causal-LM ones included: with is_decoder=False (the tiny configs' default) their attention is
-# bidirectional; decoder configurations are refused by ea_hf.patch (tests/test_patching.py).
-HEAD_CASES = [(model_type, head) for model_type in ARCHITECTURES for head in auto_class_names(model_type)]
+# Every head, the causal-LM ones of encoder architectures included: with is_decoder=False (the tiny configs'
+# default) their attention is bidirectional. Decoder-only models (BartForCausalLM & co.) are refused by
+# ea_hf.patch (tests/test_seq2seq.py).
+HEAD_CASES = [
+    (model_type, head)
+    for model_type in ALL_ARCHITECTURES
+    for head in auto_class_names(model_type)
+    if not (model_type in SEQ2SEQ_ARCHITECTURES and head == "AutoModelForCausalLM")
+]
+# Seq2seq heads that read the source only (or derive the decoder inputs from it).
+SOURCE_ONLY_HEADS = {
+    "AutoModelForSequenceClassification",
+    "AutoModelForQuestionAnswering",
+    "AutoModelForTokenClassification",
+    "AutoModelForTextEncoding",
+}
 
 
 def load_quietly(auto_class, path, **kwargs):
@@ -36,6 +56,8 @@ def test_every_head_saves_and_loads_through_its_auto_class(model_type, head, tmp
     base_class = getattr(transformers, auto_class_names(model_type)[head])
     model = ea_hf.patch(base_class(tiny_config(model_type)).eval(), **SETTINGS)
     inputs = tiny_inputs(model_type, batch=2)
+    if head in SOURCE_ONLY_HEADS:
+        inputs.pop("decoder_input_ids", None)
     if head == "AutoModelForMultipleChoice":  # [batch, choices, length]
         inputs = {name: value[:, None].repeat(1, 2, 1) for name, value in inputs.items()}
     with torch.no_grad():
@@ -51,7 +73,7 @@ def test_every_head_saves_and_loads_through_its_auto_class(model_type, head, tmp
         assert torch.equal(first_output(loaded.eval()(**inputs)), expected)
 
 
-@pytest.mark.parametrize("model_type", ARCHITECTURES)
+@pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
 def test_config_json_carries_every_setting_and_safetensors_weights(model_type, tmp_path):
     model = ea_hf.patch(tiny_model(model_type), **SETTINGS)
     model.save_pretrained(tmp_path)
@@ -68,15 +90,22 @@ def test_config_json_carries_every_setting_and_safetensors_weights(model_type, t
 
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == f"ea-{model_type}"
-    assert config["evolving_attention"] == {"encoder": SETTINGS}
+    expected = {"encoder": SETTINGS}
+    if model_type in SEQ2SEQ_ARCHITECTURES:  # the papers' defaults: no skip connection, every layer
+        expected |= {kind: {**SETTINGS, "alpha": 0.0, "layers": None} for kind in ("decoder", "cross")}
+    assert config["evolving_attention"] == expected
     assert config["auto_map"]["AutoConfig"] == f"configuration.EA{type(tiny_config(model_type)).__name__}"
     assert config["auto_map"]["AutoModel"] == f"modeling.EA{type(tiny_model(model_type)).__name__}"
     assert config["architectures"] == [type(model).__name__]
 
     weights = load_file(tmp_path / "model.safetensors")
     evolution_keys = sorted(k for k in weights if "evolving_attention" in k)
-    assert len(evolution_keys) == 4  # layers 0 and 2, weight and bias each
-    assert all(weights[k].shape in {(4, 4, 3, 3), (4,)} for k in evolution_keys)
+    # Encoder layers 0 and 2 (+ all 3 decoder and 3 cross layers), weight and bias each.
+    decoder_layers = 2 * 3 if model_type in SEQ2SEQ_ARCHITECTURES else 0
+    assert len(evolution_keys) == 2 * (2 + decoder_layers)
+    # Causal kernels keep the rows at and above the centre.
+    shapes = {(4, 4, 3, 3), (4,)} | ({(4, 4, 2, 3)} if decoder_layers else set())
+    assert {tuple(weights[k].shape) for k in evolution_keys} == shapes
 
 
 def test_pretrained_minilm_round_trip(minilm, minilm_tokenizer, tmp_path):
@@ -131,6 +160,8 @@ def test_bad_config_settings_are_reported():
     config_class = ea_hf.evolving_attention_config_class(transformers.BertConfig)
     tiny = tiny_config("bert").to_diff_dict()
     with pytest.raises(ValueError, match="unknown attention kind"):
+        transformers.AutoModel.from_config(config_class(**tiny, evolving_attention={"decodr": {}}))
+    with pytest.raises(ValueError, match=r"attention kind\(s\) \['decoder'\] that EABertModel does not have"):
         transformers.AutoModel.from_config(config_class(**tiny, evolving_attention={"decoder": {}}))
     with pytest.raises(ValueError, match=r"Unknown evolving-attention setting\(s\) \['alpah'\]"):
         transformers.AutoModel.from_config(config_class(**tiny, evolving_attention={"encoder": {"alpah": 0.1}}))
@@ -171,6 +202,8 @@ def test_checkpoints_load_without_ea_hf_through_trust_remote_code(tmp_path):
         ("bert", "AutoModelForSequenceClassification"),
         ("vit", "AutoModelForImageClassification"),
         ("distilbert", "AutoModel"),
+        ("t5", "AutoModelForSeq2SeqLM"),
+        ("marian", "AutoModelForSeq2SeqLM"),
     ]:
         path = tmp_path / model_type
         model = ea_hf.patch(tiny_model(model_type, getattr(transformers, head)), alpha=0.4, beta=0.4)

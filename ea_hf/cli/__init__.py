@@ -2,12 +2,14 @@
 
 Sub-commands:
     ea-hf patch MODEL OUT_DIR [--alpha A --beta B ...]   patch a checkpoint and save it as an EA checkpoint
+                                                          (seq2seq: --decoder/--cross JSON settings or off)
     ea-hf summary MODEL                                   list the evolving attention modules of a checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +21,19 @@ def _layers(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+
+
+def _kind_settings(text: str) -> dict | bool:
+    """``off`` or a JSON object of settings, e.g. ``{"alpha": 0.1, "layers": [0, 1]}``."""
+    if text.strip().lower() == "off":
+        return False
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'expected "off" or a JSON object such as \'{{"alpha": 0.1}}\', got {text!r}')
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     patch.add_argument("--kernel-size", type=int, default=3, help="odd convolution kernel size (3)")
     patch.add_argument("--layers", type=_layers, default=None, help="comma-separated layers to patch (all)")
     patch.add_argument("--init", default="kaiming_uniform", help="convolution init scheme (kaiming_uniform)")
+    for kind, what in [("decoder", "decoder self-attention"), ("cross", "encoder-decoder attention")]:
+        patch.add_argument(
+            f"--{kind}",
+            type=_kind_settings,
+            default=None,
+            metavar="JSON|off",
+            help=f"seq2seq models: {what} settings overriding the defaults (alpha 0, the encoder's beta, "
+            "kernel and init), as a JSON object, or off",
+        )
     patch.add_argument("--seed", type=int, default=0, help="seed for the new convolution weights (0)")
     patch.add_argument(
         "--auto-class",

@@ -44,7 +44,7 @@ def patch(args: argparse.Namespace) -> int:
     settings = ea_hf.EvolvingAttentionSettings(args.alpha, args.beta, args.kernel_size, args.layers, args.init)
     model = _model_class(args.model, args.auto_class).from_pretrained(args.model)
     torch.manual_seed(args.seed)
-    ea_hf.patch(model, **settings.to_dict())
+    ea_hf.patch(model, **settings.to_dict(), decoder=args.decoder, cross=args.cross)
     model.save_pretrained(out_dir)
     preprocessor = _save_preprocessor(args.model, out_dir)
     print(ea_hf.summary(model))
