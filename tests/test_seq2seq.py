@@ -196,6 +196,7 @@ def generate(model, inputs, **kwargs):
         no_repeat_ngram_size=1,  # tiny random models like to repeat one token; make every step differ
         do_sample=False,
         output_logits=True,
+        output_scores=True,
         return_dict_in_generate=True,
         **kwargs,
     )
@@ -208,15 +209,28 @@ def generation_gap(a, b) -> float:
     return max(max_abs_diff(x, y) for x, y in zip(a.logits, b.logits, strict=True))
 
 
-@pytest.mark.parametrize("num_beams", [1, 3], ids=["greedy", "beam"])
+GENERATION_MODES = {
+    "greedy": {"num_beams": 1},
+    "beam": {"num_beams": 3},
+    "greedy-static-cache": {"num_beams": 1, "cache_implementation": "static"},
+    "beam-static-cache": {"num_beams": 3, "cache_implementation": "static"},
+}
+
+
+@pytest.mark.parametrize("mode", GENERATION_MODES)
 @pytest.mark.parametrize("model_type", SEQ2SEQ_ARCHITECTURES)
-def test_generation_with_the_cache_equals_generation_without(model_type, num_beams):
+def test_generation_with_the_cache_equals_generation_without(model_type, mode):
     model = ea_hf.patch(seq2seq_lm(model_type), **EVOLVED)
     inputs = tiny_inputs(model_type)
+    settings = GENERATION_MODES[mode]
     with torch.no_grad():
-        cached = generate(model, inputs, num_beams=num_beams, use_cache=True)
-        uncached = generate(model, inputs, num_beams=num_beams, use_cache=False)
+        cached = generate(model, inputs, use_cache=True, **settings)
+        uncached = generate(model, inputs, use_cache=False, num_beams=settings["num_beams"])
     assert generation_gap(cached, uncached) <= 1e-5
+    for cached_scores, uncached_scores in zip(cached.scores, uncached.scores, strict=True):
+        torch.testing.assert_close(cached_scores, uncached_scores, atol=1e-5, rtol=0)  # -inf where banned
+    if settings["num_beams"] > 1:
+        torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, atol=1e-5, rtol=0)
     histories = cached.past_key_values.__dict__[CACHE_ATTRIBUTE]
     assert sorted(histories) == sorted((kind, i) for kind in ("decoder", "cross") for i in range(NUM_LAYERS))
     assert {h.seen for h in histories.values()} == {cached.sequences.shape[1] - 1}
