@@ -96,3 +96,21 @@ def test_patch_command_takes_per_kind_settings_for_seq2seq_models(tmp_path, caps
         main(["patch", str(plain), str(tmp_path / "bad"), "--decoder", "alpha=0.1"])
     assert exit_info.value.code == 2
     assert 'expected "off" or a JSON object' in capsys.readouterr().err
+
+
+def test_recipe_commands_list_copy_and_validate(tmp_path, capsys):
+    assert main(["ls"]) == 0
+    assert "quickstart" in capsys.readouterr().out
+    assert main(["cp", "quickstart", str(tmp_path)]) == 0
+    copy = tmp_path / "quickstart.yaml"
+    assert copy.exists()
+    assert main(["cp", "quickstart", str(tmp_path)]) == 2  # never overwrites
+    assert "exists; not overwriting" in capsys.readouterr().err
+    # The copy still finds the sample data although it moved away from recipes/.
+    assert main(["validate", str(copy), "ea.alpha=0.4"]) == 0
+    assert "valid (1 run)" in capsys.readouterr().out
+    assert main(["validate", str(copy), "train.lerning_rate=1e-5", "data.task=stsbb"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problems in the recipe" in err
+    assert "train.lerning_rate: unknown key (did you mean 'learning_rate'?)" in err
+    assert "data.task: unknown GLUE task 'stsbb' (did you mean 'stsb'?)" in err

@@ -4,6 +4,12 @@ Sub-commands:
     ea-hf patch MODEL OUT_DIR [--alpha A --beta B ...]   patch a checkpoint and save it as an EA checkpoint
                                                           (seq2seq: --decoder/--cross JSON settings or off)
     ea-hf summary MODEL                                   list the evolving attention modules of a checkpoint
+    ea-hf ls                                              list the shipped recipes
+    ea-hf cp NAME DEST                                    copy a shipped recipe to edit it
+    ea-hf validate RECIPE [key=value ...]                 check a recipe without loading any model
+    ea-hf run RECIPE [key=value ...] [--resume]           fine-tune and evaluate (every sweep combination)
+    ea-hf eval RUN_DIR                                    re-evaluate the final model of a run
+    ea-hf compare RUN_DIR ...                             print the runs' metrics side by side
 """
 
 from __future__ import annotations
@@ -68,6 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     summary = commands.add_parser("summary", help="list the evolving attention modules of an EA checkpoint")
     summary.add_argument("model", help="Hub id or local directory of an EA checkpoint")
+
+    commands.add_parser("ls", help="list the shipped recipes")
+    copy = commands.add_parser("cp", help="copy a shipped recipe to edit it")
+    copy.add_argument("name", help="name of a shipped recipe (see ea-hf ls)")
+    copy.add_argument("dest", help="file or directory to copy it to (an existing file is not overwritten)")
+    for name, help_text in [
+        ("validate", "check a recipe (and overrides) without loading any model"),
+        ("run", "fine-tune and evaluate a recipe; a sweep runs every combination"),
+    ]:
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("recipe", help="recipe file, or the name of a shipped recipe")
+        command.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. ea.alpha=0.4")
+        if name == "run":
+            command.add_argument("--resume", action="store_true", help="continue from the last checkpoint of the run")
+    evaluate = commands.add_parser("eval", help="re-evaluate the final model of a run directory")
+    evaluate.add_argument("run_dir")
+    compare = commands.add_parser("compare", help="print the metrics of runs side by side")
+    compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     return parser
 
 
@@ -77,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return getattr(commands, args.command)(args)
-    except (ValueError, NotImplementedError, OSError, FileExistsError) as error:
+    except (ValueError, NotImplementedError, OSError) as error:
         print(f"ea-hf {args.command}: error: {error}", file=sys.stderr)
         return 2
 

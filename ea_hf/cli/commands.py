@@ -58,3 +58,75 @@ def summary(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model} is not an evolving attention checkpoint")
     print(ea_hf.summary(model))
     return 0
+
+
+def ls(args: argparse.Namespace) -> int:
+    from ..recipe import RECIPES_DIR, list_recipes, load_recipe
+
+    for path in list_recipes():
+        try:
+            description = load_recipe(path).description
+        except ValueError as error:
+            description = f"(invalid: {error})"
+        print(f"{path.relative_to(RECIPES_DIR).with_suffix('')!s:<40} {description}")
+    return 0
+
+
+def cp(args: argparse.Namespace) -> int:
+    from ..recipe import resolve_recipe_path
+
+    source = resolve_recipe_path(args.name)
+    dest = Path(args.dest)
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists():
+        raise FileExistsError(f"{dest} exists; not overwriting it")
+    text = source.read_text()
+    # Relative data paths were relative to the shipped recipe; keep them working from the copy.
+    from ..recipe import load_recipe
+
+    for split, path in load_recipe(source).data.files.items():
+        original = next((line for line in text.splitlines() if line.strip().startswith(f"{split}:")), None)
+        if original is not None:
+            text = text.replace(original, original.split(":")[0] + f": {path}", 1)
+    dest.write_text(text)
+    print(f"copied {source.stem} to {dest}")
+    return 0
+
+
+def validate(args: argparse.Namespace) -> int:
+    from ..recipe import expand_sweep, load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    runs = expand_sweep(recipe)
+    print(f"{args.recipe}: valid ({len(runs)} run{'s' if len(runs) != 1 else ''})")
+    for run in runs:
+        print(f"  {run.output_dir}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..recipe import expand_sweep, load_recipe
+    from ..runner import compare_runs, run_recipe
+
+    runs = expand_sweep(load_recipe(args.recipe, args.overrides))  # every combination validated up front
+    for recipe in runs:
+        metrics = run_recipe(recipe, resume=args.resume)
+        print(f"{recipe.output_dir}: {metrics}")
+    print(compare_runs([recipe.output_dir for recipe in runs]))
+    return 0
+
+
+def eval(args: argparse.Namespace) -> int:  # noqa: A001  (the sub-command's name)
+    from ..runner import evaluate_run
+
+    for split, metrics in evaluate_run(args.run_dir).items():
+        print(f"{split}: {metrics}")
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    from ..runner import compare_runs
+
+    print(compare_runs(args.run_dirs))
+    return 0

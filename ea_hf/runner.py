@@ -1,0 +1,232 @@
+"""Running a recipe: load the checkpoint, patch it (or not, for the baseline), fine-tune with ``Trainer``,
+evaluate every split and save everything into the run directory.
+
+Run directory layout::
+
+    recipe.yaml                  the resolved recipe (file + overrides + defaults)
+    config.json, model.safetensors, modeling files, tokenizer files   the final model, as ea_hf.patch saves it
+    checkpoints/checkpoint-N/    Trainer checkpoints (resume from the last one with ``resume=True``)
+    eval/<split>/metrics.json    metrics of each evaluated split
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import transformers
+from torch import nn
+
+from .attention import AttentionMapEvolution
+from .glue import GLUE_TASKS, compute_metrics_fn, load_glue_data, tokenize
+from .patching import patch
+from .recipe import Recipe, recipe_from_dict
+
+CHECKPOINTS = "checkpoints"
+RECIPE_FILE = "recipe.yaml"
+EVAL_DIR = "eval"
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A Hub id or directory; ``package:NAME`` is the checkpoint shipped by package NAME (``get_model_path()``)."""
+    if not name_or_path.startswith("package:"):
+        return name_or_path
+    module_name = name_or_path.removeprefix("package:")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"model.name_or_path {name_or_path!r}: cannot import {module_name!r} ({error})") from None
+    if not hasattr(module, "get_model_path"):
+        raise ValueError(f"model.name_or_path {name_or_path!r}: {module_name} has no get_model_path()")
+    return str(module.get_model_path())
+
+
+def evolution_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in model.modules() if isinstance(m, AttentionMapEvolution) for p in m.parameters()]
+
+
+class EvolvingAttentionTrainer(transformers.Trainer):
+    """``Trainer`` with an optional separate learning rate for the added evolution parameters."""
+
+    def __init__(self, *args: Any, ea_learning_rate: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ea_learning_rate = ea_learning_rate
+
+    def create_optimizer(self, model: nn.Module | None = None):
+        if self.ea_learning_rate is None or self.optimizer is not None:
+            return super().create_optimizer(model) if model is not None else super().create_optimizer()
+        model = self.model if model is None else model
+        evolution = {id(p) for p in evolution_parameters(model)}
+        decay_names = set(self.get_decay_parameter_names(model))
+        groups: dict[str, dict[str, Any]] = {
+            "decay": {"params": [], "weight_decay": self.args.weight_decay},
+            "no_decay": {"params": [], "weight_decay": 0.0},
+            "evolution": {"params": [], "weight_decay": 0.0, "lr": self.ea_learning_rate},
+        }
+        for name, parameter in model.named_parameters():
+            if not parameter.requires_grad:
+                continue
+            group = "evolution" if id(parameter) in evolution else "decay" if name in decay_names else "no_decay"
+            groups[group]["params"].append(parameter)
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+        self.optimizer = optimizer_cls([g for g in groups.values() if g["params"]], **optimizer_kwargs)
+        return self.optimizer
+
+
+def training_arguments(recipe: Recipe, run_dir: Path) -> transformers.TrainingArguments:
+    train = recipe.train
+    return transformers.TrainingArguments(
+        output_dir=str(run_dir / CHECKPOINTS),
+        learning_rate=train.learning_rate,
+        per_device_train_batch_size=train.batch_size,
+        per_device_eval_batch_size=train.eval_batch_size or train.batch_size,
+        num_train_epochs=train.epochs,
+        max_steps=train.max_steps,
+        warmup_steps=train.warmup_ratio,  # a float below 1 is a ratio of the total steps
+        weight_decay=train.weight_decay,
+        adam_epsilon=train.adam_epsilon,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        seed=train.seed,
+        eval_strategy=train.eval_strategy,
+        eval_steps=train.eval_steps,
+        save_strategy=train.save_strategy,
+        save_steps=train.save_steps,
+        save_total_limit=train.save_total_limit,
+        logging_steps=train.logging_steps,
+        fp16=train.fp16,
+        bf16=train.bf16,
+        report_to="none",
+    )
+
+
+def _load_model(recipe: Recipe, num_labels: int, label_names: tuple[str, ...] | None):
+    model_path = resolve_model_path(recipe.model.name_or_path)
+    config_kwargs: dict[str, Any] = {"num_labels": num_labels}
+    if label_names is None:
+        config_kwargs["problem_type"] = "regression"
+    else:
+        config_kwargs["id2label"] = dict(enumerate(label_names))
+        config_kwargs["label2id"] = {name: i for i, name in enumerate(label_names)}
+    if recipe.model.dropout is not None:
+        config_kwargs |= {
+            "hidden_dropout_prob": recipe.model.dropout,
+            "attention_probs_dropout_prob": recipe.model.dropout,
+        }
+    common = {"revision": recipe.model.revision, "trust_remote_code": recipe.model.trust_remote_code}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path, **common)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_path, **common, **config_kwargs)
+    if recipe.ea.enabled:
+        patch(model, **recipe.ea_settings())
+    return model, tokenizer
+
+
+def prepare(recipe: Recipe, run_dir: Path, callbacks: list[transformers.TrainerCallback] | None = None):
+    """The Trainer (model, tokenizer, tokenised splits) for a recipe, nothing trained yet, and its eval splits."""
+    # New weights (classifier head, convolutions) are part of the run: same seed, same run.
+    transformers.set_seed(recipe.train.seed)
+    spec = GLUE_TASKS[recipe.data.task]
+    data = load_glue_data(spec.name, recipe.data.source, recipe.data.hub_id, recipe.data.files)
+    if "train" not in data:
+        raise ValueError(f"the {spec.name} data has no 'train' split (splits: {list(data)})")
+    limits = {"train": recipe.data.max_train_samples}
+    for split in data:
+        limit = limits.get(split, recipe.data.max_eval_samples)
+        if limit is not None and limit < len(data[split]):
+            data[split] = data[split].select(range(limit))
+    model, tokenizer = _load_model(recipe, spec.num_labels, spec.label_names)
+    tokenized = {split: tokenize(dataset, spec, tokenizer, recipe.data.max_length) for split, dataset in data.items()}
+    eval_splits = {split: dataset for split, dataset in tokenized.items() if split != "train"}
+    trainer = EvolvingAttentionTrainer(
+        model=model,
+        args=training_arguments(recipe, run_dir),
+        train_dataset=tokenized["train"],
+        eval_dataset=eval_splits or None,
+        processing_class=tokenizer,
+        data_collator=transformers.DataCollatorWithPadding(tokenizer),
+        compute_metrics=compute_metrics_fn(spec.name),
+        ea_learning_rate=recipe.ea.learning_rate,
+        callbacks=callbacks,
+    )
+    return trainer, eval_splits
+
+
+def write_metrics(run_dir: Path, split: str, metrics: dict[str, Any]) -> Path:
+    path = run_dir / EVAL_DIR / split / "metrics.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def evaluate_splits(trainer: transformers.Trainer, eval_splits: dict[str, Any], run_dir: Path) -> dict[str, dict]:
+    results = {}
+    for split, dataset in eval_splits.items():
+        metrics = trainer.evaluate(eval_dataset=dataset, metric_key_prefix=split)
+        results[split] = {key.removeprefix(f"{split}_"): value for key, value in metrics.items()}
+        write_metrics(run_dir, split, results[split])
+    return results
+
+
+def run_recipe(
+    recipe: Recipe, resume: bool = False, callbacks: list[transformers.TrainerCallback] | None = None
+) -> dict[str, dict]:
+    """Fine-tune and evaluate one recipe (no sweep); return the metrics by split.
+
+    A run directory that already holds a run is only reused with ``resume=True``, which continues from its
+    last Trainer checkpoint (or starts afresh if there is none).
+    """
+    run_dir = Path(recipe.output_dir)
+    if run_dir.exists() and any(run_dir.iterdir()) and not resume:
+        raise FileExistsError(
+            f"{run_dir} already holds a run; continue it with --resume (resume=True) or choose another output_dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RECIPE_FILE).write_text(recipe.to_yaml())
+    trainer, eval_splits = prepare(recipe, run_dir, callbacks)
+    last = transformers.trainer_utils.get_last_checkpoint(str(run_dir / CHECKPOINTS)) if resume else None
+    trainer.train(resume_from_checkpoint=last)
+    trainer.save_model(str(run_dir))
+    return evaluate_splits(trainer, eval_splits, run_dir)
+
+
+def read_run_recipe(run_dir: str | Path) -> Recipe:
+    import yaml
+
+    path = Path(run_dir) / RECIPE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no {RECIPE_FILE})")
+    return recipe_from_dict(yaml.safe_load(path.read_text()))
+
+
+def evaluate_run(run_dir: str | Path) -> dict[str, dict]:
+    """Re-evaluate the final model of a run on its evaluation splits (rewrites eval/<split>/metrics.json)."""
+    run_dir = Path(run_dir)
+    recipe = read_run_recipe(run_dir)
+    recipe.model.name_or_path = str(run_dir)
+    recipe.ea.enabled = False  # the saved model is already what it is: EA or baseline
+    trainer, eval_splits = prepare(recipe, run_dir)
+    return evaluate_splits(trainer, eval_splits, run_dir)
+
+
+def read_metrics(run_dir: str | Path) -> dict[str, dict]:
+    root = Path(run_dir) / EVAL_DIR
+    return {path.parent.name: json.loads(path.read_text()) for path in sorted(root.glob("*/metrics.json"))}
+
+
+def compare_runs(run_dirs: list[str | Path]) -> str:
+    """A table of runs side by side: task, EA settings and the task's metrics for every evaluated split."""
+    rows = []
+    for run_dir in run_dirs:
+        recipe = read_run_recipe(run_dir)
+        spec = GLUE_TASKS[recipe.data.task]
+        ea = f"a={recipe.ea.alpha:g} b={recipe.ea.beta:g} k={recipe.ea.kernel_size}" if recipe.ea.enabled else "off"
+        for split, metrics in read_metrics(run_dir).items():
+            scores = " ".join(f"{name}={metrics[name]:.4f}" for name in spec.metrics if name in metrics)
+            rows.append((str(run_dir), spec.name, ea, split, scores))
+    if not rows:
+        return "no evaluated runs"
+    header = ("run", "task", "ea", "split", "metrics")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *rows]]
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""Recipes: schema validation (every error at once, dotted paths, suggestions), overrides, sweeps, shipped files."""
+
+import pytest
+import yaml
+
+from ea_hf.recipe import RecipeError, expand_sweep, list_recipes, load_recipe, parse_override, recipe_from_dict
+
+MINIMAL = {"name": "t", "model": {"name_or_path": "m"}, "data": {"task": "sst2"}}
+
+
+def problems_of(data, overrides=()):
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(data, overrides)
+    return dict(info.value.problems)
+
+
+def test_every_problem_is_listed_at_once_with_its_path_and_a_suggestion():
+    data = {
+        "nme": "x",
+        "model": {"name_or_path": "m", "dropuot": 0.1},
+        "data": {"task": "sst-2", "source": "locl"},
+        "ea": {"alpha": 1.5, "kernel_size": "3"},
+        "train": {"batch_size": 8.5, "fp16": True, "bf16": True, "eval_strategy": "epochs"},
+    }
+    problems = problems_of(data)
+    assert problems == {
+        "nme": "unknown key (did you mean 'name'?)",
+        "model.dropuot": "unknown key (did you mean 'dropout'?)",
+        "data.source": "must be one of hub, local; got 'locl' (did you mean 'local'?)",
+        "ea.kernel_size": "expected an integer, got '3'",
+        "train.batch_size": "expected an integer, got 8.5",
+        "train.eval_strategy": "must be one of no, steps, epoch; got 'epochs' (did you mean 'epoch'?)",
+        "name": "is required",
+        "data.task": "unknown GLUE task 'sst-2' (did you mean 'sst2'?); one of cola, sst2, mrpc, stsb, qqp, mnli, "
+        "qnli, rte, wnli",
+        "ea": "Invalid evolving-attention settings: alpha must be in [0, 1], got 1.5",
+        "train.fp16": "fp16 and bf16 cannot both be true",
+    }
+
+
+def test_impossible_combinations_are_errors():
+    problems = problems_of(
+        {**MINIMAL, "data": {"task": "rte", "source": "local"}, "ea": {"enabled": False, "learning_rate": 1e-3}},
+        ["train.save_strategy=steps", "ea.decoder={alpha: 2}", "data.max_length=0"],
+    )
+    assert problems == {
+        "data.files": "data.source is 'local' but no files are given (split: path)",
+        "data.max_length": "must be positive",
+        "ea.decoder": "Invalid evolving-attention settings: alpha must be in [0, 1], got 2",
+        "train.save_steps": "required when train.save_strategy is 'steps'",
+    }
+
+
+def test_overrides_win_and_parse_as_yaml_numbers():
+    assert parse_override("train.learning_rate=2e-5") == ("train.learning_rate", 2e-05)
+    assert parse_override("ea.layers=[0, 2]") == ("ea.layers", [0, 2])
+    assert parse_override("ea.enabled=false") == ("ea.enabled", False)
+    assert parse_override("model.name_or_path=bert-base-uncased") == ("model.name_or_path", "bert-base-uncased")
+    recipe = recipe_from_dict({**MINIMAL, "train": {"learning_rate": 1e-4, "epochs": 2}}, ["train.learning_rate=1e-5"])
+    assert (recipe.train.learning_rate, recipe.train.epochs) == (1e-5, 2.0)
+    assert problems_of(MINIMAL, ["nodot"]) == {"": "override 'nodot' is not of the form dotted.key=value"}
+    assert problems_of(MINIMAL, ["train.lr=1"]) == {"train.lr": "unknown key"}
+
+
+def test_sweeps_expand_to_every_combination_with_their_own_directories():
+    recipe = recipe_from_dict({**MINIMAL, "sweep": {"ea.alpha": [0.1, 0.4], "train.learning_rate": [1e-5, 2e-5]}})
+    runs = expand_sweep(recipe)
+    assert [(r.ea.alpha, r.train.learning_rate) for r in runs] == [(0.1, 1e-5), (0.1, 2e-5), (0.4, 1e-5), (0.4, 2e-5)]
+    assert runs[1].output_dir == "runs/t/alpha=0.1,learning_rate=2e-05"
+    assert all(r.sweep is None for r in runs)
+    assert problems_of({**MINIMAL, "sweep": {"ea.alpah": [0.1]}}) == {"sweep.ea.alpah": "is not a recipe key"}
+    with pytest.raises(RecipeError, match=r"ea: Invalid .* alpha must be in \[0, 1\], got 2.0"):
+        expand_sweep(recipe_from_dict({**MINIMAL, "sweep": {"ea.alpha": [0.1, 2.0]}}))
+
+
+def test_the_resolved_recipe_round_trips_through_yaml():
+    recipe = recipe_from_dict(MINIMAL, ["ea.alpha=0.4"])
+    again = recipe_from_dict(yaml.safe_load(recipe.to_yaml()))
+    assert again == recipe
+
+
+def test_shipped_recipes_are_valid_and_name_their_data_relative_to_themselves():
+    names = [path.stem for path in list_recipes()]
+    assert "quickstart" in names
+    for path in list_recipes():
+        recipe = load_recipe(path)
+        for file in recipe.data.files.values():
+            assert file.startswith(str(path.parent)), file
+    with pytest.raises(FileNotFoundError, match="did you mean 'quickstart'"):
+        load_recipe("quickstrat")
