@@ -302,9 +302,7 @@ def real_query_rows(allowed: torch.Tensor, query_length: int, past: int = 0) -> 
 
 def self_attention_conv_mask(allowed: torch.Tensor | None, query_length: int, past: int = 0) -> torch.Tensor | None:
     """Entries that may enter the convolution in self-attention: allowed ones in rows of real tokens."""
-    if allowed is None:
-        return None
-    return allowed & real_query_rows(allowed, query_length, past)
+    return convolution_mask("encoder", allowed, query_length, past, {})
 
 
 def convolution_mask(
@@ -320,10 +318,12 @@ def convolution_mask(
         if allowed is None:
             return rows
         return allowed if rows is None else allowed & rows
-    conv_mask = self_attention_conv_mask(allowed, query_length, past)
-    if kind == "decoder" and allowed is not None:
-        chain[DECODER_ROWS_KEY] = real_query_rows(allowed, query_length, past)
-    return conv_mask
+    if allowed is None:
+        return None
+    rows = real_query_rows(allowed, query_length, past)
+    if kind == "decoder":
+        chain[DECODER_ROWS_KEY] = rows
+    return allowed & rows
 
 
 def evolving_attention_forward(

@@ -73,7 +73,9 @@ def ls(args: argparse.Namespace) -> int:
 
 
 def cp(args: argparse.Namespace) -> int:
-    from ..recipe import resolve_recipe_path
+    import yaml
+
+    from ..recipe import load_recipe, resolve_recipe_path
 
     source = resolve_recipe_path(args.name)
     dest = Path(args.dest)
@@ -82,13 +84,11 @@ def cp(args: argparse.Namespace) -> int:
     if dest.exists():
         raise FileExistsError(f"{dest} exists; not overwriting it")
     text = source.read_text()
-    # Relative data paths were relative to the shipped recipe; keep them working from the copy.
-    from ..recipe import load_recipe
-
-    for split, path in load_recipe(source).data.files.items():
-        original = next((line for line in text.splitlines() if line.strip().startswith(f"{split}:")), None)
-        if original is not None:
-            text = text.replace(original, original.split(":")[0] + f": {path}", 1)
+    # Data paths in a recipe are relative to it; point the copy's at the shipped files (comments kept).
+    raw_files = (yaml.safe_load(text).get("data") or {}).get("files") or {}
+    for raw, resolved in zip(raw_files.values(), load_recipe(source).data.files.values(), strict=True):
+        if raw != resolved:
+            text = text.replace(f" {raw}", f" {resolved}")
     dest.write_text(text)
     print(f"copied {source.stem} to {dest}")
     return 0
