@@ -180,8 +180,9 @@ def is_patched(model: nn.Module) -> bool:
 
 def plan_evolution(
     model: nn.Module, settings: Mapping[str, EvolvingAttentionSettings]
-) -> list[tuple[AttentionSite, AttentionMapEvolution | None]]:
-    """Check that ``settings`` fit ``model`` and return the sites to patch, without touching the model.
+) -> list[tuple[EvolvingAttentionSettings, list[AttentionSite]]]:
+    """Check that ``settings`` fit ``model`` and return, per layer stack, its settings and sites in layer order,
+    without touching the model.
 
     Raises ValueError (or NotImplementedError for decoders) naming every problem at once.
     """
@@ -222,12 +223,18 @@ def plan_evolution(
     return planned
 
 
-def attach_evolution(model: PreTrainedModel, settings: Mapping[str, EvolvingAttentionSettings]) -> None:
+def attach_evolution(
+    model: PreTrainedModel,
+    settings: Mapping[str, EvolvingAttentionSettings],
+    plan: list[tuple[EvolvingAttentionSettings, list[AttentionSite]]] | None = None,
+) -> None:
     """Give the model's attention modules their evolution modules and route attention through them.
 
-    The model's classes and config are left as they are (see :func:`patch` for the full conversion).
+    The model's classes and config are left as they are (see :func:`patch` for the full conversion). ``plan``
+    is :func:`plan_evolution`'s result when the caller has already validated the settings.
     """
-    plan = plan_evolution(model, settings)
+    if plan is None:
+        plan = plan_evolution(model, settings)
     adapter = adapter_for(model)
     for chosen, stack_sites in plan:
         previous = None
@@ -391,12 +398,12 @@ def patch(
     if is_patched(model) or getattr(model.config, CONFIG_ATTRIBUTE, None) is not None:
         raise ValueError(f"{type(model).__name__} is already patched with evolving attention; call ea_hf.unpatch first")
     settings = resolve_settings(model, encoder, {"decoder": decoder, "cross": cross})
-    plan_evolution(model, settings)
+    plan = plan_evolution(model, settings)
     model_class = evolving_attention_model_class(type(model))
     config_class = evolving_attention_config_class(type(model.config))
 
     original_attention = model.config._attn_implementation
-    attach_evolution(model, settings)
+    attach_evolution(model, settings, plan)
     config = model.config
     config.__class__ = config_class
     setattr(config, CONFIG_ATTRIBUTE, {kind: s.to_dict() for kind, s in settings.items()})

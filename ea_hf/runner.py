@@ -122,13 +122,23 @@ def _load_model(recipe: Recipe, num_labels: int, label_names: tuple[str, ...] | 
     return model, tokenizer
 
 
-def prepare(recipe: Recipe, run_dir: Path, callbacks: list[transformers.TrainerCallback] | None = None):
-    """The Trainer (model, tokenizer, tokenised splits) for a recipe, nothing trained yet, and its eval splits."""
+def prepare(
+    recipe: Recipe,
+    run_dir: Path,
+    callbacks: list[transformers.TrainerCallback] | None = None,
+    train: bool = True,
+):
+    """The Trainer (model, tokenizer, tokenised splits) for a recipe, nothing trained yet, and its eval splits.
+
+    With ``train=False`` (evaluation only) the train split is neither kept nor tokenised.
+    """
     # New weights (classifier head, convolutions) are part of the run: same seed, same run.
     transformers.set_seed(recipe.train.seed)
     spec = GLUE_TASKS[recipe.data.task]
     data = load_glue_data(spec.name, recipe.data.source, recipe.data.hub_id, recipe.data.files)
-    if "train" not in data:
+    if not train:
+        data.pop("train", None)
+    elif "train" not in data:
         raise ValueError(f"the {spec.name} data has no 'train' split (splits: {list(data)})")
     limits = {"train": recipe.data.max_train_samples}
     for split in data:
@@ -141,7 +151,7 @@ def prepare(recipe: Recipe, run_dir: Path, callbacks: list[transformers.TrainerC
     trainer = EvolvingAttentionTrainer(
         model=model,
         args=training_arguments(recipe, run_dir),
-        train_dataset=tokenized["train"],
+        train_dataset=tokenized.get("train"),
         eval_dataset=eval_splits or None,
         processing_class=tokenizer,
         data_collator=transformers.DataCollatorWithPadding(tokenizer),
@@ -205,7 +215,7 @@ def evaluate_run(run_dir: str | Path) -> dict[str, dict]:
     recipe = read_run_recipe(run_dir)
     recipe.model.name_or_path = str(run_dir)
     recipe.ea.enabled = False  # the saved model is already what it is: EA or baseline
-    trainer, eval_splits = prepare(recipe, run_dir)
+    trainer, eval_splits = prepare(recipe, run_dir, train=False)
     return evaluate_splits(trainer, eval_splits, run_dir)
 
 
