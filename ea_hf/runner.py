@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from torch import nn
 
@@ -97,8 +98,20 @@ def training_arguments(recipe: Recipe, run_dir: Path) -> transformers.TrainingAr
         logging_steps=train.logging_steps,
         fp16=train.fp16,
         bf16=train.bf16,
+        # Without this, processes launched by torchrun/accelerate on a machine without an accelerator would
+        # each train alone on all the data instead of forming a gloo process group.
+        use_cpu=not torch.accelerator.is_available(),
+        # The GLUE losses are means over sequences, which DDP's gradient averaging already gets right; token
+        # averaging would multiply them (and their gradients) by the number of processes (transformers#35078).
+        average_tokens_across_devices=False,
         report_to="none",
     )
+
+
+def wait_for_everyone() -> None:
+    """Barrier across the processes of a distributed run (no-op in a single process)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def _load_model(recipe: Recipe, num_labels: int, label_names: tuple[str, ...] | None):
@@ -127,30 +140,36 @@ def prepare(
     run_dir: Path,
     callbacks: list[transformers.TrainerCallback] | None = None,
     train: bool = True,
+    args: transformers.TrainingArguments | None = None,
 ):
     """The Trainer (model, tokenizer, tokenised splits) for a recipe, nothing trained yet, and its eval splits.
 
     With ``train=False`` (evaluation only) the train split is neither kept nor tokenised.
     """
+    args = training_arguments(recipe, run_dir) if args is None else args
     # New weights (classifier head, convolutions) are part of the run: same seed, same run.
     transformers.set_seed(recipe.train.seed)
     spec = GLUE_TASKS[recipe.data.task]
-    data = load_glue_data(spec.name, recipe.data.source, recipe.data.hub_id, recipe.data.files)
-    if not train:
-        data.pop("train", None)
-    elif "train" not in data:
-        raise ValueError(f"the {spec.name} data has no 'train' split (splits: {list(data)})")
-    limits = {"train": recipe.data.max_train_samples}
-    for split in data:
-        limit = limits.get(split, recipe.data.max_eval_samples)
-        if limit is not None and limit < len(data[split]):
-            data[split] = data[split].select(range(limit))
-    model, tokenizer = _load_model(recipe, spec.num_labels, spec.label_names)
-    tokenized = {split: tokenize(dataset, spec, tokenizer, recipe.data.max_length) for split, dataset in data.items()}
+    # In a distributed run the main process fills the datasets cache first; the others then read it.
+    with args.main_process_first(desc="loading and tokenising the data"):
+        data = load_glue_data(spec.name, recipe.data.source, recipe.data.hub_id, recipe.data.files)
+        if not train:
+            data.pop("train", None)
+        elif "train" not in data:
+            raise ValueError(f"the {spec.name} data has no 'train' split (splits: {list(data)})")
+        limits = {"train": recipe.data.max_train_samples}
+        for split in data:
+            limit = limits.get(split, recipe.data.max_eval_samples)
+            if limit is not None and limit < len(data[split]):
+                data[split] = data[split].select(range(limit))
+        model, tokenizer = _load_model(recipe, spec.num_labels, spec.label_names)
+        tokenized = {
+            split: tokenize(dataset, spec, tokenizer, recipe.data.max_length) for split, dataset in data.items()
+        }
     eval_splits = {split: dataset for split, dataset in tokenized.items() if split != "train"}
     trainer = EvolvingAttentionTrainer(
         model=model,
-        args=training_arguments(recipe, run_dir),
+        args=args,
         train_dataset=tokenized.get("train"),
         eval_dataset=eval_splits or None,
         processing_class=tokenizer,
@@ -174,7 +193,8 @@ def evaluate_splits(trainer: transformers.Trainer, eval_splits: dict[str, Any], 
     for split, dataset in eval_splits.items():
         metrics = trainer.evaluate(eval_dataset=dataset, metric_key_prefix=split)
         results[split] = {key.removeprefix(f"{split}_"): value for key, value in metrics.items()}
-        write_metrics(run_dir, split, results[split])
+        if trainer.is_world_process_zero():
+            write_metrics(run_dir, split, results[split])
     return results
 
 
@@ -184,16 +204,23 @@ def run_recipe(
     """Fine-tune and evaluate one recipe (no sweep); return the metrics by split.
 
     A run directory that already holds a run is only reused with ``resume=True``, which continues from its
-    last Trainer checkpoint (or starts afresh if there is none).
+    last Trainer checkpoint (or starts afresh if there is none). Launched by ``torchrun`` or
+    ``accelerate launch``, every process calls this; the run is then data-parallel and only the main process
+    writes files.
     """
     run_dir = Path(recipe.output_dir)
-    if run_dir.exists() and any(run_dir.iterdir()) and not resume:
+    args = training_arguments(recipe, run_dir)
+    is_main = args.process_index == 0  # also sets up the process group of a distributed launch
+    occupied = run_dir.exists() and any(run_dir.iterdir())
+    wait_for_everyone()  # every process has looked before the main one writes, so all of them agree
+    if occupied and not resume:
         raise FileExistsError(
             f"{run_dir} already holds a run; continue it with --resume (resume=True) or choose another output_dir"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / RECIPE_FILE).write_text(recipe.to_yaml())
-    trainer, eval_splits = prepare(recipe, run_dir, callbacks)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RECIPE_FILE).write_text(recipe.to_yaml())
+    trainer, eval_splits = prepare(recipe, run_dir, callbacks, args=args)
     last = transformers.trainer_utils.get_last_checkpoint(str(run_dir / CHECKPOINTS)) if resume else None
     trainer.train(resume_from_checkpoint=last)
     trainer.save_model(str(run_dir))

@@ -114,3 +114,17 @@ def test_recipe_commands_list_copy_and_validate(tmp_path, capsys):
     assert "2 problems in the recipe" in err
     assert "train.lerning_rate: unknown key (did you mean 'learning_rate'?)" in err
     assert "data.task: unknown GLUE task 'stsbb' (did you mean 'stsb'?)" in err
+
+
+def test_run_options_and_overrides_mix_and_bad_input_fails_early(tmp_path, capsys):
+    run_dir = tmp_path / "never"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "quickstart", "--resume", f"output_dir={run_dir}", "--bogus"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    # Overrides after an option are overrides; a bad one fails before anything is launched or written.
+    assert main(["run", "quickstart", "--nproc-per-node", "2", f"output_dir={run_dir}", "ea.alpah=1"]) == 2
+    assert "ea.alpah: unknown key (did you mean 'alpha'?)" in capsys.readouterr().err
+    assert main(["run", "quickstart", "--nproc-per-node", "0", f"output_dir={run_dir}"]) == 2
+    assert "--nproc-per-node must be at least 1" in capsys.readouterr().err
+    assert not run_dir.exists()

@@ -2,6 +2,8 @@
 baseline, the separate EA learning rate and resuming an interrupted run."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import transformers
 import ea_hf
 from ea_hf.cli import main
 from ea_hf.recipe import load_recipe
-from ea_hf.runner import evolution_parameters, prepare, read_metrics, run_recipe
+from ea_hf.runner import evaluate_run, evolution_parameters, prepare, read_metrics, run_recipe
 
 SHORT = [
     "data.max_train_samples=48",
@@ -117,3 +119,32 @@ def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path):
     for (name, a), b in zip(resumed_model.state_dict().items(), straight_model.state_dict().values(), strict=True):
         assert torch.allclose(a, b, atol=1e-5), (name, (a - b).abs().max().item())
     assert straight["validation"]["accuracy"] == metrics["validation"]["accuracy"]
+
+
+LAUNCHERS = {
+    # Overrides after the option, as people type it.
+    "ea-hf --nproc-per-node": lambda args: main(["run", args[0], "--nproc-per-node", "2", *args[1:]]),
+    "accelerate launch": lambda args: subprocess.call(
+        [sys.executable, "-m", "accelerate.commands.launch", "--num_processes=2", "--num_machines=1", "--multi_gpu"]
+        + ["-m", "ea_hf.cli", "run", *args]
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_two_cpu_processes_train_the_quickstart_data_parallel(tmp_path, launcher):
+    run_dir = tmp_path / "ddp"
+    # One epoch of 48 samples in batches of 8: 6 steps in one process, 3 when two processes share the data.
+    overrides = ["data.max_train_samples=48", "data.max_eval_samples=24", "train.batch_size=8", "train.epochs=1"]
+    assert LAUNCHERS[launcher](["quickstart", *overrides, f"output_dir={run_dir}"]) == 0
+
+    (checkpoint,) = (run_dir / "checkpoints").iterdir()
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and state["epoch"] == 1.0
+    metrics = read_metrics(run_dir)["validation"]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(run_dir)
+    assert ea_hf.is_patched(model)
+    # The saved model is the trained one: evaluating it again in this process gives the run's numbers.
+    assert evaluate_run(run_dir)["validation"]["accuracy"] == metrics["accuracy"]
+    assert abs(read_metrics(run_dir)["validation"]["loss"] - metrics["loss"]) <= 1e-5

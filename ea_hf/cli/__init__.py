@@ -7,7 +7,8 @@ Sub-commands:
     ea-hf ls                                              list the shipped recipes
     ea-hf cp NAME DEST                                    copy a shipped recipe to edit it
     ea-hf validate RECIPE [key=value ...]                 check a recipe without loading any model
-    ea-hf run RECIPE [key=value ...] [--resume]           fine-tune and evaluate (every sweep combination)
+    ea-hf run RECIPE [key=value ...] [--resume] [--nproc-per-node N]
+                                                          fine-tune and evaluate (every sweep combination)
     ea-hf eval RUN_DIR                                    re-evaluate the final model of a run
     ea-hf compare RUN_DIR ...                             print the runs' metrics side by side
 """
@@ -88,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. ea.alpha=0.4")
         if name == "run":
             command.add_argument("--resume", action="store_true", help="continue from the last checkpoint of the run")
+            command.add_argument(
+                "--nproc-per-node",
+                type=int,
+                default=1,
+                metavar="N",
+                help="data-parallel training in N processes on this machine, launched with torchrun "
+                "(gloo on CPU); `accelerate launch -m ea_hf.cli run ...` works too",
+            )
     evaluate = commands.add_parser("eval", help="re-evaluate the final model of a run directory")
     evaluate.add_argument("run_dir")
     compare = commands.add_parser("compare", help="print the metrics of runs side by side")
@@ -96,7 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow options (`run R --resume a=b c=d`), which argparse leaves unparsed.
+    overrides = [arg for arg in extra if "=" in arg and not arg.startswith("-")] if hasattr(args, "overrides") else []
+    unknown = [arg for arg in extra if arg not in overrides]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if overrides:
+        args.overrides += overrides
     from . import commands
 
     try:

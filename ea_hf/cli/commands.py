@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -105,15 +108,33 @@ def validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    """Re-run this ``ea-hf run`` in ``args.nproc_per_node`` processes under torchrun; its exit status."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}"]
+    command += ["-m", "ea_hf.cli", "run", args.recipe, *args.overrides] + (["--resume"] if args.resume else [])
+    return subprocess.call(command)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..recipe import expand_sweep, load_recipe
-    from ..runner import compare_runs, run_recipe
 
     runs = expand_sweep(load_recipe(args.recipe, args.overrides))  # every combination validated up front
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+    if args.nproc_per_node > 1:
+        if "WORLD_SIZE" in os.environ:
+            raise ValueError("--nproc-per-node inside a distributed launch; use one or the other")
+        return _launch(args)
+
+    from ..runner import compare_runs, run_recipe
+
+    is_main = int(os.environ.get("RANK", "0")) == 0
     for recipe in runs:
         metrics = run_recipe(recipe, resume=args.resume)
-        print(f"{recipe.output_dir}: {metrics}")
-    print(compare_runs([recipe.output_dir for recipe in runs]))
+        if is_main:
+            print(f"{recipe.output_dir}: {metrics}")
+    if is_main:
+        print(compare_runs([recipe.output_dir for recipe in runs]))
     return 0
 
 
