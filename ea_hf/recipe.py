@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import itertools
 import re
 import types
@@ -91,6 +92,21 @@ class EASection:
 
 
 @dataclasses.dataclass
+class PeftSection:
+    """Parameter-efficient fine-tuning (``pip install "ea_hf[peft]"``). With ``method: lora`` only the LoRA
+    matrices, the evolution convolutions and the task head train, and the run directory holds the adapter
+    (``merge: true`` saves the merged full model instead). See :func:`ea_hf.adapters.lora_config`."""
+
+    method: Literal["lora"] | None = None
+    r: int = 8
+    lora_alpha: float = 16
+    dropout: float = 0.1
+    #: Module names to adapt; None: every projection of the attention modules.
+    target_modules: list[str] | None = None
+    merge: bool = False
+
+
+@dataclasses.dataclass
 class DataSection:
     """Where the task's data comes from. The task names the columns and metric, not the source."""
 
@@ -139,6 +155,7 @@ class Recipe:
     data: DataSection = dataclasses.field(default_factory=DataSection)
     ea: EASection = dataclasses.field(default_factory=EASection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    peft: PeftSection = dataclasses.field(default_factory=PeftSection)
     #: Run directory; default ``runs/<name>``.
     output_dir: str | None = None
     #: Grid of dotted keys to lists of values; ``ea-hf run`` runs every combination.
@@ -335,6 +352,17 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
     for what in ("eval", "save"):
         if getattr(train, f"{what}_strategy") == "steps" and not getattr(train, f"{what}_steps"):
             problems.append((f"train.{what}_steps", f"required when train.{what}_strategy is 'steps'"))
+    if recipe.peft.method is not None:
+        if importlib.util.find_spec("peft") is None:
+            problems.append(
+                ("peft.method", f"{recipe.peft.method!r} needs the peft package: pip install 'ea_hf[peft]'")
+            )
+        if recipe.peft.r <= 0:
+            problems.append(("peft.r", "must be positive"))
+        if not 0.0 <= recipe.peft.dropout < 1.0:
+            problems.append(("peft.dropout", "must be in [0, 1)"))
+    elif recipe.peft.merge:
+        problems.append(("peft.merge", "only applies with peft.method set"))
     if recipe.model.dropout is not None and not 0.0 <= recipe.model.dropout < 1.0:
         problems.append(("model.dropout", "must be in [0, 1)"))
     if recipe.sweep is not None:

@@ -114,7 +114,7 @@ def wait_for_everyone() -> None:
         torch.distributed.barrier()
 
 
-def _load_model(recipe: Recipe, num_labels: int, label_names: tuple[str, ...] | None):
+def _load_model(recipe: Recipe, num_labels: int, label_names: tuple[str, ...] | None, adapter_dir: Path | None = None):
     model_path = resolve_model_path(recipe.model.name_or_path)
     config_kwargs: dict[str, Any] = {"num_labels": num_labels}
     if label_names is None:
@@ -132,6 +132,23 @@ def _load_model(recipe: Recipe, num_labels: int, label_names: tuple[str, ...] | 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(model_path, **common, **config_kwargs)
     if recipe.ea.enabled:
         patch(model, **recipe.ea_settings())
+    if recipe.peft.method == "lora":
+        from .adapters import load_adapter, lora_config
+
+        if adapter_dir is not None:
+            model = load_adapter(model, adapter_dir)
+        else:
+            import peft
+
+            lora = recipe.peft
+            config = lora_config(
+                model,
+                r=lora.r,
+                lora_alpha=lora.lora_alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+            )
+            model = peft.get_peft_model(model, config)
     return model, tokenizer
 
 
@@ -141,10 +158,12 @@ def prepare(
     callbacks: list[transformers.TrainerCallback] | None = None,
     train: bool = True,
     args: transformers.TrainingArguments | None = None,
+    adapter_dir: Path | None = None,
 ):
     """The Trainer (model, tokenizer, tokenised splits) for a recipe, nothing trained yet, and its eval splits.
 
-    With ``train=False`` (evaluation only) the train split is neither kept nor tokenised.
+    With ``train=False`` (evaluation only) the train split is neither kept nor tokenised. ``adapter_dir``
+    loads a trained PEFT adapter instead of creating a new one.
     """
     args = training_arguments(recipe, run_dir) if args is None else args
     # New weights (classifier head, convolutions) are part of the run: same seed, same run.
@@ -162,7 +181,7 @@ def prepare(
             limit = limits.get(split, recipe.data.max_eval_samples)
             if limit is not None and limit < len(data[split]):
                 data[split] = data[split].select(range(limit))
-        model, tokenizer = _load_model(recipe, spec.num_labels, spec.label_names)
+        model, tokenizer = _load_model(recipe, spec.num_labels, spec.label_names, adapter_dir)
         tokenized = {
             split: tokenize(dataset, spec, tokenizer, recipe.data.max_length) for split, dataset in data.items()
         }
@@ -223,7 +242,13 @@ def run_recipe(
     trainer, eval_splits = prepare(recipe, run_dir, callbacks, args=args)
     last = transformers.trainer_utils.get_last_checkpoint(str(run_dir / CHECKPOINTS)) if resume else None
     trainer.train(resume_from_checkpoint=last)
-    trainer.save_model(str(run_dir))
+    if recipe.peft.merge:
+        results = evaluate_splits(trainer, eval_splits, run_dir)  # merging rewrites the model's modules
+        if trainer.is_world_process_zero():
+            trainer.model.merge_and_unload().save_pretrained(run_dir)
+            trainer.processing_class.save_pretrained(run_dir)
+        return results
+    trainer.save_model(str(run_dir))  # the full model, or the adapter for a PEFT run
     return evaluate_splits(trainer, eval_splits, run_dir)
 
 
@@ -240,8 +265,13 @@ def evaluate_run(run_dir: str | Path) -> dict[str, dict]:
     """Re-evaluate the final model of a run on its evaluation splits (rewrites eval/<split>/metrics.json)."""
     run_dir = Path(run_dir)
     recipe = read_run_recipe(run_dir)
+    if (run_dir / "adapter_config.json").is_file():
+        # A PEFT run saved its adapter: rebuild the base as the run did, then load the adapter onto it.
+        trainer, eval_splits = prepare(recipe, run_dir, train=False, adapter_dir=run_dir)
+        return evaluate_splits(trainer, eval_splits, run_dir)
     recipe.model.name_or_path = str(run_dir)
     recipe.ea.enabled = False  # the saved model is already what it is: EA or baseline
+    recipe.peft.method = None
     trainer, eval_splits = prepare(recipe, run_dir, train=False)
     return evaluate_splits(trainer, eval_splits, run_dir)
 

@@ -41,9 +41,10 @@ def test_every_problem_is_listed_at_once_with_its_path_and_a_suggestion():
 def test_impossible_combinations_are_errors():
     problems = problems_of(
         {**MINIMAL, "data": {"task": "rte", "source": "local"}, "ea": {"enabled": False, "learning_rate": 1e-3}},
-        ["train.save_strategy=steps", "ea.decoder={alpha: 2}", "data.max_length=0"],
+        ["train.save_strategy=steps", "ea.decoder={alpha: 2}", "data.max_length=0", "peft.merge=true"],
     )
     assert problems == {
+        "peft.merge": "only applies with peft.method set",
         "data.files": "data.source is 'local' but no files are given (split: path)",
         "data.max_length": "must be positive",
         "ea.decoder": "Invalid evolving-attention settings: alpha must be in [0, 1], got 2",
@@ -88,3 +89,14 @@ def test_shipped_recipes_are_valid_and_name_their_data_relative_to_themselves():
             assert file.startswith(str(path.parent)), file
     with pytest.raises(FileNotFoundError, match="did you mean 'quickstart'"):
         load_recipe("quickstrat")
+
+
+def test_peft_section_is_checked():
+    assert recipe_from_dict(MINIMAL, ["peft.method=lora"]).peft.r == 8
+    assert problems_of(MINIMAL, ["peft.method=lorra", "peft.dropout=1.0"]) == {
+        "peft.method": "expected 'lora' or null, got 'lorra'",
+    }
+    assert problems_of(MINIMAL, ["peft.method=lora", "peft.r=0", "peft.dropout=1.0"]) == {
+        "peft.r": "must be positive",
+        "peft.dropout": "must be in [0, 1)",
+    }

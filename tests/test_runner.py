@@ -148,3 +148,25 @@ def test_two_cpu_processes_train_the_quickstart_data_parallel(tmp_path, launcher
     # The saved model is the trained one: evaluating it again in this process gives the run's numbers.
     assert evaluate_run(run_dir)["validation"]["accuracy"] == metrics["accuracy"]
     assert abs(read_metrics(run_dir)["validation"]["loss"] - metrics["loss"]) <= 1e-5
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
+def test_a_lora_run_saves_what_reproduces_its_metrics(tmp_path, merge):
+    run_dir = tmp_path / "lora"
+    metrics = run_recipe(short_quickstart(run_dir, "peft.method=lora", "peft.r=4", f"peft.merge={str(merge).lower()}"))
+    files = {p.name for p in run_dir.iterdir()}
+    assert "tokenizer.json" in files
+    if merge:  # an ordinary EA checkpoint
+        assert "model.safetensors" in files and "adapter_config.json" not in files
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(run_dir)
+        assert type(model).__name__ == "EABertForSequenceClassification"
+    else:  # only the adapter: LoRA matrices, evolution convolutions and classifier
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
+        from safetensors.torch import load_file
+
+        names = load_file(run_dir / "adapter_model.safetensors").keys()
+        assert sum("evolving_attention" in n for n in names) == 2 * 6 and sum("lora_A" in n for n in names) == 6 * 3
+        assert all("lora_" in n or "evolving_attention" in n or "classifier" in n for n in names)
+    again = evaluate_run(run_dir)["validation"]
+    assert again["accuracy"] == metrics["validation"]["accuracy"]
+    assert abs(again["loss"] - metrics["validation"]["loss"]) <= 1e-5
