@@ -406,14 +406,20 @@ def recipe_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> 
     return recipe
 
 
+def recipe_name(path: Path) -> str:
+    """The name of a shipped recipe: its path under recipes/ without suffix (``glue/ea-bert-base/rte``)."""
+    return path.relative_to(RECIPES_DIR).with_suffix("").as_posix()
+
+
 def resolve_recipe_path(name_or_path: str | Path) -> Path:
-    """A recipe file: a path, or the name of a shipped recipe (``quickstart`` -> recipes/quickstart.yaml)."""
+    """A recipe file: a path, or the name of a shipped recipe (``quickstart`` -> recipes/quickstart.yaml,
+    ``glue/ea-bert-base/rte`` -> recipes/glue/ea-bert-base/rte.yaml)."""
     path = Path(name_or_path)
     if path.is_file():
         return path
-    shipped = {p.stem: p for p in list_recipes()}
-    name = path.name.removesuffix(".yaml").removesuffix(".yml")
-    if name in shipped and path.parent == Path("."):
+    shipped = {recipe_name(p): p for p in list_recipes()}
+    name = str(name_or_path).removesuffix(".yaml").removesuffix(".yml")
+    if name in shipped:
         return shipped[name]
     raise FileNotFoundError(f"no recipe file {str(name_or_path)!r}{_suggest(name, list(shipped))}")
 

@@ -114,6 +114,28 @@ def wait_for_everyone() -> None:
         torch.distributed.barrier()
 
 
+#: What transformers configs call their hidden-state and attention-probability dropout (BERT and ViT
+#: families; T5; BART family and DistilBERT).
+DROPOUT_ATTRIBUTES = (
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "dropout_rate",
+    "dropout",
+    "attention_dropout",
+)
+
+
+def dropout_settings(config: transformers.PreTrainedConfig, dropout: float) -> dict[str, float]:
+    """Config overrides that set every dropout ``config`` has for hidden states and attention to ``dropout``."""
+    names = [name for name in DROPOUT_ATTRIBUTES if hasattr(config, name)]
+    if not names:
+        raise ValueError(
+            f"model.dropout: {type(config).__name__} has none of the dropout settings {', '.join(DROPOUT_ATTRIBUTES)}; "
+            "leave model.dropout unset to keep the checkpoint's"
+        )
+    return dict.fromkeys(names, dropout)
+
+
 def _load_model(recipe: Recipe, num_labels: int, label_names: tuple[str, ...] | None, adapter_dir: Path | None = None):
     model_path = resolve_model_path(recipe.model.name_or_path)
     config_kwargs: dict[str, Any] = {"num_labels": num_labels}
@@ -122,12 +144,11 @@ def _load_model(recipe: Recipe, num_labels: int, label_names: tuple[str, ...] | 
     else:
         config_kwargs["id2label"] = dict(enumerate(label_names))
         config_kwargs["label2id"] = {name: i for i, name in enumerate(label_names)}
-    if recipe.model.dropout is not None:
-        config_kwargs |= {
-            "hidden_dropout_prob": recipe.model.dropout,
-            "attention_probs_dropout_prob": recipe.model.dropout,
-        }
     common = {"revision": recipe.model.revision, "trust_remote_code": recipe.model.trust_remote_code}
+    if recipe.model.dropout is not None:
+        config_kwargs |= dropout_settings(
+            transformers.AutoConfig.from_pretrained(model_path, **common), recipe.model.dropout
+        )
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path, **common)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(model_path, **common, **config_kwargs)
     if recipe.ea.enabled:

@@ -1,5 +1,7 @@
-"""Shared fixtures: offline settings, the real MiniLM checkpoint and tiny random models of every architecture."""
+"""Shared fixtures: offline settings, the real MiniLM checkpoint, tiny random models of every architecture and
+small GLUE-format samples."""
 
+import json
 import os
 import socket
 import tempfile
@@ -11,11 +13,13 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="ea_hf_modules_"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import ea_hf  # noqa: E402,F401  (registers the EA Auto classes)
+from ea_hf.glue import GLUE_TASKS  # noqa: E402
 
 _real_connect = socket.socket.connect
 
@@ -157,3 +161,40 @@ SENTENCES = [
 def _seed():
     torch.manual_seed(1234)
     yield
+
+
+# GLUE-format samples -------------------------------------------------------------------------------
+
+FORMATS = ["tsv", "csv", "json", "jsonl", "parquet"]
+LABELS = [0, 1, 1, 0, 1, 0, 0, 1]
+
+
+def sample_rows(task: str, n: int = 8, as_names: bool = False) -> list[dict]:
+    spec = GLUE_TASKS[task]
+    rows = []
+    for i in range(n):
+        row = {column: f"{column} number {i} says something" for column in spec.text_columns}
+        if spec.is_regression:
+            row["label"] = round(5.0 * i / (n - 1), 2)
+        else:
+            label = LABELS[i] if spec.num_labels == 2 else i % 3
+            row["label"] = spec.label_names[label] if as_names else label
+        row["idx"] = i
+        rows.append(row)
+    return rows
+
+
+def write(rows: list[dict], path) -> str:
+    frame = pd.DataFrame(rows)
+    suffix = path.suffix
+    if suffix == ".tsv":
+        frame.to_csv(path, sep="\t", index=False)
+    elif suffix == ".csv":
+        frame.to_csv(path, index=False)
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif suffix == ".jsonl":
+        frame.to_json(path, orient="records", lines=True)
+    else:
+        frame.to_parquet(path)
+    return str(path)

@@ -1,47 +1,12 @@
 """GLUE: every task's local loading, label casting, tokenisation and metric, on small generated samples."""
 
-import json
 import math
 
 import datasets
-import pandas as pd
 import pytest
+from conftest import FORMATS, LABELS, sample_rows, write
 
 from ea_hf.glue import GLUE_TASKS, cast_labels, load_glue_data, load_glue_metric, tokenize
-
-FORMATS = ["tsv", "csv", "json", "jsonl", "parquet"]
-LABELS = [0, 1, 1, 0, 1, 0, 0, 1]
-
-
-def sample_rows(task: str, n: int = 8, as_names: bool = False) -> list[dict]:
-    spec = GLUE_TASKS[task]
-    rows = []
-    for i in range(n):
-        row = {column: f"{column} number {i} says something" for column in spec.text_columns}
-        if spec.is_regression:
-            row["label"] = round(5.0 * i / (n - 1), 2)
-        else:
-            label = LABELS[i] if spec.num_labels == 2 else i % 3
-            row["label"] = spec.label_names[label] if as_names else label
-        row["idx"] = i
-        rows.append(row)
-    return rows
-
-
-def write(rows: list[dict], path) -> str:
-    frame = pd.DataFrame(rows)
-    suffix = path.suffix
-    if suffix == ".tsv":
-        frame.to_csv(path, sep="\t", index=False)
-    elif suffix == ".csv":
-        frame.to_csv(path, index=False)
-    elif suffix == ".json":
-        path.write_text(json.dumps(rows))
-    elif suffix == ".jsonl":
-        frame.to_json(path, orient="records", lines=True)
-    else:
-        frame.to_parquet(path)
-    return str(path)
 
 
 @pytest.mark.parametrize("task", list(GLUE_TASKS))

@@ -1,9 +1,21 @@
 """Recipes: schema validation (every error at once, dotted paths, suggestions), overrides, sweeps, shipped files."""
 
+import importlib.util
+import itertools
+
 import pytest
 import yaml
 
-from ea_hf.recipe import RecipeError, expand_sweep, list_recipes, load_recipe, parse_override, recipe_from_dict
+from ea_hf.glue import GLUE_TASKS
+from ea_hf.recipe import (
+    RECIPES_DIR,
+    RecipeError,
+    expand_sweep,
+    list_recipes,
+    load_recipe,
+    parse_override,
+    recipe_from_dict,
+)
 
 MINIMAL = {"name": "t", "model": {"name_or_path": "m"}, "data": {"task": "sst2"}}
 
@@ -100,3 +112,32 @@ def test_peft_section_is_checked():
         "peft.r": "must be positive",
         "peft.dropout": "must be in [0, 1)",
     }
+
+
+PAPER_MODELS = ["ea-bert-base", "ea-bert-large", "ea-roberta-large", "ea-t5-base"]
+
+
+def test_the_papers_glue_recipes_cover_every_task_with_the_alpha_beta_grid():
+    grid = set(itertools.product([0.1, 0.2, 0.4], repeat=2))
+    for model in PAPER_MODELS:
+        for task in GLUE_TASKS:
+            recipe = load_recipe(f"glue/{model}/{task}")
+            assert (recipe.data.task, recipe.data.source, recipe.model.dropout) == (task, "hub", 0.1)
+            train = recipe.train
+            assert train.adam_epsilon == 1e-8 and train.learning_rate in {1e-4, 1e-5, 2e-5}
+            assert train.batch_size in {8, 16} and train.epochs in {2, 3, 5}
+            runs = expand_sweep(recipe)
+            assert len(runs) == 9 and {(run.ea.alpha, run.ea.beta) for run in runs} == grid
+            assert len({run.output_dir for run in runs}) == 9
+            assert len(expand_sweep(load_recipe(f"glue/{model}/{task}", ["sweep=null"]))) == 1
+
+
+def test_the_generated_recipes_are_the_ones_shipped():
+    spec = importlib.util.spec_from_file_location("generate", RECIPES_DIR / "glue" / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    files = generate.recipe_files()
+    assert len(files) == 4 * 9
+    for path, text in files.items():
+        assert path.read_text() == text, f"{path} is stale: run python recipes/glue/generate.py"
+    assert set(files) == set((RECIPES_DIR / "glue").glob("*/*.yaml"))

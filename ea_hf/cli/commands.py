@@ -64,14 +64,14 @@ def summary(args: argparse.Namespace) -> int:
 
 
 def ls(args: argparse.Namespace) -> int:
-    from ..recipe import RECIPES_DIR, list_recipes, load_recipe
+    from ..recipe import list_recipes, load_recipe, recipe_name
 
     for path in list_recipes():
         try:
             description = load_recipe(path).description
         except ValueError as error:
             description = f"(invalid: {error})"
-        print(f"{path.relative_to(RECIPES_DIR).with_suffix('')!s:<40} {description}")
+        print(f"{recipe_name(path):<28} {description}")
     return 0
 
 
