@@ -41,9 +41,18 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
 class RecipeLoader(yaml.SafeLoader):
-    """YAML loader that reads ``2e-5`` as a number, as YAML 1.2 does (PyYAML's 1.1 rules need ``2.0e-5``)."""
+    """YAML loader with YAML 1.2's rules where PyYAML follows 1.1: ``2e-5`` is a number (1.1 needs
+    ``2.0e-5``), and only true/false are booleans (1.1 also reads ``no``, ``off``, ``yes``, ``on``, so
+    ``eval_strategy: no`` would be False)."""
 
 
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 RecipeLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+)$"),
@@ -110,12 +119,24 @@ class PeftSection:
 class DataSection:
     """Where the task's data comes from. The task names the columns and metric, not the source."""
 
+    #: The GLUE task (kind ``glue``); unused for kind ``image``.
     task: str = ""
     source: Literal["hub", "local"] = "hub"
-    hub_id: str = "nyu-mll/glue"
-    #: Local files by split name (csv, tsv, json, jsonl or parquet with the GLUE column names).
+    #: Hub dataset; None means ``nyu-mll/glue`` for kind ``glue`` (kind ``image`` must name one).
+    hub_id: str | None = None
+    #: Local data by split name: csv, tsv, json, jsonl or parquet files with the GLUE column names (kind
+    #: ``glue``), or image folders with one sub-directory per class (kind ``image``).
     files: dict[str, str] = dataclasses.field(default_factory=dict)
     max_length: int = 128
+    #: Kind ``image``: the columns of a Hub dataset, and the resolution to fine-tune at (None: the image
+    #: processor's; a ViT then interpolates its position embeddings to the new size).
+    image_column: str = "image"
+    label_column: str = "label"
+    image_size: int | None = None
+    #: Kind ``image``, training augmentation: the share of the image area an Inception crop keeps (min,
+    #: max), and random horizontal flips.
+    crop_scale: list[float] = dataclasses.field(default_factory=lambda: [0.08, 1.0])
+    horizontal_flip: bool = True
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
 
@@ -129,9 +150,16 @@ class TrainSection:
     eval_batch_size: int | None = None
     epochs: float = 3.0
     max_steps: int = -1
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    #: SGD's momentum (``optimizer: sgd``).
+    momentum: float = 0.9
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    #: Warm-up as a share of the training steps, or (``warmup_steps``) as a number of steps; not both.
     warmup_ratio: float = 0.0
+    warmup_steps: int = 0
     weight_decay: float = 0.0
     adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
     gradient_accumulation_steps: int = 1
     seed: int = 42
     eval_strategy: Literal["no", "steps", "epoch"] = "epoch"
@@ -150,7 +178,8 @@ class Recipe:
 
     name: str = ""
     description: str = ""
-    kind: Literal["glue"] = "glue"
+    #: ``glue``: text classification on a GLUE task; ``image``: image classification.
+    kind: Literal["glue", "image"] = "glue"
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     ea: EASection = dataclasses.field(default_factory=EASection)
@@ -175,7 +204,7 @@ class Recipe:
         return settings
 
 
-REQUIRED = {"name", "model.name_or_path", "data.task"}
+REQUIRED = {"name", "model.name_or_path"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -314,19 +343,31 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
         if not _get_dotted(recipe, key):
             problems.append((key, "is required"))
     task = recipe.data.task
-    if task and task not in GLUE_TASKS:
+    if recipe.kind == "glue" and not task:
+        problems.append(("data.task", "is required"))
+    elif recipe.kind == "glue" and task not in GLUE_TASKS:
         problems.append(
             ("data.task", f"unknown GLUE task {task!r}{_suggest(task, GLUE_TASKS)}; one of {', '.join(GLUE_TASKS)}")
         )
+    elif recipe.kind == "image" and task:
+        problems.append(("data.task", "names a GLUE task; recipes of kind 'image' have none"))
     if recipe.data.source == "local" and not recipe.data.files:
         problems.append(("data.files", "data.source is 'local' but no files are given (split: path)"))
     if recipe.data.source == "hub" and recipe.data.files:
         problems.append(("data.files", "files are only read with data.source: local"))
+    if recipe.kind == "image" and recipe.data.source == "hub" and not recipe.data.hub_id:
+        problems.append(("data.hub_id", "required for kind 'image' from the Hub (e.g. ILSVRC/imagenet-1k)"))
     for split, path in recipe.data.files.items():
-        if isinstance(path, str) and Path(path).suffix.lower() not in {".csv", ".tsv", ".json", ".jsonl", ".parquet"}:
+        suffix = Path(path).suffix.lower() if isinstance(path, str) else ""
+        if recipe.kind == "glue" and suffix not in {".csv", ".tsv", ".json", ".jsonl", ".parquet"}:
             problems.append((f"data.files.{split}", f"unsupported file type {path!r} (csv, tsv, json, jsonl, parquet)"))
     if recipe.data.max_length <= 0:
         problems.append(("data.max_length", "must be positive"))
+    if recipe.data.image_size is not None and recipe.data.image_size <= 0:
+        problems.append(("data.image_size", "must be positive"))
+    scale = recipe.data.crop_scale
+    if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
+        problems.append(("data.crop_scale", f"must be [min, max] with 0 < min <= max <= 1, got {scale}"))
     ea = recipe.ea
     try:
         EvolvingAttentionSettings(ea.alpha, ea.beta, ea.kernel_size, ea.layers, ea.init)
@@ -347,6 +388,12 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
         problems.append(("train.epochs", "must be positive unless train.max_steps is set"))
     if not 0.0 <= train.warmup_ratio < 1.0:
         problems.append(("train.warmup_ratio", "must be in [0, 1)"))
+    if train.warmup_steps < 0:
+        problems.append(("train.warmup_steps", "must not be negative"))
+    if train.warmup_steps and train.warmup_ratio:
+        problems.append(("train.warmup_steps", "give warmup_steps or warmup_ratio, not both"))
+    if train.max_grad_norm < 0:
+        problems.append(("train.max_grad_norm", "must not be negative (0 turns clipping off)"))
     if train.fp16 and train.bf16:
         problems.append(("train.fp16", "fp16 and bf16 cannot both be true"))
     for what in ("eval", "save"):

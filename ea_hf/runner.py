@@ -24,6 +24,14 @@ from .attention import AttentionMapEvolution
 from .glue import GLUE_TASKS, compute_metrics_fn, load_glue_data, tokenize
 from .patching import patch
 from .recipe import Recipe, recipe_from_dict
+from .vision import (
+    UNLABELLED_SPLITS,
+    PixelCollator,
+    image_metrics_fn,
+    image_transform,
+    load_image_data,
+    processor_image_size,
+)
 
 CHECKPOINTS = "checkpoints"
 RECIPE_FILE = "recipe.yaml"
@@ -85,9 +93,14 @@ def training_arguments(recipe: Recipe, run_dir: Path) -> transformers.TrainingAr
         per_device_eval_batch_size=train.eval_batch_size or train.batch_size,
         num_train_epochs=train.epochs,
         max_steps=train.max_steps,
-        warmup_steps=train.warmup_ratio,  # a float below 1 is a ratio of the total steps
+        # A float below 1 is a ratio of the total steps.
+        warmup_steps=train.warmup_steps or train.warmup_ratio,
+        lr_scheduler_type=train.lr_scheduler,
+        optim="sgd" if train.optimizer == "sgd" else "adamw_torch",
+        optim_args=f"momentum={train.momentum}" if train.optimizer == "sgd" else None,
         weight_decay=train.weight_decay,
         adam_epsilon=train.adam_epsilon,
+        max_grad_norm=train.max_grad_norm,
         gradient_accumulation_steps=train.gradient_accumulation_steps,
         seed=train.seed,
         eval_strategy=train.eval_strategy,
@@ -104,6 +117,8 @@ def training_arguments(recipe: Recipe, run_dir: Path) -> transformers.TrainingAr
         # The GLUE losses are means over sequences, which DDP's gradient averaging already gets right; token
         # averaging would multiply them (and their gradients) by the number of processes (transformers#35078).
         average_tokens_across_devices=False,
+        # Image batches are made from the "image" column by a transform, after Trainer would have dropped it.
+        remove_unused_columns=recipe.kind != "image",
         report_to="none",
     )
 
@@ -136,9 +151,21 @@ def dropout_settings(config: transformers.PreTrainedConfig, dropout: float) -> d
     return dict.fromkeys(names, dropout)
 
 
-def _load_model(recipe: Recipe, num_labels: int, label_names: tuple[str, ...] | None, adapter_dir: Path | None = None):
+#: Per recipe kind: the model's auto class, its preprocessor's auto class and peft's task type.
+KINDS = {
+    "glue": ("AutoModelForSequenceClassification", "AutoTokenizer", "SEQ_CLS"),
+    "image": ("AutoModelForImageClassification", "AutoImageProcessor", None),
+}
+
+
+def _load_model(recipe: Recipe, label_names: tuple[str, ...] | None, adapter_dir: Path | None = None):
+    """The recipe's model (patched, and wrapped in a LoRA adapter if asked) and its preprocessor.
+
+    ``label_names`` None means a regression head with one output.
+    """
+    model_class, processor_class, peft_task_type = KINDS[recipe.kind]
     model_path = resolve_model_path(recipe.model.name_or_path)
-    config_kwargs: dict[str, Any] = {"num_labels": num_labels}
+    config_kwargs: dict[str, Any] = {"num_labels": 1 if label_names is None else len(label_names)}
     if label_names is None:
         config_kwargs["problem_type"] = "regression"
     else:
@@ -146,11 +173,10 @@ def _load_model(recipe: Recipe, num_labels: int, label_names: tuple[str, ...] | 
         config_kwargs["label2id"] = {name: i for i, name in enumerate(label_names)}
     common = {"revision": recipe.model.revision, "trust_remote_code": recipe.model.trust_remote_code}
     if recipe.model.dropout is not None:
-        config_kwargs |= dropout_settings(
-            transformers.AutoConfig.from_pretrained(model_path, **common), recipe.model.dropout
-        )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path, **common)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_path, **common, **config_kwargs)
+        config = transformers.AutoConfig.from_pretrained(model_path, **common)
+        config_kwargs |= dropout_settings(config, recipe.model.dropout)
+    processor = getattr(transformers, processor_class).from_pretrained(model_path, **common)
+    model = getattr(transformers, model_class).from_pretrained(model_path, **common, **config_kwargs)
     if recipe.ea.enabled:
         patch(model, **recipe.ea_settings())
     if recipe.peft.method == "lora":
@@ -168,9 +194,48 @@ def _load_model(recipe: Recipe, num_labels: int, label_names: tuple[str, ...] | 
                 lora_alpha=lora.lora_alpha,
                 lora_dropout=lora.dropout,
                 target_modules=lora.target_modules,
+                task_type=peft_task_type,
             )
             model = peft.get_peft_model(model, config)
-    return model, tokenizer
+    return model, processor
+
+
+def _load_data(recipe: Recipe):
+    """The recipe's splits (raw) and label names (None for regression)."""
+    data = recipe.data
+    if recipe.kind == "image":
+        splits = load_image_data(data.source, data.hub_id, data.files, data.image_column, data.label_column)
+        return splits, tuple(next(iter(splits.values())).features["label"].names)
+    spec = GLUE_TASKS[data.task]
+    return load_glue_data(spec.name, data.source, data.hub_id or "nyu-mll/glue", data.files), spec.label_names
+
+
+def _preprocess(recipe: Recipe, data, model, processor):
+    """Model-ready splits, the batch collator and ``compute_metrics``."""
+    if recipe.kind == "image":
+        image_size = recipe.data.image_size or processor_image_size(processor)
+        augmentation = {"crop_scale": tuple(recipe.data.crop_scale), "horizontal_flip": recipe.data.horizontal_flip}
+        processed = {
+            split: dataset.with_transform(image_transform(processor, image_size, split == "train", **augmentation))
+            for split, dataset in data.items()
+        }
+        num_labels = len(next(iter(data.values())).features["label"].names)
+        native_size = getattr(unwrap_model(model).config, "image_size", image_size)
+        return processed, PixelCollator(image_size != native_size), image_metrics_fn(num_labels)
+    spec = GLUE_TASKS[recipe.data.task]
+    processed = {split: tokenize(dataset, spec, processor, recipe.data.max_length) for split, dataset in data.items()}
+    return processed, transformers.DataCollatorWithPadding(processor), compute_metrics_fn(spec.name)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def metric_names(recipe: Recipe) -> tuple[str, ...]:
+    """The metrics a recipe reports, headline first."""
+    return ("accuracy", "top5_accuracy") if recipe.kind == "image" else GLUE_TASKS[recipe.data.task].metrics
 
 
 def prepare(
@@ -181,40 +246,41 @@ def prepare(
     args: transformers.TrainingArguments | None = None,
     adapter_dir: Path | None = None,
 ):
-    """The Trainer (model, tokenizer, tokenised splits) for a recipe, nothing trained yet, and its eval splits.
+    """The Trainer (model, preprocessor, processed splits) for a recipe, nothing trained yet, and its eval
+    splits.
 
-    With ``train=False`` (evaluation only) the train split is neither kept nor tokenised. ``adapter_dir``
+    With ``train=False`` (evaluation only) the train split is neither kept nor processed. ``adapter_dir``
     loads a trained PEFT adapter instead of creating a new one.
     """
     args = training_arguments(recipe, run_dir) if args is None else args
     # New weights (classifier head, convolutions) are part of the run: same seed, same run.
     transformers.set_seed(recipe.train.seed)
-    spec = GLUE_TASKS[recipe.data.task]
     # In a distributed run the main process fills the datasets cache first; the others then read it.
-    with args.main_process_first(desc="loading and tokenising the data"):
-        data = load_glue_data(spec.name, recipe.data.source, recipe.data.hub_id, recipe.data.files)
+    with args.main_process_first(desc="loading and preprocessing the data"):
+        data, label_names = _load_data(recipe)
+        if recipe.kind == "image":
+            for split in UNLABELLED_SPLITS:
+                data.pop(split, None)
         if not train:
             data.pop("train", None)
         elif "train" not in data:
-            raise ValueError(f"the {spec.name} data has no 'train' split (splits: {list(data)})")
+            raise ValueError(f"the data has no 'train' split (splits: {list(data)})")
         limits = {"train": recipe.data.max_train_samples}
         for split in data:
             limit = limits.get(split, recipe.data.max_eval_samples)
             if limit is not None and limit < len(data[split]):
                 data[split] = data[split].select(range(limit))
-        model, tokenizer = _load_model(recipe, spec.num_labels, spec.label_names, adapter_dir)
-        tokenized = {
-            split: tokenize(dataset, spec, tokenizer, recipe.data.max_length) for split, dataset in data.items()
-        }
-    eval_splits = {split: dataset for split, dataset in tokenized.items() if split != "train"}
+        model, processor = _load_model(recipe, label_names, adapter_dir)
+        processed, collator, compute_metrics = _preprocess(recipe, data, model, processor)
+    eval_splits = {split: dataset for split, dataset in processed.items() if split != "train"}
     trainer = EvolvingAttentionTrainer(
         model=model,
         args=args,
-        train_dataset=tokenized.get("train"),
+        train_dataset=processed.get("train"),
         eval_dataset=eval_splits or None,
-        processing_class=tokenizer,
-        data_collator=transformers.DataCollatorWithPadding(tokenizer),
-        compute_metrics=compute_metrics_fn(spec.name),
+        processing_class=processor,
+        data_collator=collator,
+        compute_metrics=compute_metrics,
         ea_learning_rate=recipe.ea.learning_rate,
         callbacks=callbacks,
     )
@@ -307,11 +373,12 @@ def compare_runs(run_dirs: list[str | Path]) -> str:
     rows = []
     for run_dir in run_dirs:
         recipe = read_run_recipe(run_dir)
-        spec = GLUE_TASKS[recipe.data.task]
+        names = metric_names(recipe)
+        task = "image" if recipe.kind == "image" else recipe.data.task
         ea = f"a={recipe.ea.alpha:g} b={recipe.ea.beta:g} k={recipe.ea.kernel_size}" if recipe.ea.enabled else "off"
         for split, metrics in read_metrics(run_dir).items():
-            scores = " ".join(f"{name}={metrics[name]:.4f}" for name in spec.metrics if name in metrics)
-            rows.append((str(run_dir), spec.name, ea, split, scores))
+            scores = " ".join(f"{name}={metrics[name]:.4f}" for name in names if name in metrics)
+            rows.append((str(run_dir), task, ea, split, scores))
     if not rows:
         return "no evaluated runs"
     header = ("run", "task", "ea", "split", "metrics")

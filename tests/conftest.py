@@ -198,3 +198,26 @@ def write(rows: list[dict], path) -> str:
     else:
         frame.to_parquet(path)
     return str(path)
+
+
+# Real images: scikit-learn's bundled handwritten digits ------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def digits_folders(tmp_path_factory) -> dict[str, str]:
+    """The 1,797 8x8 digits of scikit-learn as 16x16 PNG image folders: train (first 1,400) and validation
+    (the other 397), one sub-directory per digit."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    root = tmp_path_factory.mktemp("digits")
+    folders = {}
+    for split, rows in [("train", range(0, 1400)), ("validation", range(1400, len(digits.images)))]:
+        for i in rows:
+            folder = root / split / str(digits.target[i])
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = (digits.images[i] * (255 / 16)).astype("uint8")
+            Image.fromarray(pixels, mode="L").resize((IMAGE_SIZE, IMAGE_SIZE), Image.NEAREST).save(folder / f"{i}.png")
+        folders[split] = str(root / split)
+    return folders

@@ -68,6 +68,8 @@ def test_overrides_win_and_parse_as_yaml_numbers():
     assert parse_override("train.learning_rate=2e-5") == ("train.learning_rate", 2e-05)
     assert parse_override("ea.layers=[0, 2]") == ("ea.layers", [0, 2])
     assert parse_override("ea.enabled=false") == ("ea.enabled", False)
+    # YAML 1.2 booleans: `no` is the Trainer strategy, not False as YAML 1.1 would read it.
+    assert parse_override("train.eval_strategy=no") == ("train.eval_strategy", "no")
     assert parse_override("model.name_or_path=bert-base-uncased") == ("model.name_or_path", "bert-base-uncased")
     recipe = recipe_from_dict({**MINIMAL, "train": {"learning_rate": 1e-4, "epochs": 2}}, ["train.learning_rate=1e-5"])
     assert (recipe.train.learning_rate, recipe.train.epochs) == (1e-5, 2.0)
