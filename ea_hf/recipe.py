@@ -37,7 +37,15 @@ import yaml
 from .configuration import EvolvingAttentionSettings
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _recipes_dir() -> Path:
+    package = Path(__file__).resolve().parent
+    installed = package / "recipes"  # a wheel ships the repository's recipes/ as ea_hf/recipes
+    return installed if installed.is_dir() else package.parent / "recipes"  # a source checkout
+
+
+RECIPES_DIR = _recipes_dir()
 
 
 class RecipeLoader(yaml.SafeLoader):

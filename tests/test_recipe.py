@@ -2,6 +2,11 @@
 
 import importlib.util
 import itertools
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
 
 import pytest
 import yaml
@@ -143,3 +148,32 @@ def test_the_generated_recipes_are_the_ones_shipped():
     for path, text in files.items():
         assert path.read_text() == text, f"{path} is stale: run python recipes/glue/generate.py"
     assert set(files) == set((RECIPES_DIR / "glue").glob("*/*.yaml"))
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_ships_the_recipes(tmp_path):
+    """Built and installed without the repository around it, the package still lists and loads the recipes."""
+    # Build from a copy: setuptools builds in place and would leave build/ in the repository.
+    source = tmp_path / "source"
+    skip = shutil.ignore_patterns(".*", "__pycache__", "*.egg-info", "build", "dist", "runs")
+    shutil.copytree(RECIPES_DIR.parent, source, ignore=skip)
+    build = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*build, "-w", str(tmp_path / "wheel")], check=True, cwd=tmp_path, capture_output=True)
+    (wheel,) = (tmp_path / "wheel").glob("ea_hf-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {f"ea_hf/recipes/{path.relative_to(RECIPES_DIR).as_posix()}" for path in RECIPES_DIR.rglob("*.*")}
+    assert shipped <= names and len(shipped) >= 4 * 9 + 1 + 1
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    script = "from ea_hf.recipe import RECIPES_DIR, list_recipes, load_recipe\n"
+    script += "print(RECIPES_DIR, len(list_recipes()), load_recipe('quickstart').data.files['train'])"
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    recipes_dir, count, train_file = run.stdout.split()
+    assert recipes_dir == str(tmp_path / "site" / "ea_hf" / "recipes") and int(count) == len(list_recipes())
+    assert train_file == str(tmp_path / "site" / "ea_hf" / "recipes" / "data" / "sst2-sample" / "train.tsv")

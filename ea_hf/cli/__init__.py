@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -118,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return getattr(commands, args.command)(args)
+    except BrokenPipeError:  # the reader went away (`ea-hf ls | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     except (ValueError, NotImplementedError, OSError) as error:
         print(f"ea-hf {args.command}: error: {error}", file=sys.stderr)
         return 2
