@@ -89,6 +89,8 @@ class ModelSection:
     #: Dropout for hidden states and attention probabilities; None keeps the checkpoint's.
     dropout: float | None = None
     trust_remote_code: bool = False
+    #: Start a new task head when the checkpoint has one of another size (e.g. fine-tuned on another task).
+    ignore_mismatched_sizes: bool = False
 
 
 @dataclasses.dataclass

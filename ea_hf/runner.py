@@ -176,7 +176,17 @@ def _load_model(recipe: Recipe, label_names: tuple[str, ...] | None, adapter_dir
         config = transformers.AutoConfig.from_pretrained(model_path, **common)
         config_kwargs |= dropout_settings(config, recipe.model.dropout)
     processor = getattr(transformers, processor_class).from_pretrained(model_path, **common)
-    model = getattr(transformers, model_class).from_pretrained(model_path, **common, **config_kwargs)
+    try:
+        model = getattr(transformers, model_class).from_pretrained(
+            model_path, **common, **config_kwargs, ignore_mismatched_sizes=recipe.model.ignore_mismatched_sizes
+        )
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        raise ValueError(
+            f"{recipe.model.name_or_path} has weights (usually a task head) of another size than this task "
+            "needs; set model.ignore_mismatched_sizes=true to start them afresh"
+        ) from error
     if recipe.ea.enabled:
         patch(model, **recipe.ea_settings())
     if recipe.peft.method == "lora":

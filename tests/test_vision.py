@@ -112,3 +112,16 @@ def test_the_ea_vit_recipe_learns_the_digits(digits_folders, tmp_path):
     assert (tmp_path / "run" / "preprocessor_config.json").exists()
     assert evaluate_run(tmp_path / "run")["validation"]["accuracy"] == metrics["accuracy"]
     assert read_metrics(tmp_path / "run")["validation"]["accuracy"] == metrics["accuracy"]
+
+
+def test_a_checkpoint_with_a_head_of_another_size_needs_the_option(digits_folders, tmp_path):
+    checkpoint = tmp_path / "three-classes"
+    tiny_model("vit", transformers.AutoModelForImageClassification, num_labels=3).save_pretrained(checkpoint)
+    transformers.ViTImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(checkpoint)
+    overrides = [f"model.name_or_path={checkpoint}", "data.source=local", f"data.files={digits_folders}"]
+    recipe = load_recipe("vision/ea-vit-base-imagenet", [*overrides, f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match="set model.ignore_mismatched_sizes=true"):
+        prepare(recipe, tmp_path / "run")
+    recipe.model.ignore_mismatched_sizes = True
+    trainer, _ = prepare(recipe, tmp_path / "run")
+    assert trainer.model.classifier.out_features == 10 and trainer.model.config.num_labels == 10
