@@ -123,12 +123,6 @@ def training_arguments(recipe: Recipe, run_dir: Path) -> transformers.TrainingAr
     )
 
 
-def wait_for_everyone() -> None:
-    """Barrier across the processes of a distributed run (no-op in a single process)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
 #: What transformers configs call their hidden-state and attention-probability dropout (BERT and ViT
 #: families; T5; BART family and DistilBERT).
 DROPOUT_ATTRIBUTES = (
@@ -220,7 +214,7 @@ def _load_data(recipe: Recipe):
     return load_glue_data(spec.name, data.source, data.hub_id or "nyu-mll/glue", data.files), spec.label_names
 
 
-def _preprocess(recipe: Recipe, data, model, processor):
+def _preprocess(recipe: Recipe, data, label_names: tuple[str, ...] | None, model, processor):
     """Model-ready splits, the batch collator and ``compute_metrics``."""
     if recipe.kind == "image":
         image_size = recipe.data.image_size or processor_image_size(processor)
@@ -229,9 +223,8 @@ def _preprocess(recipe: Recipe, data, model, processor):
             split: dataset.with_transform(image_transform(processor, image_size, split == "train", **augmentation))
             for split, dataset in data.items()
         }
-        num_labels = len(next(iter(data.values())).features["label"].names)
         native_size = getattr(unwrap_model(model).config, "image_size", image_size)
-        return processed, PixelCollator(image_size != native_size), image_metrics_fn(num_labels)
+        return processed, PixelCollator(image_size != native_size), image_metrics_fn(len(label_names))
     spec = GLUE_TASKS[recipe.data.task]
     processed = {split: tokenize(dataset, spec, processor, recipe.data.max_length) for split, dataset in data.items()}
     return processed, transformers.DataCollatorWithPadding(processor), compute_metrics_fn(spec.name)
@@ -281,7 +274,7 @@ def prepare(
             if limit is not None and limit < len(data[split]):
                 data[split] = data[split].select(range(limit))
         model, processor = _load_model(recipe, label_names, adapter_dir)
-        processed, collator, compute_metrics = _preprocess(recipe, data, model, processor)
+        processed, collator, compute_metrics = _preprocess(recipe, data, label_names, model, processor)
     eval_splits = {split: dataset for split, dataset in processed.items() if split != "train"}
     trainer = EvolvingAttentionTrainer(
         model=model,
@@ -328,7 +321,7 @@ def run_recipe(
     args = training_arguments(recipe, run_dir)
     is_main = args.process_index == 0  # also sets up the process group of a distributed launch
     occupied = run_dir.exists() and any(run_dir.iterdir())
-    wait_for_everyone()  # every process has looked before the main one writes, so all of them agree
+    args.distributed_state.wait_for_everyone()  # all have looked before the main one writes: they agree
     if occupied and not resume:
         raise FileExistsError(
             f"{run_dir} already holds a run; continue it with --resume (resume=True) or choose another output_dir"
