@@ -25,6 +25,8 @@ class GlueTask:
     """What a GLUE task's data looks like (as in ``nyu-mll/glue``) and how it is scored."""
 
     name: str
+    #: How GLUE writes the name (``SST-2``).
+    title: str
     text_columns: tuple[str, ...]
     #: Class names in label-id order; None for regression (STS-B).
     label_names: tuple[str, ...] | None
@@ -44,21 +46,22 @@ class GlueTask:
 GLUE_TASKS: dict[str, GlueTask] = {
     task.name: task
     for task in [
-        GlueTask("cola", ("sentence",), ("unacceptable", "acceptable"), ("matthews_correlation",)),
-        GlueTask("sst2", ("sentence",), ("negative", "positive"), ("accuracy",)),
-        GlueTask("mrpc", ("sentence1", "sentence2"), ("not_equivalent", "equivalent"), ("f1", "accuracy")),
-        GlueTask("stsb", ("sentence1", "sentence2"), None, ("pearson", "spearmanr")),
-        GlueTask("qqp", ("question1", "question2"), ("not_duplicate", "duplicate"), ("f1", "accuracy")),
+        GlueTask("cola", "CoLA", ("sentence",), ("unacceptable", "acceptable"), ("matthews_correlation",)),
+        GlueTask("sst2", "SST-2", ("sentence",), ("negative", "positive"), ("accuracy",)),
+        GlueTask("mrpc", "MRPC", ("sentence1", "sentence2"), ("not_equivalent", "equivalent"), ("f1", "accuracy")),
+        GlueTask("stsb", "STS-B", ("sentence1", "sentence2"), None, ("pearson", "spearmanr")),
+        GlueTask("qqp", "QQP", ("question1", "question2"), ("not_duplicate", "duplicate"), ("f1", "accuracy")),
         GlueTask(
             "mnli",
+            "MNLI",
             ("premise", "hypothesis"),
             ("entailment", "neutral", "contradiction"),
             ("accuracy",),
             eval_splits=("validation_matched", "validation_mismatched"),
         ),
-        GlueTask("qnli", ("question", "sentence"), ("entailment", "not_entailment"), ("accuracy",)),
-        GlueTask("rte", ("sentence1", "sentence2"), ("entailment", "not_entailment"), ("accuracy",)),
-        GlueTask("wnli", ("sentence1", "sentence2"), ("not_entailment", "entailment"), ("accuracy",)),
+        GlueTask("qnli", "QNLI", ("question", "sentence"), ("entailment", "not_entailment"), ("accuracy",)),
+        GlueTask("rte", "RTE", ("sentence1", "sentence2"), ("entailment", "not_entailment"), ("accuracy",)),
+        GlueTask("wnli", "WNLI", ("sentence1", "sentence2"), ("not_entailment", "entailment"), ("accuracy",)),
     ]
 }
 

@@ -108,6 +108,16 @@ class EvolvingAttentionModelMixin:
         reorder_convolution_histories(past_key_values, beam_idx)
         return past_key_values
 
+    def push_to_hub(self, repo_id: str, **kwargs: Any) -> Any:
+        """Upload the model with its evolving attention model card, and the tokenizer or image processor of
+        the checkpoint it was loaded from (see ``ea_hf.hub.push_model``); same arguments as transformers'.
+        Loaded as remote code where ea_hf is not installed, this is transformers' own ``push_to_hub``."""
+        try:  # an absolute import in a try block: remote-code copies of this file neither ship nor need it
+            from ea_hf.hub import push_model
+        except ImportError:
+            return super().push_to_hub(repo_id, **kwargs)
+        return push_model(self, repo_id, **kwargs)
+
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, **kwargs: Any):
         keywords = getattr(gradient_checkpointing_func, "keywords", None) or {}
         if enable and keywords.get("use_reentrant", False):

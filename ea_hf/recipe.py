@@ -35,17 +35,10 @@ from typing import Any, Literal
 import yaml
 
 from .configuration import EvolvingAttentionSettings
+from .resources import shipped_dir
 
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
-
-
-def _recipes_dir() -> Path:
-    package = Path(__file__).resolve().parent
-    installed = package / "recipes"  # a wheel ships the repository's recipes/ as ea_hf/recipes
-    return installed if installed.is_dir() else package.parent / "recipes"  # a source checkout
-
-
-RECIPES_DIR = _recipes_dir()
+RECIPES_DIR = shipped_dir("recipes")
 
 
 class RecipeLoader(yaml.SafeLoader):

@@ -221,3 +221,16 @@ def digits_folders(tmp_path_factory) -> dict[str, str]:
             Image.fromarray(pixels, mode="L").resize((IMAGE_SIZE, IMAGE_SIZE), Image.NEAREST).save(folder / f"{i}.png")
         folders[split] = str(root / split)
     return folders
+
+
+# The Hub: a Hub-compatible server on loopback (tests/hub_server.py) ----------------------------------------------
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A running FakeHub with huggingface_hub pointed at it: online, no Xet, no implicit token, cache in tmp_path."""
+    from hub_server import FakeHub
+
+    with FakeHub() as server:
+        server.patch_client(monkeypatch, cache_dir=tmp_path / "default-cache")
+        yield server

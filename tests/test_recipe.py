@@ -152,7 +152,8 @@ def test_the_generated_recipes_are_the_ones_shipped():
 
 @pytest.mark.slow
 def test_an_installed_wheel_ships_the_recipes(tmp_path):
-    """Built and installed without the repository around it, the package still lists and loads the recipes."""
+    """Built and installed without the repository around it, the package still lists and loads the recipes
+    (and has its model card template)."""
     # Build from a copy: setuptools builds in place and would leave build/ in the repository.
     source = tmp_path / "source"
     skip = shutil.ignore_patterns(".*", "__pycache__", "*.egg-info", "build", "dist", "runs")
@@ -163,6 +164,7 @@ def test_an_installed_wheel_ships_the_recipes(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"ea_hf/recipes/{path.relative_to(RECIPES_DIR).as_posix()}" for path in RECIPES_DIR.rglob("*.*")}
     assert shipped <= names and len(shipped) >= 4 * 9 + 1 + 1
+    assert "ea_hf/model_cards/model_card.md" in names  # the model card template ships too
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     script = "from ea_hf.recipe import RECIPES_DIR, list_recipes, load_recipe\n"
     script += "print(RECIPES_DIR, len(list_recipes()), load_recipe('quickstart').data.files['train'])"

@@ -11,6 +11,10 @@ Sub-commands:
                                                           fine-tune and evaluate (every sweep combination)
     ea-hf eval RUN_DIR                                    re-evaluate the final model of a run
     ea-hf compare RUN_DIR ...                             print the runs' metrics side by side
+    ea-hf card RUN_DIR [-o README.md]                     render a run's model card (no network)
+    ea-hf push RUN_DIR --repo-id USER/NAME [--private] [--revision BRANCH] [--endpoint URL]
+                                                          upload a run with its model card (token: HF_TOKEN
+                                                          or `hf auth login`)
 """
 
 from __future__ import annotations
@@ -102,6 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("run_dir")
     compare = commands.add_parser("compare", help="print the metrics of runs side by side")
     compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+
+    card = commands.add_parser("card", help="render the model card of a run directory (no network)")
+    card.add_argument("run_dir")
+    card.add_argument("--repo-id", default=None, help="repository id the card names (default: the recipe's name)")
+    card.add_argument("--output", "-o", default=None, help="write the card to this file instead of printing it")
+    push = commands.add_parser("push", help="upload a run directory to the Hugging Face Hub with its model card")
+    push.add_argument("run_dir")
+    push.add_argument("--repo-id", required=True, help="USER/NAME or ORG/NAME of the model repository")
+    push.add_argument("--private", action="store_true", help="create the repository as private")
+    push.add_argument("--revision", default=None, metavar="BRANCH", help="branch to push to (created if needed)")
+    push.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)")
+    push.add_argument("--commit-message", default=None)
     return parser
 
 

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 import ea_hf
+from ea_hf.hub import save_preprocessor
 
 
 def _model_class(model: str, auto_class: str | None) -> type:
@@ -28,18 +29,6 @@ def _model_class(model: str, auto_class: str | None) -> type:
     return transformers.AutoModel
 
 
-def _save_preprocessor(model: str, out_dir: Path) -> str | None:
-    """Copy the tokenizer or image processor of ``model`` next to the patched weights, if it has one."""
-    for loader in (transformers.AutoTokenizer, transformers.AutoImageProcessor):
-        try:
-            preprocessor = loader.from_pretrained(model)
-        except (OSError, ValueError, KeyError):
-            continue
-        preprocessor.save_pretrained(out_dir)
-        return type(preprocessor).__name__
-    return None
-
-
 def patch(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -49,7 +38,7 @@ def patch(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     ea_hf.patch(model, **settings.to_dict(), decoder=args.decoder, cross=args.cross)
     model.save_pretrained(out_dir)
-    preprocessor = _save_preprocessor(args.model, out_dir)
+    preprocessor = save_preprocessor(args.model, out_dir)
     print(ea_hf.summary(model))
     print(f"saved {type(model).__name__} to {out_dir}" + (f" with its {preprocessor}" if preprocessor else ""))
     return 0
@@ -150,4 +139,31 @@ def compare(args: argparse.Namespace) -> int:
     from ..runner import compare_runs
 
     print(compare_runs(args.run_dirs))
+    return 0
+
+
+def card(args: argparse.Namespace) -> int:
+    from ..hub import run_card
+
+    text = str(run_card(args.run_dir, args.repo_id))
+    if args.output is None:
+        print(text)
+    else:
+        Path(args.output).write_text(text)
+        print(f"wrote the model card of {args.run_dir} to {args.output}")
+    return 0
+
+
+def push(args: argparse.Namespace) -> int:
+    from ..hub import push_run
+
+    commit = push_run(
+        args.run_dir,
+        args.repo_id,
+        private=args.private or None,
+        revision=args.revision,
+        endpoint=args.endpoint,
+        commit_message=args.commit_message,
+    )
+    print(f"pushed {args.run_dir} to {commit.repo_url} ({commit.oid[:12]}): {commit.commit_url}")
     return 0

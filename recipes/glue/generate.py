@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ea_hf.glue import GLUE_TASKS
+
 HERE = Path(__file__).resolve().parent
 
 #: name -> (Hub checkpoint, description, learning rate)
@@ -25,18 +27,8 @@ MODELS = {
     "ea-t5-base": ("google-t5/t5-base", "EA-T5-Base", 1e-4),
 }
 
-#: task -> (full name, small dataset): small ones get batch 8 and 5 epochs, large ones batch 16 and 3.
-TASKS = {
-    "cola": ("CoLA", True),
-    "sst2": ("SST-2", False),
-    "mrpc": ("MRPC", True),
-    "stsb": ("STS-B", True),
-    "qqp": ("QQP", False),
-    "mnli": ("MNLI", False),
-    "qnli": ("QNLI", False),
-    "rte": ("RTE", True),
-    "wnli": ("WNLI", True),
-}
+#: The small datasets get batch 8 and 5 epochs, the large ones batch 16 and 3.
+SMALL_TASKS = {"cola", "mrpc", "stsb", "rte", "wnli"}
 
 SEARCH_SPACE = (
     "#   train.learning_rate {1e-4, 1e-5, 2e-5}, train.batch_size {8, 16}, train.epochs {2, 3, 5},\n"
@@ -46,8 +38,8 @@ SEARCH_SPACE = (
 
 def render(model: str, task: str) -> str:
     checkpoint, title, learning_rate = MODELS[model]
-    task_title, small = TASKS[task]
-    batch_size, epochs = (8, 5) if small else (16, 3)
+    task_title = GLUE_TASKS[task].title
+    batch_size, epochs = (8, 5) if task in SMALL_TASKS else (16, 3)
     name = f"glue/{model}/{task}"
     baseline = model.removeprefix("ea-")
     return f"""\
@@ -96,7 +88,7 @@ sweep:
 
 
 def recipe_files() -> dict[Path, str]:
-    return {HERE / model / f"{task}.yaml": render(model, task) for model in MODELS for task in TASKS}
+    return {HERE / model / f"{task}.yaml": render(model, task) for model in MODELS for task in GLUE_TASKS}
 
 
 def main() -> None:
