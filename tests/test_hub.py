@@ -101,6 +101,15 @@ def test_push_uploads_the_run_byte_for_byte_and_is_idempotent(run_dir, hub, monk
     assert set(hub.files("test-user/private", "main")) == {".gitattributes"}
 
 
+def test_push_takes_the_token_hf_auth_login_stored(run_dir, hub, monkeypatch, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)  # what `hf auth login` writes
+    monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(token_file))
+    assert "HF_TOKEN" not in os.environ
+    assert main(["push", str(run_dir), "--repo-id", REPO]) == 0
+    assert "model.safetensors" in hub.files(REPO)
+
+
 def test_a_pushed_run_loads_back_with_the_same_outputs(run_dir, hub, monkeypatch, minilm_tokenizer):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     assert main(["push", str(run_dir), "--repo-id", REPO]) == 0  # endpoint from the environment (patched)
