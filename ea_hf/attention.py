@@ -24,6 +24,17 @@ pre-hook on the stack puts a fresh dict into the keyword arguments that transfor
 attention call. Nothing is kept on the modules, so concurrent calls are independent, and gradient
 checkpointing (non-reentrant) replays a layer against the very tensors of the original call.
 
+Variants (``method`` in the settings): ``residual`` keeps the first line only (no convolution: beta = 0 and
+no weights, RealFormer-style); ``echo`` is echo attention (Tay et al., "Echo-Attention: Attend Once and Get N
+Attentions for Free", section 2.2), which refines each layer's own logits E_0 = S_i in S steps
+
+    P_k = sigmoid(Q_i w_k + b_k)                       (one gate per head and query token)
+    E_k = P_k * U_k((1 - P_(k-1)) * E_(k-1)),  U_k(X) = a_k * X,  P_0 = 0
+    A_logit_i = E_0 + E_1 + ... + E_S
+
+with a_k one scale per head (``scalar``) or per query/key position (``row``/``column``); a_k starts at 0,
+so a freshly patched echo model computes what the original does.
+
 This file is copied beside the weights of saved EA checkpoints (see ``configuration.py``).
 """
 
@@ -94,6 +105,7 @@ class AttentionMapEvolution(nn.Module):
         kind: str = "encoder",
         position: int = 0,
         previous: int | None = None,
+        method: str = "conv",
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -108,10 +120,17 @@ class AttentionMapEvolution(nn.Module):
         self.kind = kind
         self.position = position
         self.previous = previous
-        rows = kernel_size // 2 + 1 if self.causal else kernel_size
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(num_heads, num_heads, rows, kernel_size, **factory))
-        self.bias = nn.Parameter(torch.empty(num_heads, **factory))
+        self.method = method
+        if method == "conv":
+            rows = kernel_size // 2 + 1 if self.causal else kernel_size
+            factory = {"device": device, "dtype": dtype}
+            self.weight = nn.Parameter(torch.empty(num_heads, num_heads, rows, kernel_size, **factory))
+            self.bias = nn.Parameter(torch.empty(num_heads, **factory))
+        else:  # residual attention (and echo, a subclass): no convolution
+            if self.beta != 0.0:
+                raise ValueError(f"method {method!r} has no convolution; beta must be 0, got {beta}")
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
         self.reset_parameters()
 
     @property
@@ -125,8 +144,8 @@ class AttentionMapEvolution(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"heads={self.num_heads}, kernel_size={self.kernel_size}, alpha={self.alpha}, beta={self.beta}, "
-            f"kind={self.kind!r}, position={self.position}, previous={self.previous}"
+            f"method={self.method!r}, heads={self.num_heads}, kernel_size={self.kernel_size}, alpha={self.alpha}, "
+            f"beta={self.beta}, kind={self.kind!r}, position={self.position}, previous={self.previous}"
         )
 
     @torch.no_grad()
@@ -138,6 +157,8 @@ class AttentionMapEvolution(nn.Module):
         with a zero bias (for a causal kernel the centre is its last row). Parameters already loaded from a
         checkpoint are left alone.
         """
+        if self.weight is None:
+            return
         if self.init == "kaiming_uniform":
             hf_init.kaiming_uniform_(self.weight, a=math.sqrt(5))
             bound = 1.0 / math.sqrt(self.weight[0].numel())
@@ -180,6 +201,8 @@ class AttentionMapEvolution(nn.Module):
         conv_mask: torch.Tensor | None,
         chain: dict[Any, Any] | None,
         history: ConvolutionHistory | None = None,
+        query: torch.Tensor | None = None,
+        past: int = 0,
     ) -> torch.Tensor:
         """Return A_logit for this layer and record it in ``chain`` for the next layer.
 
@@ -188,6 +211,8 @@ class AttentionMapEvolution(nn.Module):
             conv_mask: boolean [B, 1 or H, Q, K], True where an entry may enter the convolution; None if all may.
             chain: the per-call dict of previous layers' logits.
             history: for incremental decoding, the earlier rows of this layer's convolution input.
+            query, past: the layer's queries [B, H, Q, D] and the number of earlier (cached) query positions;
+                only echo attention reads them.
         """
         if chain is None:
             raise RuntimeError(
@@ -213,6 +238,115 @@ class AttentionMapEvolution(nn.Module):
             convolved = self.convolve(conv_input, rows_before)
             logits = self.beta * convolved + (1.0 - self.beta) * attention_in
         chain[self.key] = logits
+        return logits
+
+
+class EchoAttention(AttentionMapEvolution):
+    """Echo attention (method ``echo``): S gated, stateful refinements of a layer's own logits (see the module
+    docstring). Each step has a gate projection per head (``head_dim`` weights and a bias) and a state scale
+    per head (``scalar``) or per head and position (``row``: query positions, ``column``: key positions, up to
+    ``max_positions``). The gates depend on one query token each and the scales on one position, so nothing
+    crosses from padding or future tokens into valid entries.
+
+    Example:
+        >>> echo = EchoAttention(4, head_dim=8, echoes=2, position=0)
+        >>> scores, query = torch.randn(1, 4, 5, 5), torch.randn(1, 4, 5, 8)
+        >>> torch.equal(echo(scores, None, {}, query=query), scores)  # the state starts at zero
+        True
+        >>> sum(p.numel() for p in echo.parameters())  # 2 steps x 4 heads x (8 gate weights + bias + scale)
+        80
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        head_dim: int,
+        echoes: int = 2,
+        state: str = "scalar",
+        max_positions: int | None = None,
+        kind: str = "encoder",
+        position: int = 0,
+        previous: int | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            alpha=0.0,
+            beta=0.0,
+            kernel_size=1,
+            kind=kind,
+            position=position,
+            previous=previous,
+            method="echo",
+            device=device,
+            dtype=dtype,
+        )
+        if state not in ("scalar", "row", "column"):
+            raise ValueError(f"Unknown echo state {state!r}; expected 'scalar', 'row' or 'column'")
+        if state != "scalar" and not max_positions:
+            raise ValueError(f"echo state {state!r} needs max_positions")
+        self.echoes, self.state, self.max_positions = echoes, state, max_positions
+        factory = {"device": device, "dtype": dtype}
+        self.gate_weight = nn.Parameter(torch.empty(echoes, num_heads, head_dim, **factory))
+        self.gate_bias = nn.Parameter(torch.empty(echoes, num_heads, **factory))
+        scale_shape = (echoes, num_heads) if state == "scalar" else (echoes, num_heads, max_positions)
+        self.state_scale = nn.Parameter(torch.empty(scale_shape, **factory))
+        self.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (
+            f"method='echo', heads={self.num_heads}, echoes={self.echoes}, state={self.state!r}, "
+            f"kind={self.kind!r}, position={self.position}"
+        )
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Gate weights ~ N(0, 0.02), gate bias 0, state scales 0 (so the layer starts as the plain one)."""
+        if not hasattr(self, "state_scale"):  # called by the base class before the echo weights exist
+            return
+        hf_init.normal_(self.gate_weight, mean=0.0, std=0.02)
+        hf_init.zeros_(self.gate_bias)
+        hf_init.zeros_(self.state_scale)
+
+    def _scale(self, step: int, query_length: int, key_length: int, past: int) -> torch.Tensor:
+        """a_k, broadcastable to [B, H, Q, K]."""
+        scale = self.state_scale[step]
+        if self.state == "scalar":
+            return scale[:, None, None]
+        positions = past + query_length if self.state == "row" else key_length
+        if positions > self.max_positions:
+            raise ValueError(
+                f"echo attention with a {self.state} state takes at most {self.max_positions} positions, "
+                f"got {positions}"
+            )
+        if self.state == "row":
+            return scale[:, past : past + query_length, None]
+        return scale[:, None, :key_length]
+
+    def forward(
+        self,
+        scores: torch.Tensor,
+        conv_mask: torch.Tensor | None,
+        chain: dict[Any, Any] | None,
+        history: ConvolutionHistory | None = None,
+        query: torch.Tensor | None = None,
+        past: int = 0,
+    ) -> torch.Tensor:
+        if query is None:
+            raise RuntimeError("echo attention needs the layer's queries")
+        query_length, key_length = scores.shape[-2:]
+        # [S, B, H, Q, 1]: one gate per step, head and query token, shared by the whole row.
+        gates = torch.sigmoid(
+            torch.einsum("bhqd,shd->sbhq", query.to(scores.dtype), self.gate_weight) + self.gate_bias[:, None, :, None]
+        ).unsqueeze(-1)
+        logits, echo, previous_gate = scores, scores, None
+        for step in range(self.echoes):
+            carried = echo if previous_gate is None else (1.0 - previous_gate) * echo
+            echo = gates[step] * (self._scale(step, query_length, key_length, past) * carried)
+            logits = logits + echo
+            previous_gate = gates[step]
         return logits
 
 
@@ -360,7 +494,7 @@ def evolving_attention_forward(
         if cache is not None and evolution.causal and evolution.beta != 0.0:
             history = convolution_history(cache, evolution.key, past)
         conv_mask = convolution_mask(evolution.kind, allowed, query_length, past, chain if chain is not None else {})
-        scores = evolution(scores, conv_mask, chain, history)
+        scores = evolution(scores, conv_mask, chain, history, query=query, past=past)
     if additive is not None:
         scores = scores + additive
     elif allowed is not None:

@@ -28,6 +28,18 @@ INIT_SCHEMES = ("kaiming_uniform", "xavier_uniform", "normal", "dirac")
 #: Name of the config attribute that holds the settings, one entry per attention kind.
 CONFIG_ATTRIBUTE = "evolving_attention"
 
+#: How attention maps evolve: ``conv`` is Evolving Attention (residual mix with the previous layer's logits,
+#: then a convolution); ``residual`` keeps only the residual mix (RealFormer-style, no convolution);
+#: ``echo`` is echo attention (per-head gated, stateful refinements of each layer's own logits).
+METHODS = ("conv", "residual", "echo")
+#: Echo attention's state transition U_k(X) = a_k * X: one scale per head and step (``scalar``), or one per
+#: query position (``row``) or key position (``column``), which needs ``max_positions``.
+ECHO_STATES = ("scalar", "row", "column")
+#: alpha and beta when not given: the papers' 0.2 where the method uses them, 0 where it does not.
+METHOD_DEFAULTS = {"conv": (0.2, 0.2), "residual": (0.2, 0.0), "echo": (0.0, 0.0)}
+#: Settings only echo attention uses.
+ECHO_FIELDS = ("echoes", "echo_state", "max_positions")
+
 
 @dataclasses.dataclass(frozen=True)
 class EvolvingAttentionSettings:
@@ -35,14 +47,23 @@ class EvolvingAttentionSettings:
 
     Args:
         alpha: weight of the previous layer's attention logits in the residual mix, in [0, 1].
-        beta: weight of the convolution branch in the output logits, in [0, 1].
+        beta: weight of the convolution branch in the output logits, in [0, 1] (0 for ``residual``).
         kernel_size: odd, positive size of the square convolution kernel over the N x N map.
         layers: indices of the layers to patch (in the stack's own numbering); ``None`` patches all.
         init: initialisation of the convolution, one of :data:`INIT_SCHEMES`.
+        method: one of :data:`METHODS`. ``residual`` has no convolution (beta must be 0); ``echo`` neither
+            mixes layers nor convolves (alpha and beta must be 0).
+        echoes: ``echo``: the number of echo steps S.
+        echo_state: ``echo``: the state transition, one of :data:`ECHO_STATES`.
+        max_positions: ``echo`` with a ``row`` or ``column`` state: the longest sequence it can take.
 
     Example:
         >>> EvolvingAttentionSettings(alpha=0.4, beta=0.1, layers=[0, 2]).layers
         (0, 2)
+        >>> EvolvingAttentionSettings(method="residual")
+        Traceback (most recent call last):
+        ...
+        ValueError: Invalid evolving-attention settings: method 'residual' has no convolution: beta must be 0, got 0.2
     """
 
     alpha: float = 0.2
@@ -50,6 +71,26 @@ class EvolvingAttentionSettings:
     kernel_size: int = 3
     layers: tuple[int, ...] | None = None
     init: str = "kaiming_uniform"
+    method: str = "conv"
+    echoes: int = 2
+    echo_state: str = "scalar"
+    max_positions: int | None = None
+
+    @classmethod
+    def for_method(
+        cls, method: str = "conv", alpha: float | None = None, beta: float | None = None, **fields: Any
+    ) -> EvolvingAttentionSettings:
+        """Settings for ``method``, with its default alpha and beta where they are not given.
+
+        Example:
+            >>> s = EvolvingAttentionSettings.for_method("residual")
+            >>> s.alpha, s.beta
+            (0.2, 0.0)
+        """
+        default_alpha, default_beta = METHOD_DEFAULTS.get(method, (0.2, 0.2))
+        alpha = default_alpha if alpha is None else alpha
+        beta = default_beta if beta is None else beta
+        return cls(alpha=alpha, beta=beta, method=method, **fields)
 
     def __post_init__(self) -> None:
         problems = []
@@ -79,15 +120,39 @@ class EvolvingAttentionSettings:
                     object.__setattr__(self, "layers", tuple(sorted(layers)))
         if self.init not in INIT_SCHEMES:
             problems.append(f"init must be one of {', '.join(INIT_SCHEMES)}, got {self.init!r}")
+        problems += self._method_problems()
         if problems:
             raise ValueError("Invalid evolving-attention settings: " + "; ".join(problems))
         object.__setattr__(self, "alpha", float(self.alpha))
         object.__setattr__(self, "beta", float(self.beta))
 
+    def _method_problems(self) -> list[str]:
+        if self.method not in METHODS:
+            return [f"method must be one of {', '.join(METHODS)}, got {self.method!r}"]
+        problems = []
+        if self.method == "residual" and self.beta != 0:
+            problems.append(f"method 'residual' has no convolution: beta must be 0, got {self.beta!r}")
+        if self.method == "echo":
+            if self.alpha != 0 or self.beta != 0:
+                problems.append(
+                    f"method 'echo' refines each layer's own logits, so alpha and beta must be 0, "
+                    f"got alpha={self.alpha!r}, beta={self.beta!r}"
+                )
+            if isinstance(self.echoes, bool) or not isinstance(self.echoes, int) or self.echoes < 1:
+                problems.append(f"echoes must be a positive integer, got {self.echoes!r}")
+            if self.echo_state not in ECHO_STATES:
+                problems.append(f"echo_state must be one of {', '.join(ECHO_STATES)}, got {self.echo_state!r}")
+            elif self.echo_state != "scalar" and not (isinstance(self.max_positions, int) and self.max_positions > 0):
+                problems.append(f"echo_state {self.echo_state!r} needs max_positions, got {self.max_positions!r}")
+        return problems
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, as stored in ``config.json``."""
         data = dataclasses.asdict(self)
         data["layers"] = None if self.layers is None else list(self.layers)
+        if self.method != "echo":  # the echo fields mean nothing to the other methods
+            for name in ECHO_FIELDS:
+                del data[name]
         return data
 
     @classmethod

@@ -207,7 +207,7 @@ def run_card(run_dir: str | Path, repo_id: str | None = None) -> ModelCard:
     common["added_parameters"] = _evolution_parameters(run_dir)
     if adapter:  # no config.json: the base is patched as the recipe says, then the adapter loads onto it
         ea = recipe.ea
-        settings = {"encoder": {"alpha": ea.alpha, "beta": ea.beta, "kernel_size": ea.kernel_size, "layers": ea.layers}}
+        settings = {"encoder": recipe.evolution().to_dict()}
         for kind in ("decoder", "cross"):  # seq2seq overrides as the recipe gives them
             if isinstance(getattr(ea, kind), Mapping):
                 settings[kind] = {**settings["encoder"], **getattr(ea, kind)}

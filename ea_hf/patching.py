@@ -20,6 +20,7 @@ from .attention import (
     ATTENTION_IMPLEMENTATION,
     MODULE_ATTRIBUTE,
     AttentionMapEvolution,
+    EchoAttention,
     pass_cache,
     start_chain,
 )
@@ -91,6 +92,7 @@ class PatchedModule:
     beta: float
     kernel_size: int
     parameters: int
+    method: str = "conv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +104,14 @@ class PatchSummary:
     total_parameters: int
 
     def __str__(self) -> str:
-        lines = [f"{'module':<52} {'kind':<8} {'layer':>5} {'prev':>5} {'alpha':>6} {'beta':>6} {'k':>3} {'params':>8}"]
+        header = f"{'module':<52} {'kind':<8} {'method':<8} {'layer':>5} {'prev':>5} {'alpha':>6} {'beta':>6} {'k':>3}"
+        lines = [f"{header} {'params':>8}"]
         for m in self.modules:
             prev = "-" if m.previous_layer is None else str(m.previous_layer)
+            kernel = str(m.kernel_size) if m.method == "conv" else "-"
             lines.append(
-                f"{m.name:<52} {m.kind:<8} {m.layer:>5} {prev:>5} {m.alpha:>6g} {m.beta:>6g} "
-                f"{m.kernel_size:>3} {m.parameters:>8,}"
+                f"{m.name:<52} {m.kind:<8} {m.method:<8} {m.layer:>5} {prev:>5} {m.alpha:>6g} {m.beta:>6g} "
+                f"{kernel:>3} {m.parameters:>8,}"
             )
         share = 100.0 * self.added_parameters / max(self.total_parameters, 1)
         lines.append(
@@ -242,18 +246,28 @@ def attach_evolution(
             if chosen.layers is not None and site.layer not in chosen.layers:
                 continue
             reference = next(site.module.parameters())
-            evolution = AttentionMapEvolution(
-                getattr(site.module, adapter.num_heads_attribute),
-                alpha=chosen.alpha,
-                beta=chosen.beta,
-                kernel_size=chosen.kernel_size,
-                init=chosen.init,
-                kind=site.kind,
-                position=site.layer,
-                previous=previous,
-                device=reference.device,
-                dtype=reference.dtype,
-            )
+            num_heads = getattr(site.module, adapter.num_heads_attribute)
+            common = {"kind": site.kind, "position": site.layer, "previous": previous}
+            common |= {"device": reference.device, "dtype": reference.dtype}
+            if chosen.method == "echo":
+                evolution = EchoAttention(
+                    num_heads,
+                    head_dim=query_projection(site.module).out_features // num_heads,
+                    echoes=chosen.echoes,
+                    state=chosen.echo_state,
+                    max_positions=chosen.max_positions,
+                    **common,
+                )
+            else:
+                evolution = AttentionMapEvolution(
+                    num_heads,
+                    alpha=chosen.alpha,
+                    beta=chosen.beta,
+                    kernel_size=chosen.kernel_size,
+                    init=chosen.init,
+                    method=chosen.method,
+                    **common,
+                )
             setattr(site.module, MODULE_ATTRIBUTE, evolution)
             if evolution.causal:
                 site.module.register_forward_pre_hook(pass_cache, with_kwargs=True)
@@ -262,6 +276,14 @@ def attach_evolution(
         if not any(hook is start_chain for hook in stack._forward_pre_hooks.values()):
             stack.register_forward_pre_hook(start_chain, with_kwargs=True)
     set_attention_implementation(model, ATTENTION_IMPLEMENTATION)
+
+
+def query_projection(attention: nn.Module) -> nn.Linear:
+    """The query projection of an attention module: the first linear layer in it (query, q, q_proj, q_lin)."""
+    for module in attention.modules():
+        if isinstance(module, nn.Linear):
+            return module
+    raise ValueError(f"{type(attention).__name__} has no linear query projection")
 
 
 def set_attention_implementation(model: nn.Module, implementation: str) -> None:
@@ -332,12 +354,16 @@ def resolve_settings(
 
 def patch(
     model: PreTrainedModel,
-    alpha: float = 0.2,
-    beta: float = 0.2,
+    alpha: float | None = None,
+    beta: float | None = None,
     kernel_size: int = 3,
     layers: list[int] | None = None,
     init: str = "kaiming_uniform",
     *,
+    method: str = "conv",
+    echoes: int = 2,
+    echo_state: str = "scalar",
+    max_positions: int | None = None,
     decoder: KindSettings = None,
     cross: KindSettings = None,
 ) -> PreTrainedModel:
@@ -355,10 +381,17 @@ def patch(
     follow the papers' translation setup: no skip connection (alpha = 0), the encoder's beta, kernel and
     init, every layer.
 
+    ``method`` picks the evolution: ``"conv"`` (Evolving Attention, the default), ``"residual"`` (the
+    residual mix alone, no convolution and no new weights; beta = 0) or ``"echo"`` (echo attention: ``echoes``
+    gated refinements of each layer's own logits with a ``scalar``, ``row`` or ``column`` state; alpha =
+    beta = 0; ``max_positions`` bounds the sequence length of the vector states).
+
     Args:
         model: a loaded model of a supported architecture (see :data:`ADAPTERS`).
-        alpha: weight of the previous layer's logits, in [0, 1] (encoder self-attention).
-        beta: weight of the convolution branch, in [0, 1] (encoder; default for the other chains).
+        alpha: weight of the previous layer's logits, in [0, 1] (encoder self-attention); default 0.2 (0 for
+            ``echo``).
+        beta: weight of the convolution branch, in [0, 1] (encoder; default for the other chains); default
+            0.2 (0 for ``residual`` and ``echo``).
         kernel_size: odd kernel size of the convolution (encoder; default for the other chains).
         layers: indices of the encoder layers to patch; ``None`` for all.
         init: convolution initialisation, one of ``kaiming_uniform`` (default), ``xavier_uniform``,
@@ -394,7 +427,17 @@ def patch(
 
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"ea_hf.patch expects a transformers PreTrainedModel, got {type(model).__name__}")
-    encoder = EvolvingAttentionSettings(alpha, beta, kernel_size, layers, init)
+    encoder = EvolvingAttentionSettings.for_method(
+        method,
+        alpha,
+        beta,
+        kernel_size=kernel_size,
+        layers=layers,
+        init=init,
+        echoes=echoes,
+        echo_state=echo_state,
+        max_positions=max_positions,
+    )
     if is_patched(model) or getattr(model.config, CONFIG_ATTRIBUTE, None) is not None:
         raise ValueError(f"{type(model).__name__} is already patched with evolving attention; call ea_hf.unpatch first")
     settings = resolve_settings(model, encoder, {"decoder": decoder, "cross": cross})
@@ -470,6 +513,7 @@ def summary(model: nn.Module) -> PatchSummary:
                     beta=module.beta,
                     kernel_size=module.kernel_size,
                     parameters=sum(p.numel() for p in module.parameters()),
+                    method=module.method,
                 )
             )
     return PatchSummary(

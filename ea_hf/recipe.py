@@ -92,11 +92,18 @@ class EASection:
     fields are then ignored, so a baseline is the same recipe with one override)."""
 
     enabled: bool = True
-    alpha: float = 0.2
-    beta: float = 0.2
+    #: ``conv`` (Evolving Attention), ``residual`` (no convolution) or ``echo`` (echo attention).
+    method: Literal["conv", "residual", "echo"] = "conv"
+    #: None: the method's default (0.2 where the method uses it, else 0).
+    alpha: float | None = None
+    beta: float | None = None
     kernel_size: int = 3
     layers: list[int] | None = None
     init: str = "kaiming_uniform"
+    #: Echo attention: steps, state transition (scalar, row, column) and the longest sequence of a vector state.
+    echoes: int = 2
+    echo_state: Literal["scalar", "row", "column"] = "scalar"
+    max_positions: int | None = None
     decoder: dict[str, Any] | bool | None = None
     cross: dict[str, Any] | bool | None = None
     #: Learning rate of the added convolution parameters; None uses ``train.learning_rate``.
@@ -199,12 +206,16 @@ class Recipe:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def evolution(self) -> EvolvingAttentionSettings:
+        """The (encoder) settings the ``ea`` section describes, method defaults filled in."""
+        ea = self.ea
+        fields = {"kernel_size": ea.kernel_size, "layers": ea.layers, "init": ea.init, "echoes": ea.echoes}
+        fields |= {"echo_state": ea.echo_state, "max_positions": ea.max_positions}
+        return EvolvingAttentionSettings.for_method(ea.method, ea.alpha, ea.beta, **fields)
+
     def ea_settings(self) -> dict[str, Any]:
         """Keyword arguments for :func:`ea_hf.patch`."""
-        ea = self.ea
-        settings = {"alpha": ea.alpha, "beta": ea.beta, "kernel_size": ea.kernel_size, "layers": ea.layers}
-        settings |= {"init": ea.init, "decoder": ea.decoder, "cross": ea.cross}
-        return settings
+        return {**self.evolution().to_dict(), "decoder": self.ea.decoder, "cross": self.ea.cross}
 
 
 REQUIRED = {"name", "model.name_or_path"}
@@ -373,7 +384,7 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
         problems.append(("data.crop_scale", f"must be [min, max] with 0 < min <= max <= 1, got {scale}"))
     ea = recipe.ea
     try:
-        EvolvingAttentionSettings(ea.alpha, ea.beta, ea.kernel_size, ea.layers, ea.init)
+        recipe.evolution()
     except ValueError as error:
         problems.append(("ea", str(error)))
     for kind in ("decoder", "cross"):

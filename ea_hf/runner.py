@@ -21,6 +21,7 @@ import transformers
 from torch import nn
 
 from .attention import AttentionMapEvolution
+from .configuration import EvolvingAttentionSettings
 from .glue import GLUE_TASKS, compute_metrics_fn, load_glue_data, tokenize
 from .patching import patch
 from .recipe import Recipe, recipe_from_dict
@@ -371,6 +372,15 @@ def read_metrics(run_dir: str | Path) -> dict[str, dict]:
     return {path.parent.name: json.loads(path.read_text()) for path in sorted(root.glob("*/metrics.json"))}
 
 
+def describe_evolution(settings: EvolvingAttentionSettings) -> str:
+    """A short label for a comparison table: ``a=0.2 b=0.2 k=3`` (``residual a=0.2``, ``echo S=2 scalar``)."""
+    if settings.method == "echo":
+        return f"echo S={settings.echoes} {settings.echo_state}"
+    if settings.method == "residual":
+        return f"residual a={settings.alpha:g}"
+    return f"a={settings.alpha:g} b={settings.beta:g} k={settings.kernel_size}"
+
+
 def compare_runs(run_dirs: list[str | Path]) -> str:
     """A table of runs side by side: task, EA settings and the task's metrics for every evaluated split."""
     rows = []
@@ -378,7 +388,7 @@ def compare_runs(run_dirs: list[str | Path]) -> str:
         recipe = read_run_recipe(run_dir)
         names = metric_names(recipe)
         task = "image" if recipe.kind == "image" else recipe.data.task
-        ea = f"a={recipe.ea.alpha:g} b={recipe.ea.beta:g} k={recipe.ea.kernel_size}" if recipe.ea.enabled else "off"
+        ea = describe_evolution(recipe.evolution()) if recipe.ea.enabled else "off"
         for split, metrics in read_metrics(run_dir).items():
             scores = " ".join(f"{name}={metrics[name]:.4f}" for name in names if name in metrics)
             rows.append((str(run_dir), task, ea, split, scores))

@@ -25,6 +25,7 @@ def test_patch_command_writes_a_loadable_checkpoint_with_tokenizer(minilm_path, 
         "kernel_size": 3,
         "layers": [1, 3],
         "init": "kaiming_uniform",
+        "method": "conv",
     }
     assert (out / "tokenizer.json").exists()
     model = transformers.AutoModel.from_pretrained(out)

@@ -90,9 +90,9 @@ def test_config_json_carries_every_setting_and_safetensors_weights(model_type, t
 
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == f"ea-{model_type}"
-    expected = {"encoder": SETTINGS}
+    expected = {"encoder": {**SETTINGS, "method": "conv"}}
     if model_type in SEQ2SEQ_ARCHITECTURES:  # the papers' defaults: no skip connection, every layer
-        expected |= {kind: {**SETTINGS, "alpha": 0.0, "layers": None} for kind in ("decoder", "cross")}
+        expected |= {kind: {**expected["encoder"], "alpha": 0.0, "layers": None} for kind in ("decoder", "cross")}
     assert config["evolving_attention"] == expected
     assert config["auto_map"]["AutoConfig"] == f"configuration.EA{type(tiny_config(model_type)).__name__}"
     assert config["auto_map"]["AutoModel"] == f"modeling.EA{type(tiny_model(model_type)).__name__}"
@@ -143,6 +143,7 @@ def test_plain_checkpoint_loads_into_an_ea_class_with_fresh_evolution(tmp_path):
         "kernel_size": 3,
         "layers": None,
         "init": "dirac",
+        "method": "conv",
     }
 
 

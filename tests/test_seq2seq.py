@@ -45,7 +45,14 @@ def test_three_chains_with_their_own_settings(model_type):
 def test_decoder_chains_default_to_no_skip_connection_and_can_be_switched_off():
     model = ea_hf.patch(seq2seq_lm("t5"), alpha=0.4, beta=0.3, kernel_size=5, init="xavier_uniform")
     stored = model.config.evolving_attention
-    assert stored["encoder"] == {"alpha": 0.4, "beta": 0.3, "kernel_size": 5, "layers": None, "init": "xavier_uniform"}
+    assert stored["encoder"] == {
+        "alpha": 0.4,
+        "beta": 0.3,
+        "kernel_size": 5,
+        "layers": None,
+        "init": "xavier_uniform",
+        "method": "conv",
+    }
     assert stored["decoder"] == stored["cross"] == {**stored["encoder"], "alpha": 0.0}
 
     model = ea_hf.patch(seq2seq_lm("bart"), layers=[0], decoder={"layers": [1, 2], "kernel_size": 1}, cross=False)

@@ -56,11 +56,23 @@ def build_parser() -> argparse.ArgumentParser:
     patch = commands.add_parser("patch", help="patch a checkpoint with evolving attention and save it")
     patch.add_argument("model", help="Hub id or local directory of a supported checkpoint")
     patch.add_argument("out_dir", help="directory to write the EA checkpoint to (must not exist or be empty)")
-    patch.add_argument("--alpha", type=float, default=0.2, help="weight of the previous layer's logits (0.2)")
-    patch.add_argument("--beta", type=float, default=0.2, help="weight of the convolution branch (0.2)")
+    patch.add_argument(
+        "--method",
+        default="conv",
+        help="conv (Evolving Attention), residual (no convolution) or echo (echo attention) (conv)",
+    )
+    patch.add_argument(
+        "--alpha", type=float, default=None, help="weight of the previous layer's logits (0.2; 0 for echo)"
+    )
+    patch.add_argument(
+        "--beta", type=float, default=None, help="weight of the convolution branch (0.2; 0 for residual and echo)"
+    )
     patch.add_argument("--kernel-size", type=int, default=3, help="odd convolution kernel size (3)")
     patch.add_argument("--layers", type=_layers, default=None, help="comma-separated layers to patch (all)")
     patch.add_argument("--init", default="kaiming_uniform", help="convolution init scheme (kaiming_uniform)")
+    patch.add_argument("--echoes", type=int, default=2, help="echo: number of echo steps (2)")
+    patch.add_argument("--echo-state", default="scalar", help="echo: state transition, scalar, row or column")
+    patch.add_argument("--max-positions", type=int, default=None, help="echo: longest sequence of a row/column state")
     for kind, what in [("decoder", "decoder self-attention"), ("cross", "encoder-decoder attention")]:
         patch.add_argument(
             f"--{kind}",

@@ -33,7 +33,17 @@ def patch(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory")
-    settings = ea_hf.EvolvingAttentionSettings(args.alpha, args.beta, args.kernel_size, args.layers, args.init)
+    settings = ea_hf.EvolvingAttentionSettings.for_method(
+        args.method,
+        args.alpha,
+        args.beta,
+        kernel_size=args.kernel_size,
+        layers=args.layers,
+        init=args.init,
+        echoes=args.echoes,
+        echo_state=args.echo_state,
+        max_positions=args.max_positions,
+    )  # checked before the model is loaded
     model = _model_class(args.model, args.auto_class).from_pretrained(args.model)
     torch.manual_seed(args.seed)
     ea_hf.patch(model, **settings.to_dict(), decoder=args.decoder, cross=args.cross)
