@@ -13,6 +13,7 @@ from .attention import ATTENTION_IMPLEMENTATION, AttentionMapEvolution, evolving
 from .configuration import EvolvingAttentionSettings, evolving_attention_config_class
 from .modeling import evolving_attention_model_class, register_auto_classes
 from .patching import ADAPTERS, PatchSummary, is_patched, patch, summary, supported_model_types, unpatch
+from .visualization import plot_attention
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "evolving_attention_model_class",
     "is_patched",
     "patch",
+    "plot_attention",
     "register_auto_classes",
     "summary",
     "supported_model_types",

@@ -11,6 +11,7 @@ Sub-commands:
                                                           fine-tune and evaluate (every sweep combination)
     ea-hf eval RUN_DIR                                    re-evaluate the final model of a run
     ea-hf compare RUN_DIR ...                             print the runs' metrics side by side
+    ea-hf viz RUN_DIR --text "..." [--compare [MODEL]]    plot a run's attention maps layer by layer (PNG)
     ea-hf card RUN_DIR [-o README.md]                     render a run's model card (no network)
     ea-hf push RUN_DIR --repo-id USER/NAME [--private] [--revision BRANCH] [--endpoint URL]
                                                           upload a run with its model card (token: HF_TOKEN
@@ -118,6 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("run_dir")
     compare = commands.add_parser("compare", help="print the metrics of runs side by side")
     compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+
+    viz = commands.add_parser("viz", help="plot the attention maps of a run (or model) for one input, as a PNG")
+    viz.add_argument("run_dir", help="run directory, EA checkpoint or any supported model (Hub id or directory)")
+    source = viz.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", help="the input text")
+    source.add_argument("--image", help="the input image (a file)")
+    viz.add_argument("--layers", type=_layers, default=None, help="comma-separated layers to show (all)")
+    viz.add_argument("--heads", type=_layers, default=None, help="comma-separated heads, one row each (mean)")
+    viz.add_argument(
+        "--compare",
+        nargs="?",
+        const="base",
+        default=None,
+        metavar="MODEL",
+        help="also plot MODEL on the same input, below (default: the run's base checkpoint, unpatched)",
+    )
+    viz.add_argument("--output", "-o", default="attention.png", help="PNG file to write (attention.png)")
 
     card = commands.add_parser("card", help="render the model card of a run directory (no network)")
     card.add_argument("run_dir")

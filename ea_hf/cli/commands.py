@@ -177,3 +177,36 @@ def push(args: argparse.Namespace) -> int:
     )
     print(f"pushed {args.run_dir} to {commit.repo_url} ({commit.oid[:12]}): {commit.commit_url}")
     return 0
+
+
+def _viz_inputs(model_path: str, args: argparse.Namespace):
+    """Model inputs and axis labels for ``ea-hf viz``: tokenised text, or a processed image."""
+    if args.text is not None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+        inputs = tokenizer(args.text, return_tensors="pt")
+        return dict(inputs), tokenizer.convert_ids_to_tokens(inputs["input_ids"][0])
+    from PIL import Image
+
+    processor = transformers.AutoImageProcessor.from_pretrained(model_path)
+    return dict(processor(images=Image.open(args.image).convert("RGB"), return_tensors="pt")), None
+
+
+def viz(args: argparse.Namespace) -> int:
+    from ..runner import RECIPE_FILE, read_run_recipe, resolve_model_path
+    from ..visualization import plot_attention
+
+    model = transformers.AutoModel.from_pretrained(args.run_dir).eval()
+    inputs, tokens = _viz_inputs(args.run_dir, args)
+    models = {f"{'EA' if ea_hf.is_patched(model) else 'model'} ({Path(args.run_dir).name})": model}
+    if args.compare is not None:
+        name = args.compare
+        if name == "base":
+            if not (Path(args.run_dir) / RECIPE_FILE).is_file():
+                raise ValueError(f"{args.run_dir} is not a run directory: name the model to compare with")
+            name = read_run_recipe(args.run_dir).model.name_or_path
+        base = transformers.AutoModel.from_pretrained(resolve_model_path(name)).eval()
+        models[f"{'EA' if ea_hf.is_patched(base) else 'base'} ({name})"] = base
+    figure = plot_attention(models, inputs, layers=args.layers, heads=args.heads, tokens=tokens)
+    figure.savefig(args.output, dpi=150)
+    print(f"wrote the attention maps of {', '.join(models)} to {args.output}")
+    return 0
