@@ -199,6 +199,9 @@ class Recipe:
     output_dir: str | None = None
     #: Grid of dotted keys to lists of values; ``ea-hf run`` runs every combination.
     sweep: dict[str, list[Any]] | None = None
+    #: Named runs, each a mapping of dotted keys to values (an ablation: ``no-conv: {ea.method: residual}``);
+    #: every variant runs (with every sweep combination) in ``<output_dir>/<name>``.
+    variants: dict[str, dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -435,6 +438,14 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
                 continue
             if not values:
                 problems.append((f"sweep.{key}", "needs at least one value"))
+    for name, changes in (recipe.variants or {}).items():
+        if not re.fullmatch(r"[\w.-]+", name):
+            problems.append((f"variants.{name}", "a variant name is a directory name: letters, digits, . _ -"))
+        for key in changes:
+            try:
+                _get_dotted(recipe, key)
+            except AttributeError:
+                problems.append((f"variants.{name}.{key}", "is not a recipe key"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -449,7 +460,7 @@ def recipe_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> 
     """
     if not isinstance(data, Mapping):
         raise RecipeError([("", f"a recipe must be a YAML mapping, got {type(data).__name__}")])
-    merged = yaml.safe_load(yaml.safe_dump(dict(data)))  # deep copy, plain types
+    merged = yaml.safe_load(yaml.safe_dump(dict(data), sort_keys=False))  # deep copy, plain types, order kept
     problems: list[tuple[str, str]] = []
     for text in overrides:
         try:
@@ -511,22 +522,29 @@ def list_recipes() -> list[Path]:
 
 
 def expand_sweep(recipe: Recipe) -> list[Recipe]:
-    """One recipe per combination of the sweep grid (the recipe itself if it has no sweep).
+    """One recipe per variant and combination of the sweep grid (the recipe itself if it has neither).
 
-    Each gets the output directory ``<output_dir>/<key>=<value>,...``.
+    Each gets the output directory ``<output_dir>[/<variant>][/<key>=<value>,...]``; every one is validated.
     """
-    if not recipe.sweep:
+    if not recipe.sweep and not recipe.variants:
         return [recipe]
-    keys = list(recipe.sweep)
+    keys = list(recipe.sweep or {})
     runs = []
-    for combination in itertools.product(*(recipe.sweep[key] for key in keys)):
-        data = recipe.to_dict()
-        data["sweep"] = None
-        overrides = [
-            f"{key}={yaml.safe_dump(value, default_flow_style=True).strip()}"
-            for key, value in zip(keys, combination, strict=True)
-        ]
-        tag = ",".join(f"{key.split('.')[-1]}={value}" for key, value in zip(keys, combination, strict=True))
-        data["output_dir"] = f"{recipe.output_dir}/{tag}"
-        runs.append(recipe_from_dict(data, overrides))
+    for name, changes in (recipe.variants or {"": {}}).items():
+        for combination in itertools.product(*(recipe.sweep[key] for key in keys)):
+            data = recipe.to_dict()
+            data["sweep"] = data["variants"] = None
+            chosen = {**changes, **dict(zip(keys, combination, strict=True))}
+            overrides = [
+                f"{key}={yaml.safe_dump(value, default_flow_style=True).strip()}" for key, value in chosen.items()
+            ]
+            tag = ",".join(f"{key.split('.')[-1]}={value}" for key, value in zip(keys, combination, strict=True))
+            data["output_dir"] = "/".join(part for part in (recipe.output_dir, name, tag) if part)
+            try:
+                runs.append(recipe_from_dict(data, overrides))
+            except RecipeError as error:
+                where = f"variants.{name}" if name else "sweep"
+                raise RecipeError(
+                    [(f"{where}: {path}" if path else where, message) for path, message in error.problems]
+                ) from None
     return runs

@@ -64,7 +64,8 @@ def plot_attention(
     (default: one row with the mean over heads), for one example of ``inputs``.
 
     ``model`` may be a mapping of labels to models (e.g. ``{"EA": ea_model, "base": base_model}``), which
-    stacks their rows, to compare them on the same input. ``tokens`` labels the axes (text); image patches are
+    stacks their rows, to compare them on the same input (each panel's title then starts with its model's
+    label on a line of its own). ``tokens`` labels the axes (text); image patches are
     left unlabelled. Returns a ``matplotlib.figure.Figure`` (save it with ``figure.savefig(path)``); each
     panel's image holds exactly the probabilities it shows.
     """
@@ -75,6 +76,7 @@ def plot_attention(
     models = dict(model) if isinstance(model, Mapping) else {"": model}
     panels = []  # (row title, column title, [N, N] map)
     for label, one in models.items():
+        prefix = f"{label}\n" if label else ""
         maps = attention_maps(one, inputs, example)
         chosen_layers = list(range(len(maps))) if layers is None else list(layers)
         bad = [i for i in chosen_layers if not 0 <= i < len(maps)]
@@ -88,7 +90,7 @@ def plot_attention(
             for layer in chosen_layers:
                 values = maps[layer].mean(0) if head is None else maps[layer][head]
                 what = "mean of heads" if head is None else f"head {head}"
-                row.append((f"{label + ': ' if label else ''}layer {layer}, {what}", values.numpy()))
+                row.append((f"{prefix}layer {layer}, {what}", values.numpy()))
             panels.append(row)
     rows, columns = len(panels), len(panels[0])
     figure = Figure(figsize=(cell_size * columns + 1.0, cell_size * rows + 0.5), layout="constrained")

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -104,8 +105,9 @@ def test_shipped_recipes_are_valid_and_name_their_data_relative_to_themselves():
     assert "quickstart" in names
     for path in list_recipes():
         recipe = load_recipe(path)
-        for file in recipe.data.files.values():
-            assert file.startswith(str(path.parent)), file
+        raw = (yaml.safe_load(path.read_text()).get("data") or {}).get("files") or {}
+        for split, file in recipe.data.files.items():
+            assert file == str((path.parent / raw[split]).resolve()) and Path(file).is_file(), file
     with pytest.raises(FileNotFoundError, match="did you mean 'quickstart'"):
         load_recipe("quickstrat")
 
@@ -162,8 +164,10 @@ def test_an_installed_wheel_ships_the_recipes(tmp_path):
     subprocess.run([*build, "-w", str(tmp_path / "wheel")], check=True, cwd=tmp_path, capture_output=True)
     (wheel,) = (tmp_path / "wheel").glob("ea_hf-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = {f"ea_hf/recipes/{path.relative_to(RECIPES_DIR).as_posix()}" for path in RECIPES_DIR.rglob("*.*")}
-    assert shipped <= names and len(shipped) >= 4 * 9 + 1 + 1
+    # Every recipe and every data file a recipe reads (documentation beside them, e.g. plots, may stay out).
+    needed = set(list_recipes()) | {Path(f) for path in list_recipes() for f in load_recipe(path).data.files.values()}
+    shipped = {f"ea_hf/recipes/{path.relative_to(RECIPES_DIR).as_posix()}" for path in needed}
+    assert shipped <= names and len(shipped) >= 4 * 9 + 4 + 2
     assert "ea_hf/model_cards/model_card.md" in names  # the model card template ships too
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     script = "from ea_hf.recipe import RECIPES_DIR, list_recipes, load_recipe\n"
@@ -179,3 +183,48 @@ def test_an_installed_wheel_ships_the_recipes(tmp_path):
     recipes_dir, count, train_file = run.stdout.split()
     assert recipes_dir == str(tmp_path / "site" / "ea_hf" / "recipes") and int(count) == len(list_recipes())
     assert train_file == str(tmp_path / "site" / "ea_hf" / "recipes" / "data" / "sst2-sample" / "train.tsv")
+
+
+def test_variants_run_named_override_sets_in_file_order_with_the_sweep_inside_each():
+    data = {**MINIMAL, "variants": {"b": {"ea.enabled": False}, "a": {"ea.method": "residual"}}}
+    data["sweep"] = {"train.seed": [1, 2]}
+    runs = expand_sweep(recipe_from_dict(data))
+    assert [run.output_dir for run in runs] == [
+        "runs/t/b/seed=1",
+        "runs/t/b/seed=2",
+        "runs/t/a/seed=1",
+        "runs/t/a/seed=2",
+    ]
+    assert [(run.ea.enabled, run.ea.method, run.train.seed) for run in runs] == [
+        (False, "conv", 1),
+        (False, "conv", 2),
+        (True, "residual", 1),
+        (True, "residual", 2),
+    ]
+    assert all(run.variants is None and run.sweep is None for run in runs)
+    assert problems_of({**MINIMAL, "variants": {"x y": {"ea.alpah": 1}}}) == {
+        "variants.x y": "a variant name is a directory name: letters, digits, . _ -",
+        "variants.x y.ea.alpah": "is not a recipe key",
+    }
+    with pytest.raises(RecipeError, match="variants.bad: ea: Invalid evolving-attention settings: method 'residual'"):
+        expand_sweep(recipe_from_dict({**MINIMAL, "variants": {"bad": {"ea.method": "residual", "ea.beta": 0.3}}}))
+
+
+def test_the_ablation_recipes_mirror_the_papers_ablations():
+    expected = {
+        "baseline": (False, None),
+        "ea": (True, ("conv", 0.2, 0.2, 3)),
+        "no-convolution": (True, ("residual", 0.2, 0.0, 3)),
+        "no-skip": (True, ("conv", 0.0, 0.2, 3)),
+        "kernel-1x1": (True, ("conv", 0.2, 0.2, 1)),
+        "kernel-5x5": (True, ("conv", 0.2, 0.2, 5)),
+        "echo": (True, ("echo", 0.0, 0.0, 3)),
+    }
+    for name in ("ablations/quickstart", "ablations/ea-bert-base-cola"):
+        runs = expand_sweep(load_recipe(name))
+        found = {}
+        for run in runs:
+            settings = run.evolution()
+            described = (settings.method, settings.alpha, settings.beta, settings.kernel_size)
+            found[run.output_dir.rsplit("/", 1)[-1]] = (run.ea.enabled, described if run.ea.enabled else None)
+        assert found == expected

@@ -48,17 +48,17 @@ def test_comparing_an_ea_model_with_its_base_on_the_same_input():
     tokens = [f"t{i}" for i in range(8)]
     figure = ea_hf.plot_attention({"EA": model, "base": base}, inputs, layers=[1, 2], tokens=tokens)
     shown = panels(figure)
-    assert list(shown) == ["EA: layer 1, mean of heads", "EA: layer 2, mean of heads"] + [
-        "base: layer 1, mean of heads",
-        "base: layer 2, mean of heads",
+    assert list(shown) == ["EA\nlayer 1, mean of heads", "EA\nlayer 2, mean of heads"] + [
+        "base\nlayer 1, mean of heads",
+        "base\nlayer 2, mean of heads",
     ]
     assert base.config._attn_implementation == "sdpa"  # plotted through eager attention, then restored
     base.set_attn_implementation("eager")
     with torch.no_grad():
         plain = base(**inputs, output_attentions=True).attentions
-    assert np.allclose(shown["base: layer 2, mean of heads"], plain[2][0].mean(0).numpy(), atol=1e-7)
+    assert np.allclose(shown["base\nlayer 2, mean of heads"], plain[2][0].mean(0).numpy(), atol=1e-7)
     # The EA row shows the evolved maps, which differ from the base model's.
-    assert np.abs(shown["EA: layer 2, mean of heads"] - shown["base: layer 2, mean of heads"]).max() > 1e-3
+    assert np.abs(shown["EA\nlayer 2, mean of heads"] - shown["base\nlayer 2, mean of heads"]).max() > 1e-3
     labels = [label.get_text() for label in figure.axes[0].get_xticklabels()]
     assert labels == tokens
 
