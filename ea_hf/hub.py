@@ -80,7 +80,7 @@ def _settings_rows(settings: Mapping[str, Mapping[str, Any]]) -> list[dict[str, 
             "kind": kind,
             "alpha": values["alpha"],
             "beta": values["beta"],
-            "kernel_size": values["kernel_size"],
+            "kernel_size": values["kernel_size"] if values.get("method", DEFAULT_METHOD) == "conv" else "-",
             "layers": "all" if values.get("layers") is None else ", ".join(map(str, values["layers"])),
             "method": values.get("method", DEFAULT_METHOD),
         }

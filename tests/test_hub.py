@@ -224,3 +224,15 @@ def test_tiny_models_push_without_a_preprocessor(hub, monkeypatch):
     stored = hub.files("test-user/tiny-vit")
     assert "preprocessor_config.json" not in stored and "model.safetensors" in stored
     assert "AutoModelForImageClassification" in ModelCard(stored["README.md"].decode()).text
+
+
+def test_the_card_names_the_method_and_its_settings():
+    from ea_hf.hub import model_card
+
+    for settings, row in [
+        ({"method": "echo", "echoes": 3}, "| encoder | 0.0 | 0.0 | - | all | echo |"),
+        ({"method": "residual", "alpha": 0.3}, "| encoder | 0.3 | 0.0 | - | all | residual |"),
+        ({"kernel_size": 5, "layers": [0]}, "| encoder | 0.2 | 0.2 | 5 | 0 | conv |"),
+    ]:
+        model = ea_hf.patch(tiny_model("bert"), **settings)
+        assert row in model_card(model, "test-user/x").text
