@@ -11,6 +11,7 @@
 
 from .attention import ATTENTION_IMPLEMENTATION, AttentionMapEvolution, evolving_attention_forward
 from .configuration import EvolvingAttentionSettings, evolving_attention_config_class
+from .dc_transformer import register as register_dc_transformer
 from .modeling import evolving_attention_model_class, register_auto_classes
 from .patching import ADAPTERS, PatchSummary, is_patched, patch, summary, supported_model_types, unpatch
 from .visualization import plot_attention
@@ -18,6 +19,7 @@ from .visualization import plot_attention
 __version__ = "0.1.0"
 
 register_auto_classes()
+register_dc_transformer()
 
 __all__ = [
     "ADAPTERS",
