@@ -84,6 +84,9 @@ class ModelSection:
     trust_remote_code: bool = False
     #: Start a new task head when the checkpoint has one of another size (e.g. fine-tuned on another task).
     ignore_mismatched_sizes: bool = False
+    #: Kind ``timeseries`` without a checkpoint: EA-DC-Transformer hyper-parameters (``hidden_size``,
+    #: ``num_layers``, ``num_attention_heads``, ``attention_ratio``, ``dropout``...; see EADCTransformerConfig).
+    config: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -111,6 +114,17 @@ class EASection:
 
 
 @dataclasses.dataclass
+class PretrainSection:
+    """Kind ``timeseries``: self-supervised pre-training before fine-tuning (TPAMI section 3.3.2): hide
+    ``mask_ratio`` of the input values and learn to reconstruct them, for ``epochs`` epochs of the training
+    split (0: no pre-training); the fine-tuned model starts from the result."""
+
+    epochs: float = 0.0
+    learning_rate: float | None = None
+    mask_ratio: float = 0.15
+
+
+@dataclasses.dataclass
 class PeftSection:
     """Parameter-efficient fine-tuning (``pip install "ea_hf[peft]"``). With ``method: lora`` only the LoRA
     matrices, the evolution convolutions and the task head train, and the run directory holds the adapter
@@ -131,7 +145,9 @@ class DataSection:
 
     #: The GLUE task (kind ``glue``); unused for kind ``image``.
     task: str = ""
-    source: Literal["hub", "local"] = "hub"
+    #: ``uea``: a UEA/UCR archive by name (``archive``), from aeon's bundled copies or its cache.
+    source: Literal["hub", "local", "uea"] = "hub"
+    archive: str | None = None
     #: Hub dataset; None means ``nyu-mll/glue`` for kind ``glue`` (kind ``image`` must name one).
     hub_id: str | None = None
     #: Local data by split name: csv, tsv, json, jsonl or parquet files with the GLUE column names (kind
@@ -160,7 +176,8 @@ class TrainSection:
     eval_batch_size: int | None = None
     epochs: float = 3.0
     max_steps: int = -1
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    #: ``radam``: Rectified Adam with betas (0.9, 0.99), as the time-series experiments of the paper.
+    optimizer: Literal["adamw", "sgd", "radam"] = "adamw"
     #: SGD's momentum (``optimizer: sgd``).
     momentum: float = 0.9
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
@@ -188,13 +205,15 @@ class Recipe:
 
     name: str = ""
     description: str = ""
-    #: ``glue``: text classification on a GLUE task; ``image``: image classification.
-    kind: Literal["glue", "image"] = "glue"
+    #: ``glue``: text classification on a GLUE task; ``image``: image classification; ``timeseries``:
+    #: EA-DC-Transformer on multivariate time series.
+    kind: Literal["glue", "image", "timeseries"] = "glue"
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     ea: EASection = dataclasses.field(default_factory=EASection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     peft: PeftSection = dataclasses.field(default_factory=PeftSection)
+    pretrain: PretrainSection = dataclasses.field(default_factory=PretrainSection)
     #: Run directory; default ``runs/<name>``.
     output_dir: str | None = None
     #: Grid of dotted keys to lists of values; ``ea-hf run`` runs every combination.
@@ -349,15 +368,20 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[tuple
 
 
 def _get_dotted(recipe: Recipe, key: str) -> Any:
+    """The value at a dotted key; AttributeError if it names no field. Inside a free-form mapping field
+    (``model.config``, ``ea.decoder``) every sub-key is accepted."""
     node: Any = recipe
     for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return node.get(part) if isinstance(node, Mapping) else None
         node = getattr(node, part)
     return node
 
 
 def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
     for key in sorted(REQUIRED):
-        if not _get_dotted(recipe, key):
+        built_from_config = key == "model.name_or_path" and recipe.kind == "timeseries"
+        if not _get_dotted(recipe, key) and not built_from_config:
             problems.append((key, "is required"))
     task = recipe.data.task
     if recipe.kind == "glue" and not task:
@@ -368,6 +392,14 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
         )
     elif recipe.kind == "image" and task:
         problems.append(("data.task", "names a GLUE task; recipes of kind 'image' have none"))
+    elif recipe.kind == "timeseries" and task not in ("classification", "regression"):
+        problems.append(("data.task", f"must be classification or regression for kind 'timeseries', got {task!r}"))
+    if recipe.data.source == "uea" and recipe.kind != "timeseries":
+        problems.append(("data.source", "'uea' archives are for kind 'timeseries'"))
+    if recipe.data.source == "uea" and not recipe.data.archive:
+        problems.append(("data.archive", "name the UEA/UCR archive (e.g. JapaneseVowels)"))
+    if recipe.kind == "timeseries" and recipe.pretrain.epochs < 0:
+        problems.append(("pretrain.epochs", "must not be negative"))
     if recipe.data.source == "local" and not recipe.data.files:
         problems.append(("data.files", "data.source is 'local' but no files are given (split: path)"))
     if recipe.data.source == "hub" and recipe.data.files:
@@ -376,6 +408,8 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
         problems.append(("data.hub_id", "required for kind 'image' from the Hub (e.g. ILSVRC/imagenet-1k)"))
     for split, path in recipe.data.files.items():
         suffix = Path(path).suffix.lower() if isinstance(path, str) else ""
+        if recipe.kind == "timeseries" and suffix != ".ts":
+            problems.append((f"data.files.{split}", f"expected a UEA/UCR .ts file, got {path!r}"))
         if recipe.kind == "glue" and suffix not in {".csv", ".tsv", ".json", ".jsonl", ".parquet"}:
             problems.append((f"data.files.{split}", f"unsupported file type {path!r} (csv, tsv, json, jsonl, parquet)"))
     if recipe.data.max_length <= 0:

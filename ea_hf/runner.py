@@ -97,7 +97,7 @@ def training_arguments(recipe: Recipe, run_dir: Path) -> transformers.TrainingAr
         # A float below 1 is a ratio of the total steps.
         warmup_steps=train.warmup_steps or train.warmup_ratio,
         lr_scheduler_type=train.lr_scheduler,
-        optim="sgd" if train.optimizer == "sgd" else "adamw_torch",
+        optim="sgd" if train.optimizer == "sgd" else "adamw_torch",  # radam: see prepare()
         optim_args=f"momentum={train.momentum}" if train.optimizer == "sgd" else None,
         weight_decay=train.weight_decay,
         adam_epsilon=train.adam_epsilon,
@@ -150,15 +150,50 @@ def dropout_settings(config: transformers.PreTrainedConfig, dropout: float) -> d
 KINDS = {
     "glue": ("AutoModelForSequenceClassification", "AutoTokenizer", "SEQ_CLS"),
     "image": ("AutoModelForImageClassification", "AutoImageProcessor", None),
+    "timeseries": ("AutoModelForSequenceClassification", None, None),
 }
+PRETRAINED_DIR = "pretrained"
 
 
-def _load_model(recipe: Recipe, label_names: tuple[str, ...] | None, adapter_dir: Path | None = None):
+def _series_model(recipe: Recipe, label_names: tuple[str, ...] | None, data, name_or_path: str | None):
+    """An EA-DC-Transformer for the task: from ``name_or_path`` (a pre-trained or fine-tuned checkpoint), or
+    new from ``model.config`` and the ``ea`` settings (alpha = beta = 0 with EA off: DC-Transformer)."""
+    from .dc_transformer import (
+        EADCTransformerConfig,
+        EADCTransformerForTimeSeriesClassification,
+        EADCTransformerForTimeSeriesRegression,
+    )
+
+    head = EADCTransformerForTimeSeriesRegression if label_names is None else EADCTransformerForTimeSeriesClassification
+    task = {"num_targets": 1} if label_names is None else {"num_labels": len(label_names)}
+    if label_names is not None:
+        task |= {"id2label": dict(enumerate(label_names)), "label2id": {n: i for i, n in enumerate(label_names)}}
+    if name_or_path:
+        return head.from_pretrained(name_or_path, **task)
+    settings = recipe.evolution() if recipe.ea.enabled else None
+    first = next(iter(data.values()))[0]["values"]
+    longest = max(len(series) for split in data.values() for series in split["values"])
+    config = EADCTransformerConfig(
+        input_size=len(first[0]),
+        max_position_embeddings=longest,
+        alpha=settings.alpha if settings else 0.0,
+        beta=settings.beta if settings else 0.0,
+        evolution_kernel_size=settings.kernel_size if settings else 3,
+        mask_ratio=recipe.pretrain.mask_ratio,
+        **(recipe.model.config or {}),
+        **task,
+    )
+    return head(config)
+
+
+def _load_model(recipe: Recipe, label_names: tuple[str, ...] | None, adapter_dir: Path | None = None, data=None):
     """The recipe's model (patched, and wrapped in a LoRA adapter if asked) and its preprocessor.
 
     ``label_names`` None means a regression head with one output.
     """
     model_class, processor_class, peft_task_type = KINDS[recipe.kind]
+    if recipe.kind == "timeseries":
+        return _series_model(recipe, label_names, data, recipe.model.name_or_path), None
     model_path = resolve_model_path(recipe.model.name_or_path)
     config_kwargs: dict[str, Any] = {"num_labels": 1 if label_names is None else len(label_names)}
     if label_names is None:
@@ -208,6 +243,16 @@ def _load_model(recipe: Recipe, label_names: tuple[str, ...] | None, adapter_dir
 def _load_data(recipe: Recipe):
     """The recipe's splits (raw) and label names (None for regression)."""
     data = recipe.data
+    if recipe.kind == "timeseries":
+        from .timeseries import load_ts_file, load_uea, series_dataset, standardise
+
+        if data.source == "uea":
+            splits = load_uea(data.archive)
+        else:
+            splits = {split: load_ts_file(path) for split, path in data.files.items()}
+        regression = data.task == "regression"
+        loaded = series_dataset(standardise(splits), regression=regression)
+        return loaded, None if regression else tuple(loaded["train"].features["label"].names)
     if recipe.kind == "image":
         splits = load_image_data(data.source, data.hub_id, data.files, data.image_column, data.label_column)
         return splits, tuple(next(iter(splits.values())).features["label"].names)
@@ -217,6 +262,10 @@ def _load_data(recipe: Recipe):
 
 def _preprocess(recipe: Recipe, data, label_names: tuple[str, ...] | None, model, processor):
     """Model-ready splits, the batch collator and ``compute_metrics``."""
+    if recipe.kind == "timeseries":
+        from .timeseries import SeriesCollator, series_metrics_fn
+
+        return dict(data), SeriesCollator(), series_metrics_fn(regression=label_names is None)
     if recipe.kind == "image":
         image_size = recipe.data.image_size or processor_image_size(processor)
         augmentation = {"crop_scale": tuple(recipe.data.crop_scale), "horizontal_flip": recipe.data.horizontal_flip}
@@ -239,6 +288,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 def metric_names(recipe: Recipe) -> tuple[str, ...]:
     """The metrics a recipe reports, headline first."""
+    if recipe.kind == "timeseries":
+        return ("rmse",) if recipe.data.task == "regression" else ("accuracy",)
     return ("accuracy", "top5_accuracy") if recipe.kind == "image" else GLUE_TASKS[recipe.data.task].metrics
 
 
@@ -274,7 +325,7 @@ def prepare(
             limit = limits.get(split, recipe.data.max_eval_samples)
             if limit is not None and limit < len(data[split]):
                 data[split] = data[split].select(range(limit))
-        model, processor = _load_model(recipe, label_names, adapter_dir)
+        model, processor = _load_model(recipe, label_names, adapter_dir, data)
         processed, collator, compute_metrics = _preprocess(recipe, data, label_names, model, processor)
     eval_splits = {split: dataset for split, dataset in processed.items() if split != "train"}
     trainer = EvolvingAttentionTrainer(
@@ -287,8 +338,15 @@ def prepare(
         compute_metrics=compute_metrics,
         ea_learning_rate=recipe.ea.learning_rate,
         callbacks=callbacks,
+        optimizer_cls_and_kwargs=_radam(recipe) if recipe.train.optimizer == "radam" else None,
     )
     return trainer, eval_splits
+
+
+def _radam(recipe: Recipe) -> tuple[type, dict[str, Any]]:
+    """Rectified Adam as the paper's time-series experiments use it (betas 0.9, 0.99)."""
+    train = recipe.train
+    return torch.optim.RAdam, {"lr": train.learning_rate, "betas": (0.9, 0.99), "weight_decay": train.weight_decay}
 
 
 def write_metrics(run_dir: Path, split: str, metrics: dict[str, Any]) -> Path:
@@ -330,6 +388,8 @@ def run_recipe(
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RECIPE_FILE).write_text(recipe.to_yaml())
+    if recipe.kind == "timeseries" and recipe.pretrain.epochs > 0:
+        recipe = pretrain_series(recipe, run_dir, args)
     trainer, eval_splits = prepare(recipe, run_dir, callbacks, args=args)
     last = transformers.trainer_utils.get_last_checkpoint(str(run_dir / CHECKPOINTS)) if resume else None
     trainer.train(resume_from_checkpoint=last)
@@ -341,6 +401,46 @@ def run_recipe(
         return results
     trainer.save_model(str(run_dir))  # the full model, or the adapter for a PEFT run
     return evaluate_splits(trainer, eval_splits, run_dir)
+
+
+def pretrain_series(recipe: Recipe, run_dir: Path, args: transformers.TrainingArguments) -> Recipe:
+    """Pre-train an EA-DC-Transformer by masked value reconstruction on the training split (saved in
+    ``run_dir/pretrained``); return the recipe whose model starts from it."""
+    import copy
+    import dataclasses
+
+    from .dc_transformer import EADCTransformerForPreTraining
+    from .timeseries import SeriesCollator
+
+    transformers.set_seed(recipe.train.seed)
+    data, label_names = _load_data(recipe)
+    config = _series_model(recipe, label_names, data, None).config
+    model = EADCTransformerForPreTraining(config)
+    phase = copy.deepcopy(recipe)
+    phase.train.epochs, phase.train.max_steps = recipe.pretrain.epochs, -1
+    phase.train.learning_rate = recipe.pretrain.learning_rate or recipe.train.learning_rate
+    phase.train.eval_strategy = phase.train.save_strategy = "no"
+    pretrain_args = dataclasses.replace(
+        args,
+        output_dir=str(run_dir / PRETRAINED_DIR),
+        num_train_epochs=phase.train.epochs,
+        max_steps=-1,
+        learning_rate=phase.train.learning_rate,
+        eval_strategy="no",
+        save_strategy="no",
+    )
+    trainer = transformers.Trainer(
+        model=model,
+        args=pretrain_args,
+        train_dataset=data["train"],
+        data_collator=SeriesCollator(),
+        optimizer_cls_and_kwargs=_radam(phase) if phase.train.optimizer == "radam" else None,
+    )
+    trainer.train()
+    trainer.save_model(str(run_dir / PRETRAINED_DIR))
+    finetune = copy.deepcopy(recipe)
+    finetune.model.name_or_path = str(run_dir / PRETRAINED_DIR)
+    return finetune
 
 
 def read_run_recipe(run_dir: str | Path) -> Recipe:
