@@ -104,6 +104,32 @@ def tiny_model(model_type: str, auto_class=transformers.AutoModel, seed: int = 0
     return auto_class.from_config(tiny_config(model_type, **overrides)).eval()
 
 
+#: Settings of each evolution method (and kernel size) that change the model; see `patched_model`.
+METHODS = {
+    "conv": {"method": "conv", "alpha": 0.5, "beta": 0.5},
+    "residual": {"method": "residual", "alpha": 0.5},
+    "echo": {"method": "echo", "echoes": 2},
+    "echo-row": {"method": "echo", "echoes": 3, "echo_state": "row", "max_positions": 32},
+    "echo-column": {"method": "echo", "echoes": 1, "echo_state": "column", "max_positions": 32},
+    "conv-1x1": {"method": "conv", "alpha": 0.5, "beta": 0.5, "kernel_size": 1},
+    "conv-5x5": {"method": "conv", "alpha": 0.5, "beta": 0.5, "kernel_size": 5},
+}
+
+
+def patched_model(model_type: str, settings: dict, head=transformers.AutoModel, **overrides):
+    """A tiny model patched with ``settings``; echo state scales drawn non-zero so echo changes the model (as
+    patched, they are zero and the model computes what the original does)."""
+    from ea_hf.attention import EchoAttention
+
+    model = ea_hf.patch(tiny_model(model_type, head, **overrides), **settings)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, EchoAttention):
+                module.state_scale.uniform_(0.5, 1.5)
+                module.gate_weight.normal_(0.0, 0.5)
+    return model.eval()
+
+
 def tiny_inputs(model_type: str, batch: int = 3, length: int = 9, seed: int = 1) -> dict[str, torch.Tensor]:
     """Inputs for a tiny model; text batches are right-padded to different lengths.
 

@@ -1,6 +1,6 @@
 """Evolution methods (conv, residual, echo) and kernel sizes: exactness where a method reduces to the plain
-model, padding invariance, causality, cached generation, save/load, permutation invariance of 1x1 kernels,
-and clear errors for invalid settings."""
+model, causality, cached generation, save/load, permutation invariance of 1x1 kernels, and clear errors for
+invalid settings. (Padding invariance of every method: test_patching.py.)"""
 
 import pytest
 import torch
@@ -8,42 +8,20 @@ import transformers
 from conftest import (
     ALL_ARCHITECTURES,
     IMAGE_ARCHITECTURES,
+    METHODS,
     SEQ2SEQ_ARCHITECTURES,
-    TEXT_ARCHITECTURES,
     VOCAB_SIZE,
     first_output,
+    patched_model,
     tiny_inputs,
     tiny_model,
 )
 
 import ea_hf
-from ea_hf.attention import EchoAttention
-
-#: Settings of each method that change the model (the echo state scales are set non-zero below).
-METHODS = {
-    "conv": {"method": "conv", "alpha": 0.5, "beta": 0.5},
-    "residual": {"method": "residual", "alpha": 0.5},
-    "echo": {"method": "echo", "echoes": 2},
-    "echo-row": {"method": "echo", "echoes": 3, "echo_state": "row", "max_positions": 32},
-    "echo-column": {"method": "echo", "echoes": 1, "echo_state": "column", "max_positions": 32},
-    "conv-1x1": {"method": "conv", "alpha": 0.5, "beta": 0.5, "kernel_size": 1},
-    "conv-5x5": {"method": "conv", "alpha": 0.5, "beta": 0.5, "kernel_size": 5},
-}
 
 
 def max_abs_diff(a, b) -> float:
     return (a - b).abs().max().item()
-
-
-def patched(model_type, settings, head=transformers.AutoModel, **overrides):
-    """A tiny model patched with ``settings``; echo state scales drawn non-zero so echo changes the model."""
-    model = ea_hf.patch(tiny_model(model_type, head, **overrides), **settings)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, EchoAttention):
-                module.state_scale.uniform_(0.5, 1.5)
-                module.gate_weight.normal_(0.0, 0.5)
-    return model.eval()
 
 
 @pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
@@ -56,7 +34,7 @@ def test_methods_reduce_exactly_to_the_plain_model_and_change_it_otherwise(model
         reduced = {"method": "residual", "alpha": 0.0} if method == "residual" else {"method": "echo"}
         plain = ea_hf.patch(tiny_model(model_type), **reduced)
         assert max_abs_diff(first_output(plain(**inputs)), reference) <= 1e-5
-        changed = patched(model_type, METHODS[method])
+        changed = patched_model(model_type, METHODS[method])
         assert max_abs_diff(first_output(changed(**inputs)), reference) > 1e-4
 
 
@@ -64,7 +42,7 @@ def test_methods_reduce_exactly_to_the_plain_model_and_change_it_otherwise(model
 @pytest.mark.parametrize("model_type", ["bert", "distilbert", "vit", "t5", "bart"])
 def test_every_method_round_trips_through_save_and_load(method, model_type, tmp_path):
     head = transformers.AutoModelForSeq2SeqLM if model_type in SEQ2SEQ_ARCHITECTURES else transformers.AutoModel
-    model = patched(model_type, METHODS[method], head)
+    model = patched_model(model_type, METHODS[method], head)
     model.save_pretrained(tmp_path)
     loaded, info = head.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -76,7 +54,7 @@ def test_every_method_round_trips_through_save_and_load(method, model_type, tmp_
 
 
 def test_parameter_counts_per_method():
-    counts = {method: ea_hf.summary(patched("bert", METHODS[method])).added_parameters for method in METHODS}
+    counts = {method: ea_hf.summary(patched_model("bert", METHODS[method])).added_parameters for method in METHODS}
     heads, head_dim, layers = 4, 8, 3
     assert counts == {
         "conv": layers * (heads * heads * 9 + heads),
@@ -89,23 +67,9 @@ def test_parameter_counts_per_method():
     }
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-@pytest.mark.parametrize("model_type", TEXT_ARCHITECTURES[:1] + ["distilbert"])
-def test_every_method_is_padding_invariant(method, model_type):
-    model = patched(model_type, METHODS[method])
-    inputs = tiny_inputs(model_type, batch=3, length=11)
-    lengths = inputs["attention_mask"].sum(dim=1)
-    with torch.no_grad():
-        batched = first_output(model(**inputs))
-        for row in range(3):
-            n = int(lengths[row])
-            alone = first_output(model(input_ids=inputs["input_ids"][row : row + 1, :n]))[0]
-            assert max_abs_diff(batched[row, :n], alone) <= 1e-5
-
-
 def seq2seq_lm(model_type, settings):
     overrides = {"dropout_rate": 0.0} if model_type == "t5" else {"dropout": 0.0, "attention_dropout": 0.0}
-    return patched(model_type, settings, transformers.AutoModelForSeq2SeqLM, **overrides)
+    return patched_model(model_type, settings, transformers.AutoModelForSeq2SeqLM, **overrides)
 
 
 @pytest.mark.parametrize("method", ["residual", "echo", "echo-row", "echo-column"])
@@ -142,7 +106,7 @@ def test_a_1x1_kernel_keeps_the_model_permutation_equivariant():
     results = {}
     for kernel_size in (1, 3):
         # Larger random weights than BERT's 0.02, so the attention maps are far from uniform.
-        model = patched("bert", {"alpha": 0.5, "beta": 0.5, "kernel_size": kernel_size}, initializer_range=0.3)
+        model = patched_model("bert", {"alpha": 0.5, "beta": 0.5, "kernel_size": kernel_size}, initializer_range=0.3)
         with torch.no_grad():
             model.embeddings.position_embeddings.weight.zero_()  # no position information
         ids = torch.randint(5, VOCAB_SIZE, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -178,7 +142,7 @@ def test_invalid_settings_fail_before_the_model_changes(settings, message):
 
 
 def test_a_vector_echo_state_refuses_sequences_longer_than_it_has_positions():
-    model = patched("bert", {"method": "echo", "echo_state": "column", "max_positions": 8})
+    model = patched_model("bert", {"method": "echo", "echo_state": "column", "max_positions": 8})
     with pytest.raises(ValueError, match="takes at most 8 positions, got 9"):
         model(input_ids=torch.randint(5, VOCAB_SIZE, (1, 9)))
 
@@ -188,5 +152,5 @@ def test_methods_work_on_images_too(method):
     model_type = IMAGE_ARCHITECTURES[0]
     inputs = tiny_inputs(model_type)
     with torch.no_grad():
-        out = first_output(patched(model_type, METHODS[method])(**inputs))
+        out = first_output(patched_model(model_type, METHODS[method])(**inputs))
     assert torch.isfinite(out).all()

@@ -7,11 +7,13 @@ import torch
 import transformers
 from conftest import (
     ALL_ARCHITECTURES,
+    METHODS,
     NUM_HEADS,
     NUM_LAYERS,
     SENTENCES,
     TEXT_ARCHITECTURES,
     first_output,
+    patched_model,
     tiny_inputs,
     tiny_model,
 )
@@ -98,9 +100,10 @@ def test_padding_invariance_on_pretrained_minilm(minilm, minilm_tokenizer):
             assert max_abs_diff(batched[row, :n], alone) <= PADDING
 
 
+@pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("model_type", TEXT_ARCHITECTURES)
-def test_padding_invariance_on_every_text_architecture(model_type):
-    model = ea_hf.patch(tiny_model(model_type), alpha=0.5, beta=0.5)
+def test_padding_invariance_on_every_text_architecture(model_type, method):
+    model = patched_model(model_type, METHODS[method])
     inputs = tiny_inputs(model_type, batch=3, length=11)
     lengths = inputs["attention_mask"].sum(dim=1)
     with torch.no_grad():
