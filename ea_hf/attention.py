@@ -51,6 +51,11 @@ from transformers import AttentionInterface
 from transformers import initialization as hf_init
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+try:  # absolute, so that the copy saved beside remote-code checkpoints works without ea_hf (torch operations)
+    from ea_hf import kernels
+except ImportError:
+    kernels = None
+
 #: Name under which the attention function and its mask function are registered in transformers.
 ATTENTION_IMPLEMENTATION = "evolving_attention"
 #: Keyword argument that carries the per-call chain of attention logits down to the attention calls.
@@ -65,6 +70,8 @@ CACHE_ATTRIBUTE = "evolving_attention_histories"
 CAUSAL_KINDS = ("decoder", "cross")
 #: Chain entry with the decoder's real (non-padding) query rows, for the cross-attention convolution.
 DECODER_ROWS_KEY = "decoder_rows"
+#: Chain entry that says whether layers of the stack may be replayed (gradient checkpointing).
+REPLAYS_KEY = "replays"
 #: Additive float masks at or below this value count as "masked" when deciding what the convolution sees.
 MASKED_LOGIT_THRESHOLD = -1e4
 
@@ -118,6 +125,8 @@ class AttentionMapEvolution(nn.Module):
         self.kernel_size = kernel_size
         self.init = init
         self.kind = kind
+        #: Whether the convolution is causal (its kernel has only the rows at and above the centre).
+        self.causal = kind in CAUSAL_KINDS
         self.position = position
         self.previous = previous
         self.method = method
@@ -132,10 +141,6 @@ class AttentionMapEvolution(nn.Module):
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
         self.reset_parameters()
-
-    @property
-    def causal(self) -> bool:
-        return self.kind in CAUSAL_KINDS
 
     @property
     def context_rows(self) -> int:
@@ -186,6 +191,7 @@ class AttentionMapEvolution(nn.Module):
         """ReLU(Conv(A_in)) for the rows of ``conv_input`` after its first ``rows_before`` (earlier, cached) rows.
 
         ``conv_input`` must already have its masked entries zeroed; outside the map the convolution sees zeros.
+        This is the plain formulation; :meth:`forward` computes the same through :class:`EvolveConvolution`.
         """
         c = self.context_rows
         if not self.causal:
@@ -194,6 +200,50 @@ class AttentionMapEvolution(nn.Module):
         # with the kernel's bottom row at the centre, output row i reads input rows i - c .. i.
         padded = F.pad(conv_input, (c, c, c - rows_before, 0))
         return F.relu(F.conv2d(padded, self.weight, self.bias))
+
+    def previous_logits(self, chain: dict[Any, Any] | None) -> torch.Tensor | None:
+        """A_logit of the previous layer of this chain (``None`` for the first layer or when alpha is 0)."""
+        if chain is None:
+            raise RuntimeError(
+                "Evolving attention ran outside a patched layer stack: no per-call chain was passed. "
+                "Call the model (or its encoder) rather than an attention layer on its own."
+            )
+        if self.previous is None:
+            return None
+        # Nothing else reads an entry once its successor has (autograd keeps what it needs), so it is dropped:
+        # one map per chain stays alive instead of one per layer. Gradient checkpointing replays layers, which
+        # read their entries again; chains not started by `start_chain` keep them too.
+        replays = torch.is_grad_enabled() and chain.get(REPLAYS_KEY, True)
+        key = (self.kind, self.previous)
+        previous = chain.get(key) if replays else chain.pop(key, None)
+        if previous is None:
+            raise RuntimeError(
+                f"Evolving attention layer {self.position} ({self.kind}) expected the logits of layer "
+                f"{self.previous}, which did not run in this forward call (layers skipped or reordered?)."
+            )
+        return previous if self.alpha != 0.0 else None
+
+    def reference(
+        self,
+        scores: torch.Tensor,
+        conv_mask: torch.Tensor | None,
+        chain: dict[Any, Any] | None,
+        history: ConvolutionHistory | None = None,
+    ) -> torch.Tensor:
+        """The evolution written as the paper's equations, one tensor operation each (what :meth:`forward`
+        must reproduce; tests and benchmarks compare against it)."""
+        previous = self.previous_logits(chain)
+        attention_in = scores if previous is None else self.alpha * previous + (1.0 - self.alpha) * scores
+        logits = attention_in
+        if self.beta != 0.0:
+            conv_input = attention_in if conv_mask is None else attention_in.masked_fill(~conv_mask, 0.0)
+            rows_before = 0
+            if history is not None:
+                conv_input, rows_before = history.extend(conv_input, self.context_rows)
+            convolved = self.convolve(conv_input, rows_before)
+            logits = self.beta * convolved + (1.0 - self.beta) * attention_in
+        chain[self.key] = logits
+        return logits
 
     def forward(
         self,
@@ -206,39 +256,318 @@ class AttentionMapEvolution(nn.Module):
     ) -> torch.Tensor:
         """Return A_logit for this layer and record it in ``chain`` for the next layer.
 
+        Computes :meth:`reference` with fewer passes over the [B, H, Q, K] maps: the residual mix is done
+        in place on ``scores`` (which this function then owns), and the convolution, ReLU and blend run in
+        :class:`EvolveConvolution`, which keeps only its input and the ReLU output for backward.
+
         Args:
             scores: S, the layer's logits [B, H, Q, K] (positional bias included, no padding or causal mask).
+                Overwritten when it does not require grad or is a non-leaf autograd result.
             conv_mask: boolean [B, 1 or H, Q, K], True where an entry may enter the convolution; None if all may.
             chain: the per-call dict of previous layers' logits.
             history: for incremental decoding, the earlier rows of this layer's convolution input.
             query, past: the layer's queries [B, H, Q, D] and the number of earlier (cached) query positions;
                 only echo attention reads them.
         """
-        if chain is None:
-            raise RuntimeError(
-                "Evolving attention ran outside a patched layer stack: no per-call chain was passed. "
-                "Call the model (or its encoder) rather than an attention layer on its own."
+        if history is not None and history.rows is not None and torch.is_grad_enabled():
+            # Later decoding steps with autograd on (not what generate does): the plain formulation carries
+            # gradients through the kept rows of earlier steps.
+            return self.reference(scores, conv_mask, chain, history)
+        previous = self.previous_logits(chain)
+        if self.beta == 0.0:
+            logits = scores if previous is None else scores.lerp_(previous, self.alpha)
+        else:
+            keep = None if conv_mask is None else conv_mask.to(scores.dtype)
+            logits = evolve_convolution(
+                scores,
+                keep,
+                self.weight,
+                self.bias,
+                self.beta,
+                self.causal,
+                history,
+                self.context_rows,
+                previous=previous,
+                alpha=self.alpha,
             )
-        attention_in = scores
-        if self.previous is not None:
-            previous = chain.get((self.kind, self.previous))
-            if previous is None:
-                raise RuntimeError(
-                    f"Evolving attention layer {self.position} ({self.kind}) expected the logits of layer "
-                    f"{self.previous}, which did not run in this forward call (layers skipped or reordered?)."
-                )
-            if self.alpha != 0.0:
-                attention_in = self.alpha * previous + (1.0 - self.alpha) * scores
-        logits = attention_in
-        if self.beta != 0.0:
-            conv_input = attention_in if conv_mask is None else attention_in.masked_fill(~conv_mask, 0.0)
-            rows_before = 0
-            if history is not None:
-                conv_input, rows_before = history.extend(conv_input, self.context_rows)
-            convolved = self.convolve(conv_input, rows_before)
-            logits = self.beta * convolved + (1.0 - self.beta) * attention_in
         chain[self.key] = logits
         return logits
+
+
+class EvolveConvolution(torch.autograd.Function):
+    """A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with A_in = lerp(S, A_prev, alpha), as one
+    autograd node.
+
+    Autograd through the plain formulation keeps four [B, H, Q, K] maps per layer for backward (the masked
+    input, the convolution output, the ReLU output and a blend product), runs each blend as its own pass and
+    allocates a map for every partial gradient. This function scales the (tiny) weights by beta instead of the
+    map and keeps only S, A_prev (alive anyway as the previous layer's output) and the ReLU gate. On CPU the
+    kernels of :mod:`ea_hf.kernels` run the residual mix, mask, convolution, ReLU and blend as one pass
+    forward; backward, one pass gives the gradients of S and A_prev (transposed convolution of the gated
+    gradient, mask, blend, split by the residual weights) and one the weight and bias gradients, without
+    materialising A_in, the gated gradient or the masked input. Elsewhere (GPU, float64, no compiler) the
+    same steps run as torch operations.
+
+    ``previous`` is A_prev (``None``: A_in = S); ``keep`` is a float 0/1 mask broadcastable to S (``None``:
+    every entry enters the convolution); ``causal`` marks a kernel that has only the rows at and above its
+    centre.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, previous, keep, weight, bias, alpha, beta, causal, context_rows):
+        scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
+        logits, gate = evolve_step(
+            scores,
+            keep,
+            scaled_weight,
+            scaled_bias,
+            beta,
+            causal,
+            None,
+            context_rows,
+            previous=previous,
+            alpha=alpha,
+            for_backward=True,
+        )
+        ctx.save_for_backward(scores, previous, gate, scaled_weight, keep)
+        ctx.alpha, ctx.beta, ctx.context_rows = alpha, beta, context_rows
+        return logits
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def backward(ctx, grad_logits):
+        scores, previous, gate, scaled_weight, keep = ctx.saved_tensors
+        alpha, beta, c = ctx.alpha, ctx.beta, ctx.context_rows
+        kernel_rows, kernel_columns = scaled_weight.shape[-2:]
+        # Gradients of A_in go to S and A_prev in the proportions of the residual mix.
+        scales = (1.0, None) if previous is None else (1.0 - alpha, alpha)
+        grad_scores = grad_previous = grad_weight = grad_bias = None
+        needs_input = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        needs_kernel = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        if kernels is not None and kernels.applicable(scores, previous, grad_logits, keep=keep, weight=scaled_weight):
+            # The kernels apply the ReLU gate and the residual mix as they read: nothing is materialised.
+            if needs_input:
+                grad_scores, grad_previous = convolution_input_grad(
+                    grad_logits, scaled_weight, keep, grad_logits, beta, c, gate=gate, scales=scales
+                )
+            if needs_kernel:
+                grad_weight, grad_bias = kernels.weight_grad(
+                    scores,
+                    grad_logits,
+                    gate,
+                    kernel_rows,
+                    kernel_columns,
+                    row_shift=-c,
+                    lerp_end=previous,
+                    lerp_weight=alpha,
+                    in_keep=keep,
+                )
+        else:
+            grad_convolved = relu_gate(grad_logits, gate)
+            if needs_input:
+                grad_scores, grad_previous = convolution_input_grad(
+                    grad_convolved, scaled_weight, keep, grad_logits, beta, c, scales=scales
+                )
+            if needs_kernel:
+                attention_in = scores if previous is None else torch.lerp(scores, previous, alpha)
+                conv_input = attention_in if keep is None else attention_in * keep
+                grad_weight = convolution_weight_grad(conv_input, grad_convolved, kernel_rows, kernel_columns, c)
+                grad_bias = grad_convolved.sum((0, 2, 3))
+        if grad_weight is not None:  # gradients of the beta-scaled kernel, brought back to the parameters
+            grad_weight, grad_bias = beta * grad_weight, beta * grad_bias
+        return grad_scores, grad_previous, None, grad_weight, grad_bias, None, None, None, None
+
+
+def scale_kernel(
+    weight: torch.Tensor, bias: torch.Tensor, beta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """beta * weight and beta * bias in the map's dtype: ReLU(beta * x) = beta * ReLU(x) for beta > 0, so
+    the weights are scaled instead of the map (fp32 for half-precision models, see evolving_attention_forward)."""
+    return weight.to(dtype) * beta, bias.to(dtype) * beta
+
+
+def evolve_step(
+    scores: torch.Tensor,
+    keep: torch.Tensor | None,
+    scaled_weight: torch.Tensor,
+    scaled_bias: torch.Tensor,
+    beta: float,
+    causal: bool,
+    history: ConvolutionHistory | None,
+    context_rows: int,
+    *,
+    previous: torch.Tensor | None = None,
+    alpha: float = 0.0,
+    for_backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(A_logit, the ReLU gate for backward if ``for_backward``) for the rows of S, with beta-scaled kernel
+    weights.
+
+    A_in is S, or with ``previous`` the residual mix lerp(S, previous, alpha): the CPU kernel mixes as it
+    reads; elsewhere it is computed in S's storage, or in a new tensor ``for_backward`` (which keeps S). The
+    gate is the ReLU output, or for the kernel a bool map of where it is positive. Row i of a causal
+    convolution reads input rows i - c .. i (c = ``context_rows``); ``history`` supplies the earlier rows of
+    step-by-step decoding.
+    """
+    blend = 1.0 - beta
+    usable = kernels is not None and kernels.applicable(scores, previous, keep=keep, weight=scaled_weight)
+    if history is None and usable:
+        gate = torch.empty_like(scores, dtype=torch.bool) if for_backward else None
+        logits, _ = kernels.correlate(
+            scores,
+            scaled_weight,
+            scaled_bias,
+            row_shift=-context_rows,
+            lerp_end=previous,
+            lerp_weight=alpha,
+            in_keep=keep,
+            relu=True,
+            saved=gate,
+            blend=scores,
+            blend_coef=blend,
+        )
+        return logits, gate
+    attention_in = scores
+    if previous is not None:
+        attention_in = torch.lerp(scores, previous, alpha) if for_backward else scores.lerp_(previous, alpha)
+    conv_input = attention_in if keep is None else attention_in * keep
+    rows_before = 0
+    if history is not None:
+        conv_input, rows_before = history.extend(conv_input, context_rows)
+    # Padding `context_rows` on both sides: a causal kernel (its last row at the centre) then produces
+    # `context_rows` extra rows at the bottom, and output row i reads input rows i - c .. i. Autocast off:
+    # it would convolve in half precision.
+    with torch.autocast(conv_input.device.type, enabled=False):
+        padding = (context_rows, scaled_weight.shape[-1] // 2)
+        convolved = F.conv2d(conv_input, scaled_weight, scaled_bias, padding=padding)
+    if causal:
+        convolved = convolved[..., rows_before : rows_before + scores.shape[-2], :]
+    convolved = convolved.relu_()
+    if for_backward:
+        return torch.add(convolved, attention_in, alpha=blend), convolved
+    return convolved.add_(attention_in, alpha=blend), None
+
+
+def convolution_input_grad(
+    grad_convolved: torch.Tensor,
+    scaled_weight: torch.Tensor,
+    keep: torch.Tensor | None,
+    grad_logits: torch.Tensor,
+    beta: float,
+    context_rows: int,
+    *,
+    gate: torch.Tensor | None = None,
+    scales: tuple[float, float | None] = (1.0, None),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradient of A_logit with respect to A_in: the transposed convolution of the ReLU-gated gradient,
+    masked like the forward input, plus (1 - beta) times the incoming gradient; returned times each of
+    ``scales`` (the second ``None``: not needed). ``grad_convolved`` is the gated gradient, or with ``gate``
+    (the kernel's bool ReLU gate) the gradient the kernel gates as it reads.
+
+    The transposed convolution is a convolution with the kernel flipped in both directions and its channels
+    swapped; a causal kernel then reads rows i .. i + c (the rows whose outputs read row i).
+    """
+    transposed = scaled_weight.flip(-2, -1).transpose(0, 1)
+    shift = scaled_weight.shape[-2] - 1 - context_rows  # c for a centred kernel, 0 for a causal one
+    if gate is not None:
+        return kernels.correlate(
+            grad_convolved,
+            transposed,
+            None,
+            row_shift=-shift,
+            gate=gate,
+            out_keep=keep,
+            blend=grad_logits,
+            blend_coef=1.0 - beta,
+            out_scale=scales[0],
+            second_scale=scales[1],
+        )
+    grad_in = F.conv2d(grad_convolved, transposed, padding=(context_rows, scaled_weight.shape[-1] // 2))
+    offset = context_rows - shift
+    grad_in = grad_in[..., offset : offset + grad_logits.shape[-2], :]
+    if keep is not None:
+        grad_in = grad_in.mul_(keep)
+    grad_in = grad_in.add_(grad_logits, alpha=1.0 - beta)
+    second = None if scales[1] is None else grad_in * scales[1]
+    return (grad_in if scales[0] == 1.0 else grad_in.mul_(scales[0])), second
+
+
+def relu_gate(grad: torch.Tensor, relu: torch.Tensor) -> torch.Tensor:
+    """The gradient through the ReLU, given its output or the bool map of where that is positive."""
+    if relu.dtype == torch.bool:
+        return grad * relu
+    return torch.ops.aten.threshold_backward(grad, relu, 0)
+
+
+def evolve_convolution(
+    scores: torch.Tensor,
+    keep: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    beta: float,
+    causal: bool = False,
+    history: ConvolutionHistory | None = None,
+    context_rows: int | None = None,
+    *,
+    previous: torch.Tensor | None = None,
+    alpha: float = 0.0,
+) -> torch.Tensor:
+    """beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in (see :class:`EvolveConvolution`).
+
+    A_in is ``scores``, or with ``previous`` (the previous layer's A_logit) the residual mix
+    (1 - alpha) * scores + alpha * previous; where it is materialised without autograd, it overwrites
+    ``scores``. Without autograd (inference, ``generate``) nothing is kept for backward; with it, the step
+    runs through :class:`EvolveConvolution`. ``context_rows`` defaults to the kernel's half width.
+
+    Example:
+        >>> a_in, weight, bias = torch.randn(1, 2, 4, 4), torch.randn(2, 2, 3, 3), torch.zeros(2)
+        >>> plain = 0.5 * torch.relu(F.conv2d(a_in, weight, bias, padding=1)) + 0.5 * a_in
+        >>> torch.allclose(evolve_convolution(a_in.clone(), None, weight, bias, 0.5), plain, atol=1e-6)
+        True
+    """
+    if context_rows is None:
+        context_rows = weight.shape[-1] // 2
+    tensors = (scores, weight, bias, previous)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        if history is not None:  # a first decoding step with autograd on: record its rows for the next steps
+            if history.rows is not None:
+                raise ValueError("evolve_convolution back-propagates only through a first decoding step")
+            attention_in = scores if previous is None else torch.lerp(scores, previous, alpha)
+            history.extend(attention_in if keep is None else attention_in * keep, context_rows)
+        return EvolveConvolution.apply(scores, previous, keep, weight, bias, alpha, beta, causal, context_rows)
+    scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
+    logits, _ = evolve_step(
+        scores, keep, scaled_weight, scaled_bias, beta, causal, history, context_rows, previous=previous, alpha=alpha
+    )
+    return logits
+
+
+def convolution_weight_grad(
+    conv_input: torch.Tensor, grad_output: torch.Tensor, kernel_rows: int, kernel_columns: int, context_rows: int
+) -> torch.Tensor:
+    """Weight gradient [H_out, H_in, kh, kw] of a stride-1 convolution with ``context_rows`` rows and
+    kw // 2 columns of zero padding, as one batched matrix product per kernel tap over the map's rows.
+
+    Each tap pairs the output gradient with the input shifted by the tap's offset, both cropped to where
+    the shifted input exists (the zero padding contributes nothing), so no padded copy is made.
+    """
+    batch, heads_out, rows, width = grad_output.shape
+    columns = kernel_columns // 2
+    grad_weight = grad_output.new_zeros(heads_out, conv_input.shape[1], kernel_rows, kernel_columns)
+    for dy in range(kernel_rows):
+        shift_y = dy - context_rows  # output row i reads input row i + shift_y
+        out_rows = slice(max(0, -shift_y), min(rows, conv_input.shape[-2] - shift_y))
+        in_rows = slice(out_rows.start + shift_y, out_rows.stop + shift_y)
+        for dx in range(kernel_columns):
+            shift_x = dx - columns
+            out_cols = slice(max(0, -shift_x), min(width, width - shift_x))
+            in_cols = slice(out_cols.start + shift_x, out_cols.stop + shift_x)
+            for b in range(batch):
+                grad_rows = grad_output[b, :, out_rows, out_cols].transpose(0, 1)  # [rows, H_out, cols], a view
+                input_rows = conv_input[b, :, in_rows, in_cols].transpose(0, 1)  # [rows, H_in, cols], a view
+                grad_weight[:, :, dy, dx] += torch.bmm(grad_rows, input_rows.transpose(1, 2)).sum(0)
+    return grad_weight
 
 
 class EchoAttention(AttentionMapEvolution):
@@ -339,7 +668,8 @@ class EchoAttention(AttentionMapEvolution):
         query_length, key_length = scores.shape[-2:]
         # [S, B, H, Q, 1]: one gate per step, head and query token, shared by the whole row.
         gates = torch.sigmoid(
-            torch.einsum("bhqd,shd->sbhq", query.to(scores.dtype), self.gate_weight) + self.gate_bias[:, None, :, None]
+            torch.einsum("bhqd,shd->sbhq", query.to(scores.dtype), self.gate_weight.to(scores.dtype))
+            + self.gate_bias.to(scores.dtype)[:, None, :, None]
         ).unsqueeze(-1)
         logits, echo, previous_gate = scores, scores, None
         for step in range(self.echoes):
@@ -480,12 +810,21 @@ def evolving_attention_forward(
     """
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if math.frexp(scaling)[0] == 0.5:
+        # A power of two (1/8 for 64-dimensional heads) scales exactly: scaling the queries instead of the
+        # [B, H, Q, K] product gives eager attention's numbers with one pass less over the map.
+        scores = torch.matmul(query * scaling if scaling != 1.0 else query, key.transpose(-1, -2))
+    else:  # in place: the product is a fresh tensor that autograd does not keep
+        scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)
     if position_bias is not None:
         scores = scores + position_bias
     allowed, additive = split_attention_mask(attention_mask)
     evolution = getattr(module, MODULE_ATTRIBUTE, None)
     if evolution is not None:
+        if scores.dtype in (torch.float16, torch.bfloat16):
+            # Blends, convolution, mask and softmax in fp32: a half-precision map rounds away the small
+            # residual terms, and fp16's mask value plus a negative logit overflows to -inf.
+            scores = scores.float()
         chain = kwargs.get(CHAIN_KWARG)
         cache = kwargs.get(CACHE_KWARG)
         query_length = scores.shape[-2]
@@ -499,7 +838,7 @@ def evolving_attention_forward(
         scores = scores + additive
     elif allowed is not None:
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores, dim=-1)
+    probs = F.softmax(scores, dim=-1).to(value.dtype)
     probs = F.dropout(probs, p=dropout, training=module.training)
     output = torch.matmul(probs, value).transpose(1, 2).contiguous()
     return output, probs
@@ -517,8 +856,13 @@ def evolving_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
 
 
 def start_chain(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """Forward pre-hook for a layer stack: give this call its own, empty chain of attention logits."""
-    kwargs[CHAIN_KWARG] = {}
+    """Forward pre-hook for a layer stack: give this call its own, empty chain of attention logits.
+
+    The chain records whether layers of the stack may be replayed (gradient checkpointing): only then must it
+    keep every layer's logits until backward.
+    """
+    replays = module.training and any(getattr(m, "gradient_checkpointing", False) for m in module.modules())
+    kwargs[CHAIN_KWARG] = {REPLAYS_KEY: replays}
     return args, kwargs
 
 

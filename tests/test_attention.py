@@ -3,13 +3,18 @@
 import pytest
 import torch
 from torch import nn
+from transformers import BertConfig, BertModel
 from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, padding_mask_function
 
+import ea_hf
+import ea_hf.attention as attention_module
+from ea_hf import kernels
 from ea_hf.attention import (
     CACHE_ATTRIBUTE,
     CACHE_KWARG,
     CHAIN_KWARG,
     AttentionMapEvolution,
+    EvolveConvolution,
     evolving_attention_forward,
     evolving_attention_mask,
     reorder_convolution_histories,
@@ -284,3 +289,95 @@ def test_query_rows_are_located_among_cached_keys():
     assert not self_attention_conv_mask(allowed, 1, past=2).any()  # a padding query reads nothing
     with pytest.raises(NotImplementedError, match="queries after 6 cached tokens"):
         self_attention_conv_mask(allowed, 1, past=6)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def evolution_path(request, monkeypatch):
+    """Run a test on the CPU kernel path and on the torch-operations path."""
+    if request.param == "kernel" and kernels.cpu_kernel() is None:
+        pytest.skip("no C++ compiler on this machine: the kernel path cannot be built")
+    if request.param == "torch":
+        monkeypatch.setattr(attention_module, "kernels", None)
+    return request.param
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder", "cross"])
+@pytest.mark.parametrize("kernel_size", [1, 3, 5])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_path_matches_the_reference_with_gradients(evolution_path, kind, kernel_size, masked):
+    """forward() (fused) against reference() (the paper's equations, one op each): logits and the gradients
+    of S, the previous layer's logits, the weights and the bias, in fp32."""
+    torch.manual_seed(0)
+    queries, keys = 9, 9 if kind != "cross" else 12
+    evolution = AttentionMapEvolution(
+        H, alpha=0.3, beta=0.4, kernel_size=kernel_size, kind=kind, position=1, previous=0
+    )
+    scores = torch.randn(B, H, queries, keys, requires_grad=True)
+    previous = torch.randn(B, H, queries, keys, requires_grad=True)
+    upstream = torch.randn(B, H, queries, keys)
+    conv_mask = None
+    if masked:
+        valid = torch.ones(B, keys, dtype=torch.bool)
+        valid[1, 6:] = False
+        conv_mask = valid[:, None, None, :] & valid[:, None, :queries, None]
+
+    def run(method):
+        evolution.zero_grad()
+        scores.grad = previous.grad = None
+        logits = method(scores * 1.0, conv_mask, {(kind, 0): previous * 1.0, "replays": True})
+        (logits * upstream).sum().backward()
+        return [logits.detach(), scores.grad, previous.grad, evolution.weight.grad, evolution.bias.grad]
+
+    for fast, reference in zip(run(evolution.forward), run(evolution.reference), strict=True):
+        assert (fast - reference).abs().max() <= 1e-5 * max(1.0, reference.abs().max())
+
+
+@pytest.mark.parametrize(("kind", "kernel_size"), [("encoder", 3), ("decoder", 3), ("encoder", 5), ("cross", 5)])
+def test_custom_backward_passes_gradcheck(kind, kernel_size):
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=kernel_size, kind=kind).double()
+    scores, previous = (torch.randn(1, H, 6, 7, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    keep = (torch.rand(1, 1, 6, 7) > 0.3).double()
+
+    def evolve(scores, previous, weight, bias):
+        return EvolveConvolution.apply(
+            scores, previous, keep, weight, bias, 0.3, 0.4, evolution.causal, evolution.context_rows
+        )
+
+    assert torch.autograd.gradcheck(evolve, (scores, previous, evolution.weight, evolution.bias))
+    assert torch.autograd.gradcheck(lambda s, w, b: evolve(s, None, w, b), (scores, evolution.weight, evolution.bias))
+
+
+def test_inference_drops_consumed_logits_from_the_chain():
+    """Without autograd each layer's logits are released once the next layer has read them."""
+    layers = make_layers(4, alpha=0.3, beta=0.4, dtype=torch.float32)
+    chain = {}
+    with torch.no_grad():
+        for layer in layers:
+            q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
+            evolving_attention_forward(layer, q, k, v, None, **{CHAIN_KWARG: chain})
+            assert len([key for key in chain if isinstance(key, tuple)]) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_with_padding_stays_finite(dtype):
+    """bf16/fp16 models with padded batches: no overflow, no NaN, forward and backward; close to fp32."""
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37)
+    model = ea_hf.patch(BertModel(config), alpha=0.4, beta=0.4)
+    inputs = {"input_ids": torch.randint(0, 100, (3, 13)), "attention_mask": torch.ones(3, 13, dtype=torch.long)}
+    inputs["attention_mask"][1, 9:] = 0
+    inputs["attention_mask"][2, 4:] = 0
+    reference = model.eval()(**inputs).last_hidden_state.detach()
+    half = model.to(dtype)
+    output = half(**inputs).last_hidden_state
+    output.float().pow(2).mean().backward()
+    assert torch.isfinite(output).all()
+    assert all(torch.isfinite(p.grad).all() for p in half.parameters() if p.grad is not None)
+    real = inputs["attention_mask"].bool()
+    assert (output.float() - reference)[real].abs().max() <= 0.1
+    # Autocast (fp32 weights, bf16 matmuls) goes the same way.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = model.float()(**inputs).last_hidden_state
+    assert torch.isfinite(autocast).all()
+    assert (autocast.float() - reference)[real].abs().max() <= 0.1

@@ -159,7 +159,8 @@ def test_loads_without_ea_hf_as_remote_code(tmp_path):
     assert result["class"].startswith("transformers_modules.") and result["class"].endswith("Classification")
     with torch.no_grad():
         expected = model(torch.ones(1, 5, 3)).logits
-    assert (torch.tensor(result["logits"]) - expected).abs().max() <= 1e-6
+    # Float rounding only: the copy without ea_hf evolves with torch operations, not the CPU kernel.
+    assert (torch.tensor(result["logits"]) - expected).abs().max() <= 1e-5
 
 
 def test_the_pretraining_loss_counts_only_hidden_values_of_real_steps():

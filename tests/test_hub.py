@@ -152,7 +152,8 @@ def test_without_ea_hf_the_published_run_loads_as_remote_code(run_dir, hub, monk
     local = transformers.AutoModelForSequenceClassification.from_pretrained(run_dir).eval()
     with torch.no_grad():
         expected = local(input_ids=torch.tensor([[101, 7592, 2088, 102]])).logits
-    assert (torch.tensor(result["logits"]) - expected).abs().max() <= 1e-6
+    # Float rounding only: the copy without ea_hf evolves with torch operations, not the CPU kernel.
+    assert (torch.tensor(result["logits"]) - expected).abs().max() <= 1e-5
 
 
 def test_model_push_to_hub_uploads_the_model_its_code_and_its_card(hub, monkeypatch, minilm_path):

@@ -227,4 +227,5 @@ def test_checkpoints_load_without_ea_hf_through_trust_remote_code(tmp_path):
     results = json.loads(run.stdout.strip().splitlines()[-1])
     for path, result in results.items():
         assert result["class"].startswith("transformers_modules.") and ".modeling.EA" in result["class"]
-        assert (torch.tensor(result["output"]) - expected[path]).abs().max() <= 1e-6
+        # Float rounding only: the copy without ea_hf evolves with torch operations, not the CPU kernel.
+        assert (torch.tensor(result["output"]) - expected[path]).abs().max() <= 1e-5

@@ -1,0 +1,253 @@
+"""The fused CPU kernel of the evolution's convolution step, compiled on first use.
+
+``csrc/evolve_cpu.cpp`` is a plain C++ shared library (no torch headers, about a second to compile) that
+computes one correlation over [B, H, Q, K] maps with its input mask, ReLU, output mask and blend in a single
+pass: the forward step ``ReLU(Conv(A_in * keep)) + (1 - beta) * A_in`` and the input gradient of backward.
+On CPU it is faster than torch's convolution for H-channel maps, which reorders NCHW maps to a blocked
+layout and back around every call, and it allocates nothing but its output.
+
+It is built with the system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``) for the machine it
+runs on (``-march=native``) into ``$EA_HF_CACHE`` (default ``~/.cache/ea_hf``), keyed by source, compiler
+and CPU, and loaded with ctypes. Without a compiler, or with ``EA_HF_KERNELS=0``, :func:`cpu_kernel`
+returns ``None`` and the evolution uses torch operations (same results to float rounding).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "evolve_cpu.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+#: Largest head count and kernel height the kernel takes.
+MAX_HEADS = 64
+MAX_KERNEL_ROWS = 8
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """The CPU model and its feature flags: a binary built with -march=native only runs where they match."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            lines = [line for line in cpuinfo if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("EA_HF_CACHE", Path.home() / ".cache" / "ea_hf")) / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + compiler.encode() + " ".join(FLAGS).encode() + _cpu_signature().encode())
+    target = _cache_dir() / f"evolve_cpu-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename into place, so concurrent processes (DDP ranks) never load a
+    # half-written library.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        subprocess.run(
+            [compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=True, capture_output=True, text=True, timeout=300
+        )
+        os.replace(built, target)
+    return target
+
+
+def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    pointer, integer, single = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    library.ea_correlate.restype = integer
+    library.ea_correlate.argtypes = [pointer, pointer, single, *[pointer] * 4, *[integer] * 8]
+    library.ea_correlate.argtypes += [*[pointer] * 3, single, pointer, single, pointer, single, integer]
+    library.ea_weight_grad.restype = integer
+    library.ea_weight_grad.argtypes = [pointer, pointer, single, *[pointer] * 3, *[integer] * 7]
+    library.ea_weight_grad.argtypes += [pointer, pointer, integer]
+    return library
+
+
+def cpu_kernel() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it the first time; ``None`` where it cannot be built or is off.
+
+    Example:
+        >>> kernel = cpu_kernel()  # None without a C++ compiler or with EA_HF_KERNELS=0
+    """
+    if os.environ.get("EA_HF_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+        return None
+    with _lock:
+        if "cpu" not in _loaded:
+            library = None
+            compiler = _compiler()
+            if compiler is None:
+                logger.info("ea_hf: no C++ compiler found; evolving attention uses torch operations on CPU")
+            else:
+                try:
+                    library = _declare(ctypes.CDLL(str(_build(compiler))))
+                except (OSError, subprocess.SubprocessError) as error:
+                    detail = getattr(error, "stderr", "") or error
+                    logger.warning("ea_hf: building the CPU kernel failed, using torch operations: %s", detail)
+            _loaded["cpu"] = library
+        return _loaded["cpu"]
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def kernel_keep(keep: torch.Tensor | None, batch: int, rows: int, cols: int) -> torch.Tensor | None:
+    """``keep`` as the kernel reads it, a contiguous float32 [B, 1, Q, K] mask, or None."""
+    if keep is None:
+        return None
+    return keep.to(torch.float32).expand(batch, 1, rows, cols).contiguous()
+
+
+def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor) -> bool:
+    """Whether the CPU kernel can take these maps and this kernel: float32 on CPU, a mask shared by the heads."""
+    if weight.shape[-2] > MAX_KERNEL_ROWS:
+        return False
+    maps = [t for t in tensors if t is not None]
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 4 for t in maps):
+        return False
+    if maps and not 1 <= maps[0].shape[1] <= MAX_HEADS:
+        return False
+    if keep is not None and keep.dim() == 4 and keep.shape[1] != 1:
+        return False
+    return cpu_kernel() is not None
+
+
+def correlate(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    row_shift: int,
+    lerp_end: torch.Tensor | None = None,
+    lerp_weight: float = 0.0,
+    gate: torch.Tensor | None = None,
+    in_keep: torch.Tensor | None = None,
+    relu: bool = False,
+    saved: torch.Tensor | None = None,
+    out_keep: torch.Tensor | None = None,
+    blend: torch.Tensor | None = None,
+    blend_coef: float = 0.0,
+    out_scale: float = 1.0,
+    second_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One fused pass of the kernel (see ``csrc/evolve_cpu.cpp``); callers check :func:`applicable` first.
+
+    Output row i reads rows ``i + row_shift .. i + row_shift + kh - 1`` of ``x`` (zeros outside) and columns
+    ``j - kw // 2 .. j + kw // 2``. With ``lerp_end``, ``x`` and ``blend`` are first mixed with it:
+    ``x + lerp_weight * (lerp_end - x)``; with ``gate`` (bool, like ``x``), entries where it is False read
+    as 0. Masks are [B, 1, Q, K] floats; ``saved`` (bool, like ``x``) receives where the (ReLU) output is
+    positive: the gate of backward, at a quarter of a float map's memory. Returns (``out_scale`` * result,
+    ``second_scale`` * result or None).
+    """
+    library = cpu_kernel()
+    batch, heads, rows, cols = x.shape
+    x = x.contiguous()
+    weight = weight.detach().to(torch.float32).contiguous()
+    bias = torch.zeros(heads) if bias is None else bias.detach().to(torch.float32).contiguous()
+    blend = None if blend is None else blend.contiguous()
+    lerp_end = None if lerp_end is None else lerp_end.contiguous()
+    gate = None if gate is None else gate.contiguous()
+    in_keep = kernel_keep(in_keep, batch, rows, cols)
+    out_keep = kernel_keep(out_keep, batch, rows, cols)
+    out = torch.empty_like(x)
+    second = None if second_scale is None else torch.empty_like(x)
+    status = library.ea_correlate(
+        x.data_ptr(),
+        _pointer(lerp_end),
+        float(lerp_weight),
+        _pointer(gate),
+        _pointer(in_keep),
+        weight.data_ptr(),
+        bias.data_ptr(),
+        batch,
+        heads,
+        rows,
+        cols,
+        weight.shape[-2],
+        weight.shape[-1],
+        row_shift,
+        int(relu),
+        _pointer(saved),
+        _pointer(out_keep),
+        _pointer(blend),
+        float(blend_coef),
+        out.data_ptr(),
+        float(out_scale),
+        _pointer(second),
+        float(second_scale or 0.0),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"ea_hf CPU kernel rejected a map with {heads} heads")
+    return out, second
+
+
+def weight_grad(
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    kernel_rows: int,
+    kernel_cols: int,
+    *,
+    row_shift: int,
+    lerp_end: torch.Tensor | None = None,
+    lerp_weight: float = 0.0,
+    in_keep: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight gradient [H, H, kh, kw], bias gradient [H]) of :func:`correlate` for the output gradient
+    ``grad * gate`` (the bool ReLU gate), with input ``x`` (mixed with ``lerp_end``) times ``in_keep``;
+    callers check :func:`applicable`."""
+    library = cpu_kernel()
+    batch, heads, rows, cols = x.shape
+    x, grad, gate = x.contiguous(), grad.contiguous(), gate.contiguous()
+    lerp_end = None if lerp_end is None else lerp_end.contiguous()
+    in_keep = kernel_keep(in_keep, batch, rows, cols)
+    grad_weight = torch.empty(heads, heads, kernel_rows, kernel_cols)
+    grad_bias = torch.empty(heads)
+    status = library.ea_weight_grad(
+        x.data_ptr(),
+        _pointer(lerp_end),
+        float(lerp_weight),
+        _pointer(in_keep),
+        grad.data_ptr(),
+        gate.data_ptr(),
+        batch,
+        heads,
+        rows,
+        cols,
+        kernel_rows,
+        kernel_cols,
+        row_shift,
+        grad_weight.data_ptr(),
+        grad_bias.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"ea_hf CPU kernel rejected a map with {heads} heads")
+    return grad_weight, grad_bias
