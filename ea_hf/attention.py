@@ -346,23 +346,11 @@ class EvolveConvolution(torch.autograd.Function):
         needs_input = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         needs_kernel = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
         if kernels is not None and kernels.applicable(scores, previous, grad_logits, keep=keep, weight=scaled_weight):
-            # The kernels apply the ReLU gate and the residual mix as they read: nothing is materialised.
-            if needs_input:
-                grad_scores, grad_previous = convolution_input_grad(
-                    grad_logits, scaled_weight, keep, grad_logits, beta, c, gate=gate, scales=scales
-                )
-            if needs_kernel:
-                grad_weight, grad_bias = kernels.weight_grad(
-                    scores,
-                    grad_logits,
-                    gate,
-                    kernel_rows,
-                    kernel_columns,
-                    row_shift=-c,
-                    lerp_end=previous,
-                    lerp_weight=alpha,
-                    in_keep=keep,
-                )
+            # One pass: the kernel applies the ReLU gate and the residual mix as it reads, nothing is
+            # materialised but the gradients.
+            grad_scores, grad_previous, grad_weight, grad_bias = kernels.backward(
+                scores, previous, alpha, keep, grad_logits, gate, scaled_weight, c, beta
+            )
         else:
             grad_convolved = relu_gate(grad_logits, gate)
             if needs_input:
@@ -414,7 +402,7 @@ def evolve_step(
     usable = kernels is not None and kernels.applicable(scores, previous, keep=keep, weight=scaled_weight)
     if history is None and usable:
         gate = torch.empty_like(scores, dtype=torch.bool) if for_backward else None
-        logits, _ = kernels.correlate(
+        logits = kernels.correlate(
             scores,
             scaled_weight,
             scaled_bias,
@@ -456,33 +444,18 @@ def convolution_input_grad(
     grad_logits: torch.Tensor,
     beta: float,
     context_rows: int,
-    *,
-    gate: torch.Tensor | None = None,
     scales: tuple[float, float | None] = (1.0, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gradient of A_logit with respect to A_in: the transposed convolution of the ReLU-gated gradient,
-    masked like the forward input, plus (1 - beta) times the incoming gradient; returned times each of
-    ``scales`` (the second ``None``: not needed). ``grad_convolved`` is the gated gradient, or with ``gate``
-    (the kernel's bool ReLU gate) the gradient the kernel gates as it reads.
+    """Gradient of A_logit with respect to A_in: the transposed convolution of the ReLU-gated gradient
+    ``grad_convolved``, masked like the forward input, plus (1 - beta) times the incoming gradient; returned
+    times each of ``scales`` (the second ``None``: not needed). The CPU kernel computes the same in
+    :func:`ea_hf.kernels.backward`.
 
     The transposed convolution is a convolution with the kernel flipped in both directions and its channels
     swapped; a causal kernel then reads rows i .. i + c (the rows whose outputs read row i).
     """
     transposed = scaled_weight.flip(-2, -1).transpose(0, 1)
     shift = scaled_weight.shape[-2] - 1 - context_rows  # c for a centred kernel, 0 for a causal one
-    if gate is not None:
-        return kernels.correlate(
-            grad_convolved,
-            transposed,
-            None,
-            row_shift=-shift,
-            gate=gate,
-            out_keep=keep,
-            blend=grad_logits,
-            blend_coef=1.0 - beta,
-            out_scale=scales[0],
-            second_scale=scales[1],
-        )
     grad_in = F.conv2d(grad_convolved, transposed, padding=(context_rows, scaled_weight.shape[-1] // 2))
     offset = context_rows - shift
     grad_in = grad_in[..., offset : offset + grad_logits.shape[-2], :]

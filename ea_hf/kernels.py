@@ -34,6 +34,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 #: Largest head count and kernel height the kernel takes.
 MAX_HEADS = 64
 MAX_KERNEL_ROWS = 8
+MAX_KERNEL_COLUMNS = 33
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -83,9 +84,9 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ea_correlate.restype = integer
     library.ea_correlate.argtypes = [pointer, pointer, single, *[pointer] * 4, *[integer] * 8]
     library.ea_correlate.argtypes += [*[pointer] * 3, single, pointer, single, pointer, single, integer]
-    library.ea_weight_grad.restype = integer
-    library.ea_weight_grad.argtypes = [pointer, pointer, single, *[pointer] * 3, *[integer] * 7]
-    library.ea_weight_grad.argtypes += [pointer, pointer, integer]
+    library.ea_backward.restype = integer
+    library.ea_backward.argtypes = [pointer, pointer, single, *[pointer] * 4, *[integer] * 8, single]
+    library.ea_backward.argtypes += [pointer, single, pointer, single, pointer, pointer, integer]
     return library
 
 
@@ -126,7 +127,7 @@ def kernel_keep(keep: torch.Tensor | None, batch: int, rows: int, cols: int) -> 
 
 def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor) -> bool:
     """Whether the CPU kernel can take these maps and this kernel: float32 on CPU, a mask shared by the heads."""
-    if weight.shape[-2] > MAX_KERNEL_ROWS:
+    if weight.shape[-2] > MAX_KERNEL_ROWS or weight.shape[-1] // 2 > MAX_KERNEL_COLUMNS // 2:
         return False
     maps = [t for t in tensors if t is not None]
     if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 4 for t in maps):
@@ -146,45 +147,38 @@ def correlate(
     row_shift: int,
     lerp_end: torch.Tensor | None = None,
     lerp_weight: float = 0.0,
-    gate: torch.Tensor | None = None,
     in_keep: torch.Tensor | None = None,
     relu: bool = False,
     saved: torch.Tensor | None = None,
     out_keep: torch.Tensor | None = None,
     blend: torch.Tensor | None = None,
     blend_coef: float = 0.0,
-    out_scale: float = 1.0,
-    second_scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> torch.Tensor:
     """One fused pass of the kernel (see ``csrc/evolve_cpu.cpp``); callers check :func:`applicable` first.
 
     Output row i reads rows ``i + row_shift .. i + row_shift + kh - 1`` of ``x`` (zeros outside) and columns
     ``j - kw // 2 .. j + kw // 2``. With ``lerp_end``, ``x`` and ``blend`` are first mixed with it:
-    ``x + lerp_weight * (lerp_end - x)``; with ``gate`` (bool, like ``x``), entries where it is False read
-    as 0. Masks are [B, 1, Q, K] floats; ``saved`` (bool, like ``x``) receives where the (ReLU) output is
-    positive: the gate of backward, at a quarter of a float map's memory. Returns (``out_scale`` * result,
-    ``second_scale`` * result or None).
+    ``x + lerp_weight * (lerp_end - x)``. Masks are [B, 1, Q, K] floats; ``saved`` (bool, like ``x``)
+    receives where the (ReLU) output is positive: the gate of backward, at a quarter of a float map's memory.
     """
     library = cpu_kernel()
     batch, heads, rows, cols = x.shape
     x = x.contiguous()
     weight = weight.detach().to(torch.float32).contiguous()
-    bias = torch.zeros(heads) if bias is None else bias.detach().to(torch.float32).contiguous()
+    bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
     blend = None if blend is None else blend.contiguous()
     lerp_end = None if lerp_end is None else lerp_end.contiguous()
-    gate = None if gate is None else gate.contiguous()
     in_keep = kernel_keep(in_keep, batch, rows, cols)
     out_keep = kernel_keep(out_keep, batch, rows, cols)
     out = torch.empty_like(x)
-    second = None if second_scale is None else torch.empty_like(x)
     status = library.ea_correlate(
         x.data_ptr(),
         _pointer(lerp_end),
         float(lerp_weight),
-        _pointer(gate),
+        None,
         _pointer(in_keep),
         weight.data_ptr(),
-        bias.data_ptr(),
+        _pointer(bias),
         batch,
         heads,
         rows,
@@ -198,56 +192,69 @@ def correlate(
         _pointer(blend),
         float(blend_coef),
         out.data_ptr(),
-        float(out_scale),
-        _pointer(second),
-        float(second_scale or 0.0),
+        1.0,
+        None,
+        0.0,
         torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(f"ea_hf CPU kernel rejected a map with {heads} heads")
-    return out, second
+    return out
 
 
-def weight_grad(
-    x: torch.Tensor,
+def backward(
+    scores: torch.Tensor,
+    previous: torch.Tensor | None,
+    alpha: float,
+    keep: torch.Tensor | None,
     grad: torch.Tensor,
     gate: torch.Tensor,
-    kernel_rows: int,
-    kernel_cols: int,
-    *,
-    row_shift: int,
-    lerp_end: torch.Tensor | None = None,
-    lerp_weight: float = 0.0,
-    in_keep: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight gradient [H, H, kh, kw], bias gradient [H]) of :func:`correlate` for the output gradient
-    ``grad * gate`` (the bool ReLU gate), with input ``x`` (mixed with ``lerp_end``) times ``in_keep``;
-    callers check :func:`applicable`."""
+    scaled_weight: torch.Tensor,
+    context_rows: int,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The evolution step's whole backward in one pass over the rows (see ``ea_backward``).
+
+    Returns the gradients of S, of A_prev (``None`` without ``previous``), and of the beta-scaled kernel's
+    weight and bias, for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha),
+    the ReLU gate ``gate`` and the output gradient ``grad``; callers check :func:`applicable`.
+    """
     library = cpu_kernel()
-    batch, heads, rows, cols = x.shape
-    x, grad, gate = x.contiguous(), grad.contiguous(), gate.contiguous()
-    lerp_end = None if lerp_end is None else lerp_end.contiguous()
-    in_keep = kernel_keep(in_keep, batch, rows, cols)
+    batch, heads, rows, cols = scores.shape
+    kernel_rows, kernel_cols = scaled_weight.shape[-2:]
+    transposed = scaled_weight.detach().to(torch.float32).flip(-2, -1).transpose(0, 1).contiguous()
+    scores, grad, gate = scores.contiguous(), grad.contiguous(), gate.contiguous()
+    previous = None if previous is None else previous.contiguous()
+    keep = kernel_keep(keep, batch, rows, cols)
+    grad_scores = torch.empty_like(scores)
+    grad_previous = None if previous is None else torch.empty_like(scores)
     grad_weight = torch.empty(heads, heads, kernel_rows, kernel_cols)
     grad_bias = torch.empty(heads)
-    status = library.ea_weight_grad(
-        x.data_ptr(),
-        _pointer(lerp_end),
-        float(lerp_weight),
-        _pointer(in_keep),
+    status = library.ea_backward(
+        scores.data_ptr(),
+        _pointer(previous),
+        float(alpha),
+        _pointer(keep),
         grad.data_ptr(),
         gate.data_ptr(),
+        transposed.data_ptr(),
         batch,
         heads,
         rows,
         cols,
         kernel_rows,
         kernel_cols,
-        row_shift,
+        -context_rows,
+        -(kernel_rows - 1 - context_rows),
+        1.0 - beta,
+        grad_scores.data_ptr(),
+        1.0 if previous is None else 1.0 - alpha,
+        _pointer(grad_previous),
+        float(alpha),
         grad_weight.data_ptr(),
         grad_bias.data_ptr(),
         torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(f"ea_hf CPU kernel rejected a map with {heads} heads")
-    return grad_weight, grad_bias
+    return grad_scores, grad_previous, grad_weight, grad_bias

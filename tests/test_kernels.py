@@ -13,24 +13,10 @@ needs_compiler = pytest.mark.skipif(kernels._compiler() is None, reason="no C++ 
 
 
 def correlate_with_torch(
-    x,
-    weight,
-    bias,
-    row_shift,
-    *,
-    lerp_end=None,
-    lerp_weight=0.0,
-    gate=None,
-    in_keep=None,
-    relu=False,
-    out_keep=None,
-    blend=None,
-    blend_coef=0.0,
+    x, weight, bias, row_shift, *, lerp_end=None, lerp_weight=0.0, in_keep=None, relu=False, blend=None, blend_coef=0.0
 ):
     """What `kernels.correlate` computes, step by step: output row i reads rows i + row_shift + dy."""
     a = x if lerp_end is None else torch.lerp(x, lerp_end, lerp_weight)
-    if gate is not None:
-        a = a * gate
     if in_keep is not None:
         a = a * in_keep
     rows, kernel_rows = x.shape[-2], weight.shape[-2]
@@ -39,8 +25,6 @@ def correlate_with_torch(
     if relu:
         out = torch.relu(out)
     saved = out > 0
-    if out_keep is not None:
-        out = out * out_keep
     if blend is not None:
         mixed = blend if lerp_end is None else torch.lerp(blend, lerp_end, lerp_weight)
         out = out + blend_coef * mixed
@@ -68,58 +52,53 @@ def test_the_kernel_builds_and_is_cached(tmp_path, monkeypatch):
 def test_correlate_matches_torch(heads, kernel_rows, kernel_cols, row_shift):
     torch.manual_seed(0)
     batch, rows, cols = 2, 9, 37  # 37 columns: a partial last vector block
-    x, end, blend = (torch.randn(batch, heads, rows, cols) for _ in range(3))
+    x, end = (torch.randn(batch, heads, rows, cols) for _ in range(2))
     weight, bias = torch.randn(heads, heads, kernel_rows, kernel_cols), torch.randn(heads)
-    gate = torch.rand(batch, heads, rows, cols) > 0.3
-    in_keep, out_keep = ((torch.rand(batch, 1, rows, cols) > 0.2).float() for _ in range(2))
-    options = dict(
-        lerp_end=end, lerp_weight=0.3, in_keep=in_keep, relu=True, out_keep=out_keep, blend=blend, blend_coef=0.6
-    )
+    keep = (torch.rand(batch, 1, rows, cols) > 0.2).float()
+    options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=x, blend_coef=0.6)
     saved = torch.empty_like(x, dtype=torch.bool)
-    out, second = kernels.correlate(
-        x, weight, bias, row_shift=row_shift, saved=saved, out_scale=0.7, second_scale=0.3, **options
-    )
+    out = kernels.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
     expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)
-    assert (out - 0.7 * expected).abs().max() <= 1e-5 * expected.abs().max()
-    assert (second - 0.3 * expected).abs().max() <= 1e-5 * expected.abs().max()
-    assert torch.equal(saved, expected_saved)
-    # The backward form: gated input, no relu, no bias.
-    out, second = kernels.correlate(
-        x, weight, None, row_shift=row_shift, gate=gate, out_keep=out_keep, blend=blend, blend_coef=0.6
-    )
-    expected, _ = correlate_with_torch(
-        x, weight, None, row_shift, gate=gate, out_keep=out_keep, blend=blend, blend_coef=0.6
-    )
-    assert second is None
     assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert torch.equal(saved, expected_saved)
 
 
 @needs_compiler
 @pytest.mark.parametrize("heads", [3, 12])
-@pytest.mark.parametrize(("kernel_rows", "kernel_cols", "row_shift"), [(3, 3, -1), (2, 3, -1), (5, 5, -2)])
-def test_weight_grad_matches_autograd(heads, kernel_rows, kernel_cols, row_shift):
+@pytest.mark.parametrize(("kernel_size", "causal"), [(3, False), (3, True), (5, False), (5, True), (1, False)])
+@pytest.mark.parametrize("with_previous", [True, False])
+def test_backward_matches_autograd(heads, kernel_size, causal, with_previous):
+    """kernels.backward against autograd through the torch formulation, in float64."""
     torch.manual_seed(1)
-    batch, rows, cols = 2, 8, 21
-    x, end, grad = (torch.randn(batch, heads, rows, cols, dtype=torch.float64) for _ in range(3))
-    gate = torch.rand(batch, heads, rows, cols) > 0.4
+    batch, rows, cols, alpha, beta = 2, 8, 21, 0.25, 0.4
+    context = kernel_size // 2
+    kernel_rows = context + 1 if causal else kernel_size
+    scores, previous, upstream = (torch.randn(batch, heads, rows, cols, dtype=torch.float64) for _ in range(3))
     keep = (torch.rand(batch, 1, rows, cols) > 0.2).double()
-    weight = torch.randn(heads, heads, kernel_rows, kernel_cols, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(heads, dtype=torch.float64, requires_grad=True)
-    out, _ = correlate_with_torch(x, weight, bias, row_shift, lerp_end=end, lerp_weight=0.25, in_keep=keep)
-    (out * grad * gate).sum().backward()
-    grad_weight, grad_bias = kernels.weight_grad(
-        x.float(),
-        grad.float(),
+    weight = torch.randn(heads, heads, kernel_rows, kernel_size, dtype=torch.float64) * 0.3
+    bias = torch.randn(heads, dtype=torch.float64) * 0.1
+    leaves = [t.clone().requires_grad_() for t in (scores, previous, weight, bias)]
+    s, p, w, b = leaves
+    a_in = torch.lerp(s, p, alpha) if with_previous else s
+    convolved, gate = correlate_with_torch(a_in, w, b, -context, in_keep=keep, relu=True)
+    ((convolved + (1 - beta) * a_in) * upstream).sum().backward()
+    grads = kernels.backward(
+        scores.float(),
+        previous.float() if with_previous else None,
+        alpha,
+        keep.float(),
+        upstream.float(),
         gate,
-        kernel_rows,
-        kernel_cols,
-        row_shift=row_shift,
-        lerp_end=end.float(),
-        lerp_weight=0.25,
-        in_keep=keep.float(),
+        weight.float(),
+        context,
+        beta,
     )
-    assert (grad_weight.double() - weight.grad).abs().max() <= 1e-5 * weight.grad.abs().max()
-    assert (grad_bias.double() - bias.grad).abs().max() <= 1e-5 * bias.grad.abs().max()
+    expected = [s.grad, p.grad if with_previous else None, w.grad, b.grad]
+    for got, want in zip(grads, expected, strict=True):
+        if want is None:
+            assert got is None
+            continue
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_without_a_compiler_evolution_falls_back_to_torch(tmp_path, monkeypatch, caplog):

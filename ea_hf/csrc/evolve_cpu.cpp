@@ -16,16 +16,17 @@
 //     v = v + blend_coef * blend'[b, o, i, j]  (blend != NULL, mixed with lerp_end like x)
 //     out[b, o, i, j] = out_scale * v;  out2[b, o, i, j] = out2_scale * v  (out2 != NULL)
 //
-// which is the forward step (ReLU, blend with A_in) and, with the kernel flipped and transposed and the ReLU
-// gate, the input gradient (mask, blend with the incoming gradient, split between S and A_prev by the residual
-// weights: out and out2). ea_weight_grad computes the weight and
-// bias gradients, sum over b, i, j of gy[b, o, i, j] * a[b, c, i + dy + row_shift, j + dx - kc / 2] with
-// gy = grad * gate. Neither materialises the gated gradient or the masked input.
+// which is the forward step (ReLU, blend with A_in). ea_backward computes, in the same pass over the rows, the
+// input gradient (the same correlation with the kernel flipped and transposed, over the ReLU-gated gradient,
+// then masked, blended with the incoming gradient and split between S and A_prev: out and out2) and the weight
+// and bias gradients, sum over b, i, j of gy[b, o, i, j] * a[b, c, i + dy + row_shift, j + dx - kc / 2] with
+// gy = grad * gate. Neither materialises A_in, the gated gradient or the masked input.
 //
 // No torch headers: a plain shared library called through ctypes, which compiles in about a second. Threads
 // come from OpenMP, the runtime torch itself uses.
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -36,6 +37,7 @@ constexpr int kBlocks = 2;  // vectors of columns per step: 2 x H accumulators s
 constexpr int kMaxHeads = 64;
 constexpr int kMaxKernelRows = 8;
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef signed char vbyte __attribute__((vector_size(kLanes)));
 
 inline vfloat load(const float* p) {
     vfloat v;
@@ -44,6 +46,18 @@ inline vfloat load(const float* p) {
 }
 
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+// Zero-filled floats whose first element sits on a 64-byte boundary: vector loads of aligned columns then never
+// straddle two cache lines.
+struct AlignedFloats {
+    std::vector<float> storage;
+    float* data = nullptr;
+    void assign_zeros(size_t count) {
+        storage.assign(count + kLanes, 0.0f);
+        const auto address = reinterpret_cast<std::uintptr_t>(storage.data());
+        data = storage.data() + ((64 - address % 64) % 64) / sizeof(float);
+    }
+};
 
 inline float lanes_sum(vfloat v) {
     float values[kLanes], total = 0.0f;
@@ -65,24 +79,28 @@ struct Input {  // where rows of `a` come from
 // vector load is in bounds: a ring of `kernel_rows` slots per head. Consecutive output rows share all but one
 // input row, so each input row is prepared once per thread.
 struct RowRing {
-    std::vector<float> data;
+    AlignedFloats data;
     std::vector<long> tags;  // which (batch, row) each slot holds; -1 empty, -2 the zero row outside the map
     int width = 0;
-    const float* lines[kMaxHeads * kMaxKernelRows];  // [c][dy] -> first column of that row (after the border)
+    const float* lines[kMaxHeads * kMaxKernelRows];  // [c][dy] -> column 0 of that row, 64-byte aligned
 };
+
+// Each ring row: a zero border of one vector (at least kernel_cols / 2 columns) on the left, so that column 0
+// is aligned, then the columns rounded up to whole steps, then a zero border for the last step's reads.
+constexpr int kLead = kLanes;
 
 inline int padded_width(const Input& in) {
     const int step = kLanes * kBlocks;
-    return ((in.cols + step - 1) / step) * step + 2 * (in.kernel_cols / 2) + step;
+    return kLead + ((in.cols + step - 1) / step) * step + step + kLanes;
 }
 
 void prepare_rows(const Input& in, int b, int i, RowRing& ring) {
-    const int heads = in.heads, kr = in.kernel_rows, pad = in.kernel_cols / 2;
+    const int heads = in.heads, kr = in.kernel_rows;
     const int width = padded_width(in);
     const size_t map = static_cast<size_t>(in.rows) * in.cols;
     if (ring.width != width) {
         ring.width = width;
-        ring.data.assign(static_cast<size_t>(heads) * kr * width, 0.0f);
+        ring.data.assign_zeros(static_cast<size_t>(heads) * kr * width);
         ring.tags.assign(kr, -1);
     }
     for (int dy = 0; dy < kr; ++dy) {
@@ -91,13 +109,13 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring) {
         const bool inside = r >= 0 && r < in.rows;
         const long tag = inside ? static_cast<long>(b) * in.rows + r : -2;
         for (int c = 0; c < heads; ++c)
-            ring.lines[c * kr + dy] = ring.data.data() + (static_cast<size_t>(c) * kr + slot) * width + pad;
+            ring.lines[c * kr + dy] = ring.data.data + (static_cast<size_t>(c) * kr + slot) * width + kLead;
         if (ring.tags[slot] == tag) continue;
         ring.tags[slot] = tag;
         const size_t row = static_cast<size_t>(r) * in.cols;
         const float* keep = in.in_keep && inside ? in.in_keep + b * map + row : nullptr;
         for (int c = 0; c < heads; ++c) {
-            float* dst = ring.data.data() + (static_cast<size_t>(c) * kr + slot) * width + pad;
+            float* dst = ring.data.data + (static_cast<size_t>(c) * kr + slot) * width + kLead;
             if (!inside) {
                 std::memset(dst, 0, sizeof(float) * in.cols);
                 continue;
@@ -121,7 +139,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring) {
 }
 
 struct Output {
-    const float* w;
+    const float* w;  // [c][dy][dx][h] inside the kernel (ea_correlate takes [h][c][dy][dx] and reorders it)
     const float* bias;
     int relu;
     unsigned char* saved;
@@ -134,13 +152,32 @@ struct Output {
     float out2_scale;
 };
 
+// The epilogue of one vector of outputs at `at` (see the file comment), for whole vectors; the same steps as
+// the scalar code for a row's last, partial block.
+inline void finish(const Input& in, const Output& o, vfloat y, size_t at, const float* out_keep) {
+    if (o.relu) y = y > 0.0f ? y : 0.0f;
+    if (o.saved) {
+        const vbyte positive = __builtin_convertvector(y > 0.0f, vbyte) & 1;
+        std::memcpy(o.saved + at, &positive, sizeof positive);
+    }
+    if (out_keep) y *= load(out_keep);
+    if (o.blend) {
+        vfloat mixed = load(o.blend + at);
+        if (in.lerp_end) mixed += in.lerp_weight * (load(in.lerp_end + at) - mixed);
+        y += o.blend_coef * mixed;
+    }
+    if (o.out2) store(o.out2 + at, o.out2_scale * y);
+    if (o.out_scale != 1.0f) y *= o.out_scale;
+    store(o.out + at, y);
+}
+
 // One output row (b, i) for all heads. `Heads` and `Cols` > 0 fix the head count and kernel width at compile
 // time (accumulators in registers, taps unrolled); 0 reads them at run time (any size, slower).
 template <int Heads, int Cols>
 void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring) {
     const int heads = Heads > 0 ? Heads : in.heads;
     const int kernel_cols = Cols > 0 ? Cols : in.kernel_cols;
-    const int pad = kernel_cols / 2, kr = in.kernel_rows, taps = kr * kernel_cols;
+    const int pad = kernel_cols / 2, kr = in.kernel_rows;
     const int step = kLanes * kBlocks;
     const size_t map = static_cast<size_t>(in.rows) * in.cols, row = static_cast<size_t>(i) * in.cols;
     prepare_rows(in, b, i, ring);
@@ -148,7 +185,7 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring) {
     for (int j0 = 0; j0 < in.cols; j0 += step) {
         vfloat acc[Heads > 0 ? Heads : kMaxHeads][kBlocks];
         for (int h = 0; h < heads; ++h)
-            for (int k = 0; k < kBlocks; ++k) acc[h][k] = vfloat{} + o.bias[h];
+            for (int k = 0; k < kBlocks; ++k) acc[h][k] = vfloat{} + (o.bias ? o.bias[h] : 0.0f);
         for (int c = 0; c < heads; ++c) {
             for (int dy = 0; dy < kr; ++dy) {
                 const float* line = ring.lines[c * kr + dy] + j0 - pad;
@@ -156,10 +193,11 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring) {
                 for (int dx = 0; dx < kernel_cols; ++dx) {
                     vfloat v[kBlocks];
                     for (int k = 0; k < kBlocks; ++k) v[k] = load(line + dx + k * kLanes);
-                    const float* weight = o.w + static_cast<size_t>(c) * taps + dy * kernel_cols + dx;
+                    // The H weights of one tap are contiguous: broadcasts need no per-head offsets.
+                    const float* weight = o.w + ((static_cast<size_t>(c) * kr + dy) * kernel_cols + dx) * heads;
 #pragma GCC unroll 16
                     for (int h = 0; h < heads; ++h) {
-                        const float w = weight[static_cast<size_t>(h) * heads * taps];
+                        const float w = weight[h];
                         for (int k = 0; k < kBlocks; ++k) acc[h][k] += w * v[k];
                     }
                 }
@@ -168,6 +206,10 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring) {
         const int valid = std::min(step, in.cols - j0);
         for (int h = 0; h < heads; ++h) {
             const size_t at = (static_cast<size_t>(b) * heads + h) * map + row + j0;
+            if (valid == step) {
+                for (int k = 0; k < kBlocks; ++k) finish(in, o, acc[h][k], at + k * kLanes, out_keep ? out_keep + j0 + k * kLanes : nullptr);
+                continue;
+            }
             float values[kLanes * kBlocks];
             for (int k = 0; k < kBlocks; ++k) {
                 vfloat y = acc[h][k];
@@ -195,9 +237,23 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring) {
     }
 }
 
+// `given` with its weights ([h][c][dy][dx]) copied into `reordered` as the kernel reads them, [c][dy][dx][h].
+Output with_reordered_weights(const Output& given, int heads, int taps, std::vector<float>& reordered) {
+    reordered.resize(static_cast<size_t>(heads) * heads * taps);
+    for (int h = 0; h < heads; ++h)
+        for (int c = 0; c < heads; ++c)
+            for (int t = 0; t < taps; ++t)
+                reordered[(static_cast<size_t>(c) * taps + t) * heads + h] = given.w[(static_cast<size_t>(h) * heads + c) * taps + t];
+    Output o = given;
+    o.w = reordered.data();
+    return o;
+}
+
 template <int Heads, int Cols>
-void correlate(const Input& in, const Output& o, int threads) {
-    const int tasks = in.batch * in.rows;
+void correlate(const Input& in, const Output& given, int threads) {
+    const int tasks = in.batch * in.rows, heads = in.heads, taps = in.kernel_rows * in.kernel_cols;
+    std::vector<float> reordered;
+    const Output o = with_reordered_weights(given, heads, taps, reordered);
 #pragma omp parallel num_threads(threads)
     {
         RowRing ring;  // per thread; a static schedule hands each thread consecutive rows
@@ -209,22 +265,48 @@ void correlate(const Input& in, const Output& o, int threads) {
 // Weight and bias gradient contributions of output row (b, i), added to per-thread vector accumulators
 // grad_w[o][c][dy][dx] and grad_b[o]. Per (c, dy, dx) the H row dot products run over the columns with
 // their accumulators in registers.
+// `gy[h]` is row i of the gated output gradient of head h, 64-byte aligned and zero beyond the last column
+// up to whole vectors.
 template <int Heads, int Cols>
-void weight_grad_row(const Input& in, const float* grad, const unsigned char* gate, int b, int i, RowRing& ring,
-                     std::vector<float>& gated, std::vector<vfloat>& grad_w, std::vector<vfloat>& grad_b) {
+void weight_grad_row(const Input& in, const float* const* gy, int b, int i, RowRing& ring,
+                     std::vector<vfloat>& grad_w, std::vector<vfloat>& grad_b) {
     const int heads = Heads > 0 ? Heads : in.heads;
     const int kernel_cols = Cols > 0 ? Cols : in.kernel_cols;
     const int pad = kernel_cols / 2, kr = in.kernel_rows, taps = kr * kernel_cols;
-    const int vectors = (in.cols + kLanes - 1) / kLanes, stride = vectors * kLanes;
-    const size_t map = static_cast<size_t>(in.rows) * in.cols, row = static_cast<size_t>(i) * in.cols;
+    const int vectors = (in.cols + kLanes - 1) / kLanes;
     prepare_rows(in, b, i, ring);
-    // gy for this row, all heads, zero-padded to whole vectors.
-    gated.assign(static_cast<size_t>(heads) * stride, 0.0f);
-    for (int h = 0; h < heads; ++h) {
-        const size_t at = (static_cast<size_t>(b) * heads + h) * map + row;
-        float* dst = gated.data() + static_cast<size_t>(h) * stride;
-        for (int j = 0; j < in.cols; ++j) dst[j] = gate[at + j] ? grad[at + j] : 0.0f;
-        for (int v = 0; v < vectors; ++v) grad_b[h] += load(dst + v * kLanes);
+    for (int h = 0; h < heads; ++h)
+        for (int v = 0; v < vectors; ++v) grad_b[h] += load(gy[h] + v * kLanes);
+    if (Heads > 0 && Cols > 0 && Heads % 4 == 0) {
+        // Register blocking: per input vector, the Cols shifted loads serve 4 heads (4 x Cols accumulators),
+        // so the loop is bound by multiply-adds rather than by loads.
+        constexpr int kGroup = 4;
+        for (int c = 0; c < heads; ++c) {
+            for (int dy = 0; dy < kr; ++dy) {
+                const float* line = ring.lines[c * kr + dy] - pad;
+                for (int h0 = 0; h0 < heads; h0 += kGroup) {
+                    vfloat acc[kGroup][Cols > 0 ? Cols : 1] = {};
+                    for (int v = 0; v < vectors; ++v) {
+                        vfloat x[Cols > 0 ? Cols : 1];
+#pragma GCC unroll 8
+                        for (int dx = 0; dx < kernel_cols; ++dx) x[dx] = load(line + dx + v * kLanes);
+#pragma GCC unroll 4
+                        for (int g = 0; g < kGroup; ++g) {
+                            vfloat gradient = load(gy[h0 + g] + v * kLanes);
+                            // Keep it in a register: folded into each multiply-add as a memory operand, it
+                            // would be loaded once per tap and the loop would wait on loads.
+                            __asm__("" : "+v"(gradient));
+#pragma GCC unroll 8
+                            for (int dx = 0; dx < kernel_cols; ++dx) acc[g][dx] += gradient * x[dx];
+                        }
+                    }
+                    for (int g = 0; g < kGroup; ++g)
+                        for (int dx = 0; dx < kernel_cols; ++dx)
+                            grad_w[(static_cast<size_t>(h0 + g) * heads + c) * taps + dy * kernel_cols + dx] += acc[g][dx];
+                }
+            }
+        }
+        return;
     }
     for (int c = 0; c < heads; ++c) {
         for (int dy = 0; dy < kr; ++dy) {
@@ -235,7 +317,7 @@ void weight_grad_row(const Input& in, const float* grad, const unsigned char* ga
                 for (int v = 0; v < vectors; ++v) {
                     const vfloat x = load(line + dx + v * kLanes);
 #pragma GCC unroll 16
-                    for (int h = 0; h < heads; ++h) acc[h] += load(gated.data() + static_cast<size_t>(h) * stride + v * kLanes) * x;
+                    for (int h = 0; h < heads; ++h) acc[h] += load(gy[h] + v * kLanes) * x;
                 }
                 for (int h = 0; h < heads; ++h) grad_w[(static_cast<size_t>(h) * heads + c) * taps + dy * kernel_cols + dx] += acc[h];
             }
@@ -243,26 +325,42 @@ void weight_grad_row(const Input& in, const float* grad, const unsigned char* ga
     }
 }
 
+// Adds one thread's vector accumulators to the weight and bias gradients (inside a parallel region).
+inline void reduce(const std::vector<vfloat>& grad_w, const std::vector<vfloat>& grad_b, float* grad_weight,
+                   float* grad_bias, int heads) {
+#pragma omp critical
+    {
+        for (size_t k = 0; k < grad_w.size(); ++k) grad_weight[k] += lanes_sum(grad_w[k]);
+        for (int h = 0; h < heads; ++h) grad_bias[h] += lanes_sum(grad_b[h]);
+    }
+}
+
+// The whole backward of the evolution step in one pass over the rows: for row i, the input gradient (the
+// transposed convolution of the gated gradient, as ea_correlate computes it) from a ring of gated gradient
+// rows, then the weight and bias contributions of gradient row i, which that ring already holds gated.
 template <int Heads, int Cols>
-void weight_grad(const Input& in, const float* grad, const unsigned char* gate, float* grad_weight, float* grad_bias,
-                 int threads) {
-    const int heads = in.heads, taps = in.kernel_rows * in.kernel_cols, tasks = in.batch * in.rows;
+void backward(const Input& grad_in, const Output& grad_out, const Input& forward_in, float* grad_weight,
+              float* grad_bias, int threads) {
+    const int heads = grad_in.heads, taps = grad_in.kernel_rows * grad_in.kernel_cols;
+    const int tasks = grad_in.batch * grad_in.rows, kr = grad_in.kernel_rows, own_row = -grad_in.row_shift;
     const size_t weights = static_cast<size_t>(heads) * heads * taps;
     std::fill(grad_weight, grad_weight + weights, 0.0f);
     std::fill(grad_bias, grad_bias + heads, 0.0f);
+    std::vector<float> reordered;
+    const Output out = with_reordered_weights(grad_out, heads, taps, reordered);
 #pragma omp parallel num_threads(threads)
     {
-        RowRing ring;
-        std::vector<float> gated;
+        RowRing gradient_ring, input_ring;
         std::vector<vfloat> grad_w(weights, vfloat{}), grad_b(heads, vfloat{});
+        const float* rows[kMaxHeads];
 #pragma omp for schedule(static) nowait
-        for (int t = 0; t < tasks; ++t)
-            weight_grad_row<Heads, Cols>(in, grad, gate, t / in.rows, t % in.rows, ring, gated, grad_w, grad_b);
-#pragma omp critical
-        {
-            for (size_t k = 0; k < weights; ++k) grad_weight[k] += lanes_sum(grad_w[k]);
-            for (int h = 0; h < heads; ++h) grad_bias[h] += lanes_sum(grad_b[h]);
+        for (int t = 0; t < tasks; ++t) {
+            const int b = t / grad_in.rows, i = t % grad_in.rows;
+            output_row<Heads, Cols>(grad_in, out, b, i, gradient_ring);
+            for (int h = 0; h < heads; ++h) rows[h] = gradient_ring.lines[h * kr + own_row];
+            weight_grad_row<Heads, Cols>(forward_in, rows, b, i, input_ring, grad_w, grad_b);
         }
+        reduce(grad_w, grad_b, grad_weight, grad_bias, heads);
     }
 }
 
@@ -282,8 +380,9 @@ void weight_grad(const Input& in, const float* grad, const unsigned char* gate, 
         return 0;                                                    \
     } while (0)
 
-inline bool supported(int heads, int kernel_rows) {
-    return heads >= 1 && heads <= kMaxHeads && kernel_rows >= 1 && kernel_rows <= kMaxKernelRows;
+inline bool supported(int heads, int kernel_rows, int kernel_cols) {
+    return heads >= 1 && heads <= kMaxHeads && kernel_rows >= 1 && kernel_rows <= kMaxKernelRows &&
+           kernel_cols >= 1 && kernel_cols / 2 <= kLead;
 }
 
 }  // namespace
@@ -295,21 +394,29 @@ int ea_correlate(const float* x, const float* lerp_end, float lerp_weight, const
                  const float* w, const float* bias, int batch, int heads, int rows, int cols, int kernel_rows,
                  int kernel_cols, int row_shift, int relu, unsigned char* saved, const float* out_keep, const float* blend,
                  float blend_coef, float* out, float out_scale, float* out2, float out2_scale, int threads) {
-    if (!supported(heads, kernel_rows)) return 1;
+    if (!supported(heads, kernel_rows, kernel_cols)) return 1;
     const Input in{x, lerp_end, lerp_weight, gate, in_keep, batch, heads, rows, cols, kernel_rows, kernel_cols,
                    row_shift};
     const Output o{w, bias, relu, saved, out_keep, blend, blend_coef, out, out_scale, out2, out2_scale};
     EA_DISPATCH(correlate, heads, kernel_cols, in, o, threads);
 }
 
-int ea_weight_grad(const float* x, const float* lerp_end, float lerp_weight, const float* in_keep, const float* grad, const unsigned char* gate, int batch,
-                   int heads, int rows, int cols, int kernel_rows, int kernel_cols, int row_shift,
-                   float* grad_weight, float* grad_bias, int threads) {
-    if (!supported(heads, kernel_rows)) return 1;
-    const Input in{x, lerp_end, lerp_weight, nullptr, in_keep, batch, heads, rows, cols, kernel_rows, kernel_cols,
-                   row_shift};
-    EA_DISPATCH(weight_grad, heads, kernel_cols, in, grad, gate, grad_weight, grad_bias, threads);
+// The evolution step's backward: gradients of S (out, times out_scale) and of A_prev (out2, times
+// out2_scale) from grad, the bool ReLU gate and the flipped, transposed kernel w_t (rows read from
+// i - row_shift_t on), and the weight and bias gradients of the beta-scaled kernel, whose input is S mixed
+// with A_prev and masked, read from row i + row_shift on.
+int ea_backward(const float* scores, const float* previous, float alpha, const float* keep, const float* grad,
+                const unsigned char* gate, const float* w_t, int batch, int heads, int rows, int cols,
+                int kernel_rows, int kernel_cols, int row_shift, int row_shift_t, float blend_coef, float* out,
+                float out_scale, float* out2, float out2_scale, float* grad_weight, float* grad_bias, int threads) {
+    if (!supported(heads, kernel_rows, kernel_cols) || -row_shift_t < 0 || -row_shift_t >= kernel_rows) return 1;
+    const Input grad_in{grad, nullptr, 0.0f, gate, nullptr, batch, heads, rows, cols, kernel_rows, kernel_cols,
+                        row_shift_t};
+    const Output grad_out{w_t, nullptr, 0, nullptr, keep, grad, blend_coef, out, out_scale, out2, out2_scale};
+    const Input forward_in{scores, previous, alpha, nullptr, keep, batch, heads, rows, cols, kernel_rows,
+                           kernel_cols, row_shift};
+    EA_DISPATCH(backward, heads, kernel_cols, grad_in, grad_out, forward_in, grad_weight, grad_bias, threads);
 }
 
-int ea_kernel_version() { return 4; }
+int ea_kernel_version() { return 5; }
 }
