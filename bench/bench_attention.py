@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -175,8 +176,18 @@ def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, ba
     else:
         peak_mib = peak_rss_mib()
         memory_source = "ru_maxrss of a fresh process (before = VmRSS after model creation)"
+    from ea_hf import kernels
+
     return {
         "variant": variant,
+        # What computed the evolution: ea_hf's fused CPU kernel or torch operations (GPU, no C++ compiler).
+        "evolution_path": (
+            None
+            if variant != "ea"
+            else "ea_hf CPU kernel"
+            if device.type == "cpu" and kernels.cpu_kernel() is not None
+            else "torch operations"
+        ),
         "n": length,
         "mode": mode,
         "batch": batch,
@@ -282,9 +293,27 @@ def machine_line(info: dict) -> str:
     )
 
 
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One case's figures over its rounds (fresh processes): every timed repetition pooled for the median and
+    the minimum, the highest peak memory (and the lowest starting point)."""
+    times = [t for r in rounds for t in r["times_s"]]
+    peak = max(rounds, key=lambda r: r["peak_mib"])
+    before = min(r["before_mib"] for r in rounds)
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "peak_mib": peak["peak_mib"],
+        "before_mib": before,
+        "increment_mib": peak["peak_mib"] - before,
+    }
+
+
 def compare(results: list[dict], lengths: list[int]) -> list[dict]:
-    """One row per (N, mode): medians, peaks and the sdpa and EA ratios against eager."""
-    by_key = {(r["variant"], r["n"], r["mode"]): r for r in results}
+    """One row per (N, mode): medians, peaks and the sdpa and EA ratios against eager (rounds pooled)."""
+    by_key: dict[tuple, list[dict]] = {}
+    for r in results:
+        by_key.setdefault((r["variant"], r["n"], r["mode"]), []).append(r)
+    by_key = {key: merge_rounds(rounds) for key, rounds in by_key.items()}
     rows = []
     for length in lengths:
         for mode in MODES:
@@ -403,11 +432,14 @@ def main_parent(args: argparse.Namespace) -> None:
     results = []
     for length in args.lengths:
         for mode in MODES:
-            for variant in VARIANTS:
+            # Rounds interleave the variants, so that a slow spell of the machine hits all of them alike.
+            for round_index, variant in itertools.product(range(args.rounds), VARIANTS):
                 result = spawn_case(variant, length, mode, args)
+                result["round"] = round_index
                 results.append(result)
                 print(
-                    f"  {LABELS[variant]:<5} N={length:<4} {mode:<9} median {result['median_s'] * 1e3:8.1f} ms  "
+                    f"  {LABELS[variant]:<5} N={length:<4} {mode:<9} round {round_index + 1}/{args.rounds} "
+                    f"median {result['median_s'] * 1e3:8.1f} ms  "
                     f"peak {result['peak_mib']:7.0f} MiB (before {result['before_mib']:.0f} MiB)  "
                     f"cpu/wall {result['cpu_over_wall']:.2f}  other {result['other_processes_cpu_s']:.1f} s  "
                     f"[{result['process_wall_s']:.0f} s]",
@@ -433,15 +465,17 @@ def main_parent(args: argparse.Namespace) -> None:
             "batch": args.batch,
             "threads": args.threads,
             "repeats": args.repeats,
+            "rounds": args.rounds,
             "warmup": args.warmup,
             "dtype": "float32",
             "dropout": 0.0,
             "inputs": "random input_ids, all-ones attention_mask",
             "training_step": "model.train(); forward; loss = last_hidden_state.float().pow(2).mean(); backward "
             "(gradients set to None before every repetition, outside the timed region)",
-            "timing": "time.perf_counter around one step, median of the timed repetitions after the warm-ups",
+            "timing": "time.perf_counter around one step; median of the timed repetitions after the warm-ups, "
+            "pooled over the rounds (fresh processes, variants interleaved)",
             "memory": "each case in a fresh subprocess; CPU: peak RSS (ru_maxrss) of that process, before = VmRSS "
-            "after model creation; CUDA: torch.cuda.max_memory_allocated",
+            "after model creation; CUDA: torch.cuda.max_memory_allocated; the highest peak over the rounds",
             "quick": args.quick,
         },
         "targets": [{"metric": m, "mode": mode, "n": n, "max_ea_over_eager": t} for (m, mode, n), t in TARGETS.items()],
@@ -463,7 +497,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(BENCH_DIR / "results"), help="output folder (default bench/results)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512], help="sequence lengths N")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per case (default 5)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per process (default 5)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="fresh processes per case, interleaved across the variants (default 3)"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs per case")
     parser.add_argument("--batch", type=int, default=1, help="batch size")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every case")
@@ -474,14 +511,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.lengths, args.repeats, args.warmup = [64], 2, 1
+        args.lengths, args.repeats, args.warmup, args.rounds = [64], 2, 1, 1
     if args.case:
         variant, length, mode = args.case
         if variant not in VARIANTS or mode not in MODES:
             parser.error(f"--case expects VARIANT in {VARIANTS} and MODE in {MODES}")
         args.case = (variant, int(length), mode)
-    if args.repeats < 1 or args.warmup < 0 or args.batch < 1 or args.threads < 1:
-        parser.error("--repeats, --batch and --threads must be positive, --warmup non-negative")
+    if min(args.repeats, args.rounds, args.batch, args.threads) < 1 or args.warmup < 0:
+        parser.error("--repeats, --rounds, --batch and --threads must be positive, --warmup non-negative")
     return args
 
 

@@ -414,6 +414,7 @@ def evolve_step(
             saved=gate,
             blend=scores,
             blend_coef=blend,
+            in_place=not for_backward,  # without autograd S is not needed afterwards
         )
         return logits, gate
     attention_in = scores

@@ -153,6 +153,7 @@ def correlate(
     out_keep: torch.Tensor | None = None,
     blend: torch.Tensor | None = None,
     blend_coef: float = 0.0,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """One fused pass of the kernel (see ``csrc/evolve_cpu.cpp``); callers check :func:`applicable` first.
 
@@ -160,6 +161,7 @@ def correlate(
     ``j - kw // 2 .. j + kw // 2``. With ``lerp_end``, ``x`` and ``blend`` are first mixed with it:
     ``x + lerp_weight * (lerp_end - x)``. Masks are [B, 1, Q, K] floats; ``saved`` (bool, like ``x``)
     receives where the (ReLU) output is positive: the gate of backward, at a quarter of a float map's memory.
+    ``in_place`` writes the result over ``x`` (one map less to allocate; ``x`` may also be ``blend``).
     """
     library = cpu_kernel()
     batch, heads, rows, cols = x.shape
@@ -170,7 +172,7 @@ def correlate(
     lerp_end = None if lerp_end is None else lerp_end.contiguous()
     in_keep = kernel_keep(in_keep, batch, rows, cols)
     out_keep = kernel_keep(out_keep, batch, rows, cols)
-    out = torch.empty_like(x)
+    out = x if in_place else torch.empty_like(x)
     status = library.ea_correlate(
         x.data_ptr(),
         _pointer(lerp_end),

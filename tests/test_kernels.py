@@ -135,3 +135,29 @@ def test_kernel_declines_what_it_does_not_take():
     assert not kernels.applicable(maps, keep=torch.ones(1, 4, 5, 5), weight=weight)  # a mask per head
     assert not kernels.applicable(maps, weight=torch.zeros(4, 4, 9, 9))  # kernels taller than 8 rows
     assert not kernels.applicable(torch.zeros(1, 65, 5, 5), weight=weight)  # more than 64 heads
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("batch", "heads", "rows", "kernel_rows", "row_shift"),
+    [(2, 12, 9, 3, -1), (3, 4, 5, 5, -2), (1, 3, 2, 3, -1), (2, 4, 7, 2, -1)],
+)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_in_place_output_equals_a_separate_one(batch, heads, rows, kernel_rows, row_shift, threads):
+    """Writing over the input (inference) gives bit-identical results, also where threads meet (rows a
+    neighbour has already overwritten are read from copies)."""
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, end = torch.randn(batch, heads, rows, 37), torch.randn(batch, heads, rows, 37)
+        weight, bias = torch.randn(heads, heads, kernel_rows, 3), torch.randn(heads)
+        keep = (torch.rand(batch, 1, rows, 37) > 0.2).float()
+        options = dict(row_shift=row_shift, lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend_coef=0.6)
+        separate = kernels.correlate(x, weight, bias, blend=x, **options)
+        overwritten = x.clone()
+        result = kernels.correlate(overwritten, weight, bias, blend=overwritten, in_place=True, **options)
+    finally:
+        torch.set_num_threads(before)
+    assert result.data_ptr() == overwritten.data_ptr()
+    assert torch.equal(result, separate)

@@ -25,6 +25,8 @@
 // No torch headers: a plain shared library called through ctypes, which compiles in about a second. Threads
 // come from OpenMP, the runtime torch itself uses.
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -94,7 +96,40 @@ inline int padded_width(const Input& in) {
     return kLead + ((in.cols + step - 1) / step) * step + step + kLanes;
 }
 
-void prepare_rows(const Input& in, int b, int i, RowRing& ring) {
+// Copies of input rows that other threads overwrite when the output replaces the input (ea_correlate with
+// out == x): the rows just outside a thread's own rows that its first and last output rows read.
+struct Halo {
+    std::vector<long> rows;  // flat (batch * rows + row) indices
+    std::vector<float> data;  // [row][head][column]
+
+    const float* find(long flat, int c, int cols, int heads) const {
+        for (size_t k = 0; k < rows.size(); ++k)
+            if (rows[k] == flat) return data.data() + (k * heads + c) * static_cast<size_t>(cols);
+        return nullptr;
+    }
+
+    void capture(const Input& in, long begin, long end) {
+        const size_t map = static_cast<size_t>(in.rows) * in.cols;
+        auto visit = [&](long t) {
+            const int b = static_cast<int>(t / in.rows), i = static_cast<int>(t % in.rows);
+            for (int dy = 0; dy < in.kernel_rows; ++dy) {
+                const int r = i + dy + in.row_shift;
+                const long flat = static_cast<long>(b) * in.rows + r;
+                if (r < 0 || r >= in.rows || (flat >= begin && flat < end)) continue;
+                if (std::find(rows.begin(), rows.end(), flat) != rows.end()) continue;
+                rows.push_back(flat);
+                for (int c = 0; c < in.heads; ++c) {
+                    const float* src = in.x + (static_cast<size_t>(b) * in.heads + c) * map + static_cast<size_t>(r) * in.cols;
+                    data.insert(data.end(), src, src + in.cols);
+                }
+            }
+        };
+        for (long t = begin; t < std::min(end, begin + in.kernel_rows); ++t) visit(t);
+        for (long t = std::max(begin, end - in.kernel_rows); t < end; ++t) visit(t);
+    }
+};
+
+void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo = nullptr) {
     const int heads = in.heads, kr = in.kernel_rows;
     const int width = padded_width(in);
     const size_t map = static_cast<size_t>(in.rows) * in.cols;
@@ -121,7 +156,8 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring) {
                 continue;
             }
             const size_t start = (static_cast<size_t>(b) * heads + c) * map + row;
-            const float* src = in.x + start;
+            const float* copy = halo ? halo->find(static_cast<long>(b) * in.rows + r, c, in.cols, heads) : nullptr;
+            const float* src = copy ? copy : in.x + start;
             if (in.lerp_end) {
                 const float* end = in.lerp_end + start;
                 for (int j = 0; j < in.cols; ++j) dst[j] = src[j] + in.lerp_weight * (end[j] - src[j]);
@@ -174,13 +210,13 @@ inline void finish(const Input& in, const Output& o, vfloat y, size_t at, const 
 // One output row (b, i) for all heads. `Heads` and `Cols` > 0 fix the head count and kernel width at compile
 // time (accumulators in registers, taps unrolled); 0 reads them at run time (any size, slower).
 template <int Heads, int Cols>
-void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring) {
+void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, const Halo* halo = nullptr) {
     const int heads = Heads > 0 ? Heads : in.heads;
     const int kernel_cols = Cols > 0 ? Cols : in.kernel_cols;
     const int pad = kernel_cols / 2, kr = in.kernel_rows;
     const int step = kLanes * kBlocks;
     const size_t map = static_cast<size_t>(in.rows) * in.cols, row = static_cast<size_t>(i) * in.cols;
-    prepare_rows(in, b, i, ring);
+    prepare_rows(in, b, i, ring, halo);
     const float* out_keep = o.out_keep ? o.out_keep + b * map + row : nullptr;
     for (int j0 = 0; j0 < in.cols; j0 += step) {
         vfloat acc[Heads > 0 ? Heads : kMaxHeads][kBlocks];
@@ -254,11 +290,22 @@ void correlate(const Input& in, const Output& given, int threads) {
     const int tasks = in.batch * in.rows, heads = in.heads, taps = in.kernel_rows * in.kernel_cols;
     std::vector<float> reordered;
     const Output o = with_reordered_weights(given, heads, taps, reordered);
+    // Each thread takes consecutive rows. Writing the output over the input is safe within a thread (an input
+    // row is in the ring before its output row is written); the rows of neighbouring threads it reads are
+    // copied before anyone writes.
+    const bool in_place = o.out == in.x;
 #pragma omp parallel num_threads(threads)
     {
-        RowRing ring;  // per thread; a static schedule hands each thread consecutive rows
-#pragma omp for schedule(static)
-        for (int t = 0; t < tasks; ++t) output_row<Heads, Cols>(in, o, t / in.rows, t % in.rows, ring);
+        const long count = omp_get_num_threads(), id = omp_get_thread_num();
+        const long begin = tasks * id / count, end = tasks * (id + 1) / count;
+        RowRing ring;
+        Halo halo;
+        if (in_place) {
+            halo.capture(in, begin, end);
+#pragma omp barrier
+        }
+        for (long t = begin; t < end; ++t)
+            output_row<Heads, Cols>(in, o, t / in.rows, t % in.rows, ring, in_place ? &halo : nullptr);
     }
 }
 
