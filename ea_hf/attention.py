@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import torch
@@ -72,6 +73,9 @@ CAUSAL_KINDS = ("decoder", "cross")
 DECODER_ROWS_KEY = "decoder_rows"
 #: Chain entry that says whether layers of the stack may be replayed (gradient checkpointing).
 REPLAYS_KEY = "replays"
+#: Chain entry with the previous layer's logits once consumed without autograd: the attention function may
+#: write this layer's probabilities into them instead of allocating a new map.
+SPARE_KEY = "spare"
 #: Additive float masks at or below this value count as "masked" when deciding what the convolution sees.
 MASKED_LOGIT_THRESHOLD = -1e4
 
@@ -290,6 +294,8 @@ class AttentionMapEvolution(nn.Module):
                 previous=previous,
                 alpha=self.alpha,
             )
+        if previous is not None and not torch.is_grad_enabled():
+            chain[SPARE_KEY] = previous
         chain[self.key] = logits
         return logits
 
@@ -812,10 +818,52 @@ def evolving_attention_forward(
         scores = scores + additive
     elif allowed is not None:
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores, dim=-1).to(value.dtype)
+    # The spare map is passed on without a local name here: attention_probabilities counts its references.
+    probs = attention_probabilities(
+        scores, chain.pop(SPARE_KEY, None) if evolution is not None and chain is not None else None
+    ).to(value.dtype)
     probs = F.dropout(probs, p=dropout, training=module.training)
     output = torch.matmul(probs, value).transpose(1, 2).contiguous()
     return output, probs
+
+
+def attention_probabilities(scores: torch.Tensor, spare: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax over the keys, written into ``spare`` (a map nothing reads any more) where it fits.
+
+    Without autograd the previous layer's logits are dead once this layer has mixed them in; reusing their
+    storage spares the allocator a fresh [B, H, Q, K] map per layer, whose first touch costs page faults that
+    weigh as much as the convolution on long sequences. Nothing else may hold the map: not the tensor object
+    (a forward hook on the evolution module may have kept it; callers pass ``spare`` without keeping a
+    reference) and not a view of its storage.
+    """
+    if (
+        spare is not None
+        and sys.getrefcount(spare) == ARGUMENT_REFERENCES
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and spare.shape == scores.shape
+        and spare.dtype == scores.dtype
+        and spare.device == scores.device
+        and spare.is_contiguous()
+        and sole_storage_user(spare)
+    ):
+        return torch.ops.aten._softmax.out(scores, -1, False, out=spare)
+    return F.softmax(scores, dim=-1)
+
+
+def argument_references(argument: Any) -> int:
+    return sys.getrefcount(argument)
+
+
+#: References to an argument that the caller passed without keeping it (interpreter-dependent, so measured).
+ARGUMENT_REFERENCES = argument_references(object())
+
+
+def sole_storage_user(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the only tensor using its storage (no views or aliases of it exist)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    # untyped_storage() holds one more reference while it is being counted.
+    return use_count is not None and tensor._base is None and use_count(tensor.untyped_storage()._cdata) == 2
 
 
 def evolving_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ from ea_hf.attention import (
 )
 
 B, H, N, D = 2, 3, 7, 5
+TINY_BERT = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37)
 
 
 def reference_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -359,11 +360,67 @@ def test_inference_drops_consumed_logits_from_the_chain():
             assert len([key for key in chain if isinstance(key, tuple)]) == 1
 
 
+def test_probabilities_go_into_a_spare_map_only_when_nothing_else_holds_it():
+    scores = torch.randn(B, H, N, N)
+    expected = scores.softmax(-1)
+    probabilities = attention_module.attention_probabilities
+
+    def spare_and_pointer():
+        chain = {"spare": torch.randn(B, H, N, N)}
+        return chain, chain["spare"].data_ptr()
+
+    with torch.no_grad():
+        chain, pointer = spare_and_pointer()
+        reused = probabilities(scores, chain.pop("spare"))  # as the attention function passes it
+        assert reused.data_ptr() == pointer and torch.equal(reused, expected)
+
+        chain, pointer = spare_and_pointer()
+        held = chain["spare"]
+        assert probabilities(scores, chain.pop("spare")).data_ptr() != pointer  # the caller still holds it
+        assert not torch.equal(held, expected)
+
+        chain, pointer = spare_and_pointer()
+        view = chain["spare"][0]
+        assert probabilities(scores, chain.pop("spare")).data_ptr() != pointer  # a view shares its storage
+        assert not torch.equal(view, expected[0])
+
+        wrong_shape = {"spare": torch.randn(B, H, N, N + 1)}
+        assert torch.equal(probabilities(scores, wrong_shape.pop("spare")), expected)
+    chain, pointer = spare_and_pointer()
+    assert probabilities(scores, chain.pop("spare")).data_ptr() != pointer  # autograd may have saved it
+
+
+def test_inference_reuses_consumed_logits_without_changing_a_number(monkeypatch):
+    """Layers after the first write their probabilities into the previous layer's logits; the outputs and
+    attentions are bit-identical to allocating new maps."""
+    model = ea_hf.patch(BertModel(BertConfig(**TINY_BERT)), alpha=0.3, beta=0.4).eval()
+    inputs = {"input_ids": torch.randint(0, 100, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    inputs["attention_mask"][1, 6:] = 0
+    reuses = []
+    sole_storage_user = attention_module.sole_storage_user
+
+    def counting(tensor):
+        reuses.append(sole_storage_user(tensor))
+        return reuses[-1]
+
+    monkeypatch.setattr(attention_module, "sole_storage_user", counting)
+    with torch.no_grad():
+        reusing = model(**inputs, output_attentions=True)
+    assert reuses == [True] * (TINY_BERT["num_hidden_layers"] - 1)
+    monkeypatch.setattr(attention_module, "sole_storage_user", lambda tensor: False)
+    with torch.no_grad():
+        allocating = model(**inputs, output_attentions=True)
+    assert torch.equal(reusing.last_hidden_state, allocating.last_hidden_state)
+    for kept, fresh in zip(reusing.attentions, allocating.attentions, strict=True):
+        assert torch.equal(kept, fresh)
+    assert len({a.data_ptr() for a in reusing.attentions}) == len(reusing.attentions)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_with_padding_stays_finite(dtype):
     """bf16/fp16 models with padded batches: no overflow, no NaN, forward and backward; close to fp32."""
     torch.manual_seed(0)
-    config = BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37)
+    config = BertConfig(**TINY_BERT)
     model = ea_hf.patch(BertModel(config), alpha=0.4, beta=0.4)
     inputs = {"input_ids": torch.randint(0, 100, (3, 13)), "attention_mask": torch.ones(3, 13, dtype=torch.long)}
     inputs["attention_mask"][1, 9:] = 0
