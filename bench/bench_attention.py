@@ -220,19 +220,76 @@ def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, ba
     }
 
 
+def run_paired(
+    length: int, mode: str, repeats: int, warmup: int, batch: int, threads: int, min_seconds: float = 0.0
+) -> dict:
+    """The three variants in one process, one step of each in turn (the order rotating), so that slow and
+    fast spells of the machine hit them alike: the time ratios of the table. At least ``repeats`` timed steps
+    each, more until the timed steps took ``min_seconds`` (short cases would otherwise sample a few seconds
+    of the machine's drift). Memory comes from the separate processes of :func:`run_case`."""
+    import torch
+
+    torch.set_num_threads(threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    models = {v: build_model(v, device) for v in VARIANTS}
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, models["eager"].config.vocab_size, (batch, length), generator=generator).to(device)
+    attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
+    for model in models.values():
+        model.train(mode == "training")
+
+    def step(model) -> float:
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        if mode == "inference":
+            with torch.no_grad():
+                model(input_ids=input_ids, attention_mask=attention_mask)
+        else:
+            model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float().pow(2).mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    index = 0
+    while index < warmup + repeats or sum(map(sum, times.values())) < min_seconds:
+        order = VARIANTS[index % len(VARIANTS) :] + VARIANTS[: index % len(VARIANTS)]
+        for variant in order:
+            elapsed = step(models[variant])
+            if index >= warmup:
+                times[variant].append(elapsed)
+        index += 1
+    return {
+        "n": length,
+        "mode": mode,
+        "repeats": index - warmup,
+        "min_seconds": min_seconds,
+        "warmup": warmup,
+        "times_s": times,
+    }
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Parent: spawn the cases, collect, compare, write.
 # --------------------------------------------------------------------------------------------------------------
 
 
 def spawn_case(variant: str, length: int, mode: str, args: argparse.Namespace) -> dict:
+    return spawn(["--case", variant, str(length), mode], args, f"case {variant} N={length} {mode}")
+
+
+def spawn(internal: list[str], args: argparse.Namespace, what: str) -> dict:
+    """Run this script with an internal mode (--case or --paired) in a fresh process; return its JSON."""
     command = [
         sys.executable,
         str(Path(__file__).resolve()),
-        "--case",
-        variant,
-        str(length),
-        mode,
+        *internal,
+        "--rounds",
+        str(args.rounds),
+        "--paired-seconds",
+        str(args.paired_seconds),
         "--repeats",
         str(args.repeats),
         "--warmup",
@@ -251,7 +308,7 @@ def spawn_case(variant: str, length: int, mode: str, args: argparse.Namespace) -
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if done.returncode != 0 or not lines:
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise RuntimeError(f"case {variant} N={length} {mode} failed (exit code {done.returncode})")
+        raise RuntimeError(f"{what} failed (exit code {done.returncode})")
     result = json.loads(lines[-1][len(RESULT_PREFIX) :])
     result["process_wall_s"] = wall
     return result
@@ -308,8 +365,10 @@ def merge_rounds(rounds: list[dict]) -> dict:
     }
 
 
-def compare(results: list[dict], lengths: list[int]) -> list[dict]:
-    """One row per (N, mode): medians, peaks and the sdpa and EA ratios against eager (rounds pooled)."""
+def compare(results: list[dict], paired: list[dict], lengths: list[int]) -> list[dict]:
+    """One row per (N, mode): time medians and ratios from the paired runs, peaks and memory ratios from the
+    separate processes (rounds pooled; their time ratios are kept too, as ``*_separate``)."""
+    paired_by_key = {(r["n"], r["mode"]): r["times_s"] for r in paired}
     by_key: dict[tuple, list[dict]] = {}
     for r in results:
         by_key.setdefault((r["variant"], r["n"], r["mode"]), []).append(r)
@@ -318,15 +377,23 @@ def compare(results: list[dict], lengths: list[int]) -> list[dict]:
     for length in lengths:
         for mode in MODES:
             cases = {v: by_key[(v, length, mode)] for v in VARIANTS}
+            times = paired_by_key[(length, mode)]
+            medians = {v: statistics.median(times[v]) for v in VARIANTS}
             eager = cases["eager"]
             row = {"n": length, "mode": mode}
             for v in VARIANTS:
-                row[f"{v}_median_ms"] = cases[v]["median_s"] * 1e3
+                row[f"{v}_median_ms"] = medians[v] * 1e3
+                row[f"{v}_median_ms_separate"] = cases[v]["median_s"] * 1e3
                 row[f"{v}_peak_mib"] = cases[v]["peak_mib"]
                 row[f"{v}_increment_mib"] = cases[v]["increment_mib"]
             for v in ("sdpa", "ea"):
-                row[f"{v}_over_eager_time"] = cases[v]["median_s"] / eager["median_s"]
-                row[f"{v}_over_eager_time_min"] = cases[v]["min_s"] / eager["min_s"]
+                row[f"{v}_over_eager_time"] = medians[v] / medians["eager"]
+                row[f"{v}_over_eager_time_min"] = min(times[v]) / min(times["eager"])
+                # Each step against the eager step next to it, then the median of those ratios.
+                row[f"{v}_over_eager_time_paired_median"] = statistics.median(
+                    a / b for a, b in zip(times[v], times["eager"], strict=True)
+                )
+                row[f"{v}_over_eager_time_separate"] = cases[v]["median_s"] / eager["median_s"]
                 row[f"{v}_over_eager_peak_memory"] = cases[v]["peak_mib"] / eager["peak_mib"]
                 row[f"{v}_over_eager_memory_increment"] = (
                     cases[v]["increment_mib"] / eager["increment_mib"] if eager["increment_mib"] > 0 else None
@@ -354,12 +421,13 @@ def markdown_table(rows: list[dict]) -> str:
         "EA ms",
         "EA/eager time",
         "time target",
+        "EA/eager time, separate processes",
         "eager peak MiB",
         "EA peak MiB",
         "EA/eager memory",
         "memory target",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] * 1 + ["---"] + ["---:"] * 9) + "|"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] * 1 + ["---"] + ["---:"] * 10) + "|"]
     for r in rows:
         cells = [
             str(r["n"]),
@@ -369,6 +437,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['ea_median_ms']:.1f}",
             f"{r['ea_over_eager_time']:.3f}",
             target_cell(r["ea_time_target"], r["ea_time_pass"]),
+            f"{r['ea_over_eager_time_separate']:.3f}",
             f"{r['eager_peak_mib']:.0f}",
             f"{r['ea_peak_mib']:.0f}",
             f"{r['ea_over_eager_peak_memory']:.3f}",
@@ -429,9 +498,17 @@ def main_parent(args: argparse.Namespace) -> None:
     markdown_path = Path(args.markdown) if args.markdown else out / f"bench_{device}{suffix}.md"
     print(f"machine: {machine_line(info)}", flush=True)
 
-    results = []
+    results, paired = [], []
     for length in args.lengths:
         for mode in MODES:
+            timing = spawn(["--paired", str(length), mode], args, f"paired timing N={length} {mode}")
+            paired.append(timing)
+            print(
+                f"  paired N={length:<4} {mode:<9} medians "
+                + "  ".join(f"{LABELS[v]} {statistics.median(timing['times_s'][v]) * 1e3:.1f} ms" for v in VARIANTS)
+                + f"  [{timing['process_wall_s']:.0f} s]",
+                flush=True,
+            )
             # Rounds interleave the variants, so that a slow spell of the machine hits all of them alike.
             for round_index, variant in itertools.product(range(args.rounds), VARIANTS):
                 result = spawn_case(variant, length, mode, args)
@@ -445,7 +522,7 @@ def main_parent(args: argparse.Namespace) -> None:
                     f"[{result['process_wall_s']:.0f} s]",
                     flush=True,
                 )
-    rows = compare(results, args.lengths)
+    rows = compare(results, paired, args.lengths)
     table = markdown_table(rows)
     wall = time.perf_counter() - start
     report = {
@@ -466,20 +543,24 @@ def main_parent(args: argparse.Namespace) -> None:
             "threads": args.threads,
             "repeats": args.repeats,
             "rounds": args.rounds,
+            "paired_seconds": args.paired_seconds,
             "warmup": args.warmup,
             "dtype": "float32",
             "dropout": 0.0,
             "inputs": "random input_ids, all-ones attention_mask",
             "training_step": "model.train(); forward; loss = last_hidden_state.float().pow(2).mean(); backward "
             "(gradients set to None before every repetition, outside the timed region)",
-            "timing": "time.perf_counter around one step; median of the timed repetitions after the warm-ups, "
-            "pooled over the rounds (fresh processes, variants interleaved)",
+            "timing": "time.perf_counter around one step. The table's times and time ratios: the three models in "
+            "one process, one step of each in turn (order rotating), at least repeats x rounds steps each after "
+            "the warm-ups and more until the timed steps took paired_seconds, medians. Also reported (*_separate): "
+            "each variant alone in fresh processes, rounds interleaved, repetitions pooled",
             "memory": "each case in a fresh subprocess; CPU: peak RSS (ru_maxrss) of that process, before = VmRSS "
             "after model creation; CUDA: torch.cuda.max_memory_allocated; the highest peak over the rounds",
             "quick": args.quick,
         },
         "targets": [{"metric": m, "mode": mode, "n": n, "max_ea_over_eager": t} for (m, mode, n), t in TARGETS.items()],
         "cases": results,
+        "paired_timing": paired,
         "comparison": rows,
         "markdown_table": table,
         "wall_time_s": wall,
@@ -501,6 +582,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=3, help="fresh processes per case, interleaved across the variants (default 3)"
     )
+    parser.add_argument(
+        "--paired-seconds",
+        type=float,
+        default=60.0,
+        help="paired timing: keep stepping until the timed steps took this long (default 60)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs per case")
     parser.add_argument("--batch", type=int, default=1, help="batch size")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every case")
@@ -509,9 +596,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--case", nargs=3, metavar=("VARIANT", "N", "MODE"), help="internal: run one case and print it as JSON"
     )
+    parser.add_argument("--paired", nargs=2, metavar=("N", "MODE"), help="internal: run the paired timing")
     args = parser.parse_args(argv)
     if args.quick:
-        args.lengths, args.repeats, args.warmup, args.rounds = [64], 2, 1, 1
+        args.lengths, args.repeats, args.warmup, args.rounds, args.paired_seconds = [64], 2, 1, 1, 0.0
     if args.case:
         variant, length, mode = args.case
         if variant not in VARIANTS or mode not in MODES:
@@ -527,6 +615,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.case:
         variant, length, mode = args.case
         result = run_case(variant, length, mode, args.repeats, args.warmup, args.batch, args.threads)
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+    elif args.paired:
+        length, mode = int(args.paired[0]), args.paired[1]
+        result = run_paired(
+            length, mode, args.repeats * args.rounds, args.warmup, args.batch, args.threads, args.paired_seconds
+        )
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     else:
         main_parent(args)
