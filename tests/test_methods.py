@@ -12,16 +12,13 @@ from conftest import (
     SEQ2SEQ_ARCHITECTURES,
     VOCAB_SIZE,
     first_output,
+    max_abs_diff,
     patched_model,
     tiny_inputs,
     tiny_model,
 )
 
 import ea_hf
-
-
-def max_abs_diff(a, b) -> float:
-    return (a - b).abs().max().item()
 
 
 @pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
@@ -48,9 +45,13 @@ def test_every_method_round_trips_through_save_and_load(method, model_type, tmp_
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert loaded.config.evolving_attention["encoder"]["method"] == METHODS[method]["method"]
     assert [m.method for m in ea_hf.summary(loaded).modules] == [m.method for m in ea_hf.summary(model).modules]
+    reference = model.state_dict()
+    assert all(torch.equal(tensor, reference[name]) for name, tensor in loaded.state_dict().items())
+    # Outputs to fp32 noise, not bit for bit: the loaded weights live in memory mapped from the file, and
+    # how some CPU kernels round depends on the alignment of their operands.
     inputs = tiny_inputs(model_type)
     with torch.no_grad():
-        assert torch.equal(first_output(loaded.eval()(**inputs)), first_output(model(**inputs)))
+        assert max_abs_diff(first_output(loaded.eval()(**inputs)), first_output(model(**inputs))) <= 1e-5
 
 
 def test_parameter_counts_per_method():

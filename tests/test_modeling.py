@@ -14,6 +14,7 @@ from conftest import (
     ALL_ARCHITECTURES,
     SEQ2SEQ_ARCHITECTURES,
     first_output,
+    max_abs_diff,
     tiny_config,
     tiny_inputs,
     tiny_model,
@@ -69,8 +70,9 @@ def test_every_head_saves_and_loads_through_its_auto_class(model_type, head, tmp
     assert type(loaded) is type(model) and type(loaded).__name__.startswith("EA")
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert "newly initialized" not in caplog.text and "MISSING" not in caplog.text
+    # fp32 noise, not bit for bit: how some CPU kernels round depends on the alignment of the memory-mapped weights.
     with torch.no_grad():
-        assert torch.equal(first_output(loaded.eval()(**inputs)), expected)
+        assert max_abs_diff(first_output(loaded.eval()(**inputs)), expected) <= 1e-5
 
 
 @pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)

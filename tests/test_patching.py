@@ -13,6 +13,7 @@ from conftest import (
     SENTENCES,
     TEXT_ARCHITECTURES,
     first_output,
+    max_abs_diff,
     patched_model,
     tiny_inputs,
     tiny_model,
@@ -26,10 +27,6 @@ PADDING = 1e-4
 
 def state_snapshot(model):
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-
-
-def max_abs_diff(a, b) -> float:
-    return (a - b).abs().max().item()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformers
-from conftest import NUM_HEADS, NUM_LAYERS, SEQ2SEQ_ARCHITECTURES, VOCAB_SIZE, tiny_inputs, tiny_model
+from conftest import NUM_HEADS, NUM_LAYERS, SEQ2SEQ_ARCHITECTURES, VOCAB_SIZE, max_abs_diff, tiny_inputs, tiny_model
 
 import ea_hf
 from ea_hf.attention import CACHE_ATTRIBUTE, ConvolutionHistory
@@ -16,10 +16,6 @@ def seq2seq_lm(model_type: str, **overrides):
     """A tiny random seq2seq LM without dropout."""
     overrides = {**NO_DROPOUT.get(model_type, {"dropout": 0.0, "attention_dropout": 0.0}), **overrides}
     return tiny_model(model_type, transformers.AutoModelForSeq2SeqLM, **overrides)
-
-
-def max_abs_diff(a, b) -> float:
-    return (a - b).abs().max().item()
 
 
 # --------------------------------------------------------------------------------------------------
