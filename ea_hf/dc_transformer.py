@@ -215,6 +215,8 @@ class EADCTransformerPreTrainedModel(PreTrainedModel):
     config_class = EADCTransformerConfig
     base_model_prefix = "dc_transformer"
     main_input_name = "values"
+    # Fine-tuning starts from a pre-training checkpoint; dropping its reconstruction layer is the plan.
+    _keys_to_ignore_on_load_unexpected = [r"^reconstruction\."]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

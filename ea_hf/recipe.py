@@ -165,6 +165,10 @@ class DataSection:
     horizontal_flip: bool = True
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
+    #: Kind ``timeseries``: hold out this share of the training series (per class for classification) as a
+    #: ``validation`` split to choose hyper-parameters on; the split depends on ``split_seed`` only.
+    validation_fraction: float = 0.0
+    split_seed: int = 0
 
 
 @dataclasses.dataclass
@@ -398,6 +402,10 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
         problems.append(("data.source", "'uea' archives are for kind 'timeseries'"))
     if recipe.data.source == "uea" and not recipe.data.archive:
         problems.append(("data.archive", "name the UEA/UCR archive (e.g. JapaneseVowels)"))
+    if not 0.0 <= recipe.data.validation_fraction < 1.0:
+        problems.append(("data.validation_fraction", "must be at least 0 and below 1"))
+    elif recipe.data.validation_fraction and recipe.kind != "timeseries":
+        problems.append(("data.validation_fraction", "only kind 'timeseries' holds out a validation split"))
     if recipe.kind == "timeseries" and recipe.pretrain.epochs < 0:
         problems.append(("pretrain.epochs", "must not be negative"))
     if recipe.data.source == "local" and not recipe.data.files:

@@ -244,13 +244,15 @@ def _load_data(recipe: Recipe):
     """The recipe's splits (raw) and label names (None for regression)."""
     data = recipe.data
     if recipe.kind == "timeseries":
-        from .timeseries import load_ts_file, load_uea, series_dataset, standardise
+        from .timeseries import hold_out, load_ts_file, load_uea, series_dataset, standardise
 
         if data.source == "uea":
             splits = load_uea(data.archive)
         else:
             splits = {split: load_ts_file(path) for split, path in data.files.items()}
         regression = data.task == "regression"
+        if data.validation_fraction:
+            splits = hold_out(splits, data.validation_fraction, data.split_seed, stratify=not regression)
         loaded = series_dataset(standardise(splits), regression=regression)
         return loaded, None if regression else tuple(loaded["train"].features["label"].names)
     if recipe.kind == "image":

@@ -51,6 +51,44 @@ def load_uea(name: str, splits: Sequence[str] = ("train", "test")) -> dict[str, 
     return loaded
 
 
+def hold_out(
+    splits: dict[str, tuple[list[np.ndarray], Sequence[Any]]], fraction: float, seed: int = 0, stratify: bool = True
+) -> dict[str, tuple[list[np.ndarray], list[Any]]]:
+    """Move ``fraction`` of the training series into a ``validation`` split (per class when ``stratify``).
+
+    The shuffle depends on ``seed`` only, so every model and training seed of a search sees the same split,
+    and the test split is never looked at: hyper-parameters are chosen on validation, as in the paper.
+
+    Example:
+        >>> import numpy as np
+        >>> train = ([np.full((2, 1), i, dtype=np.float32) for i in range(10)], ["a"] * 5 + ["b"] * 5)
+        >>> held = hold_out({"train": train}, 0.2)
+        >>> len(held["train"][0]), sorted(held["validation"][1])
+        (8, ['a', 'b'])
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"the validation fraction must be between 0 and 1, got {fraction}")
+    if "validation" in splits:
+        raise ValueError("the data already has a validation split; leave data.validation_fraction at 0")
+    values, labels = splits["train"]
+    rng = np.random.default_rng(seed)
+    groups = (
+        [np.flatnonzero(np.asarray(labels) == label) for label in sorted(set(labels))]
+        if stratify
+        else [np.arange(len(values))]
+    )
+    held = np.concatenate([rng.permutation(group)[: round(fraction * len(group))] for group in groups])
+    if len(held) == 0 or len(held) == len(values):
+        raise ValueError(f"a validation fraction of {fraction} of {len(values)} training series leaves a split empty")
+    is_held = np.zeros(len(values), dtype=bool)
+    is_held[held] = True
+
+    def take(mask: np.ndarray) -> tuple[list[np.ndarray], list[Any]]:
+        return [values[i] for i in np.flatnonzero(mask)], [labels[i] for i in np.flatnonzero(mask)]
+
+    return {**splits, "train": take(~is_held), "validation": take(is_held)}
+
+
 def standardise(splits: dict[str, tuple[list[np.ndarray], Any]]) -> dict[str, tuple[list[np.ndarray], Any]]:
     """Scale every variable to mean 0 and standard deviation 1 with the training split's statistics."""
     steps = np.concatenate(splits["train"][0], axis=0)

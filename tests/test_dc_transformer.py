@@ -135,6 +135,16 @@ def test_save_and_load_through_the_auto_classes(head, tmp_path):
         assert torch.equal(outputs(loaded, values, mask), outputs(model, values, mask))
 
 
+def test_fine_tuning_heads_start_from_a_pretraining_checkpoint(tmp_path):
+    pretrained = tiny(EADCTransformerForPreTraining)
+    pretrained.save_pretrained(tmp_path)
+    loaded, info = EADCTransformerForTimeSeriesClassification.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["unexpected_keys"]  # the reconstruction layer is dropped without a warning
+    assert {key.split(".")[0] for key in info["missing_keys"]} == {"classifier"}  # the new head, reported
+    reference = pretrained.dc_transformer.state_dict()
+    assert all(torch.equal(value, reference[key]) for key, value in loaded.dc_transformer.state_dict().items())
+
+
 REMOTE = """
 import json, sys
 sys.modules["ea_hf"] = None

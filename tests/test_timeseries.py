@@ -12,7 +12,7 @@ import transformers
 from ea_hf.dc_transformer import EADCTransformerForTimeSeriesClassification, EADCTransformerForTimeSeriesRegression
 from ea_hf.recipe import RecipeError, expand_sweep, load_recipe, recipe_from_dict
 from ea_hf.runner import evaluate_run, read_metrics, run_recipe
-from ea_hf.timeseries import SeriesCollator, load_ts_file, load_uea, series_dataset, standardise
+from ea_hf.timeseries import SeriesCollator, hold_out, load_ts_file, load_uea, series_dataset, standardise
 
 pytest.importorskip("aeon", reason="UEA/UCR data is the optional timeseries extra (aeon)")
 
@@ -46,6 +46,29 @@ def test_japanese_vowels_loads_offline_from_the_aeon_wheel():
     assert sorted(set(train_labels)) == [str(i) for i in range(1, 10)] and len(set(test_labels)) == 9
 
 
+def test_validation_split_is_held_out_of_training_per_class():
+    splits = load_uea("JapaneseVowels")
+    held = hold_out(splits, 0.2)
+    (train, train_labels), (validation, validation_labels) = held["train"], held["validation"]
+    assert (len(train), len(validation)) == (216, 54) and held["test"] is splits["test"]
+    # 30 training series per speaker: 6 of each go to validation.
+    assert {label: validation_labels.count(label) for label in set(validation_labels)} == {
+        str(i): 6 for i in range(1, 10)
+    }
+    fingerprint = {series.tobytes() for series in splits["train"][0]}
+    assert {s.tobytes() for s in train} | {s.tobytes() for s in validation} == fingerprint
+    assert not {s.tobytes() for s in train} & {s.tobytes() for s in validation}
+    again, other = hold_out(splits, 0.2)["validation"][0], hold_out(splits, 0.2, seed=1)["validation"][0]
+    assert all(np.array_equal(a, b) for a, b in zip(again, validation, strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(other, validation, strict=True))
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        hold_out(splits, 1.0)
+    with pytest.raises(ValueError, match="already has a validation split"):
+        hold_out(held, 0.2)
+    with pytest.raises(ValueError, match="leaves a split empty"):
+        hold_out({"train": (train[:3], train_labels[:3])}, 0.1, stratify=False)
+
+
 def test_ts_files_standardising_and_padding(tmp_path):
     generator = np.random.default_rng(0)
     series = [generator.normal(3.0, 2.0, size=(length, 2)).astype(np.float32) for length in (4, 6, 5)]
@@ -71,12 +94,17 @@ def test_ts_files_standardising_and_padding(tmp_path):
 def test_timeseries_recipes_are_checked():
     base = {"name": "t", "kind": "timeseries", "data": {"task": "classification", "source": "uea"}}
     with pytest.raises(RecipeError) as info:
-        recipe_from_dict(base, ["data.task=sst2", "pretrain.epochs=-1"])
+        recipe_from_dict(base, ["data.task=sst2", "pretrain.epochs=-1", "data.validation_fraction=1.5"])
     assert dict(info.value.problems) == {
         "data.task": "must be classification or regression for kind 'timeseries', got 'sst2'",
         "data.archive": "name the UEA/UCR archive (e.g. JapaneseVowels)",
         "pretrain.epochs": "must not be negative",
+        "data.validation_fraction": "must be at least 0 and below 1",
     }
+    with pytest.raises(RecipeError, match="only kind 'timeseries' holds out a validation split"):
+        recipe_from_dict(
+            {"name": "t", "model": {"name_or_path": "m"}, "data": {"task": "rte"}}, ["data.validation_fraction=0.1"]
+        )
     with pytest.raises(RecipeError, match="'uea' archives are for kind 'timeseries'"):
         recipe_from_dict({"name": "t", "model": {"name_or_path": "m"}, "data": {"task": "rte", "source": "uea"}})
     with pytest.raises(RecipeError, match="expected a UEA/UCR .ts file"):
@@ -133,13 +161,16 @@ def test_regression_from_local_ts_files(tmp_path):
             "name": "regression",
             "kind": "timeseries",
             "model": {"config": {"hidden_size": 16, "num_layers": 2, "num_attention_heads": 2, "dropout": 0.0}},
-            "data": {"task": "regression", "source": "local", "files": files},
+            "data": {"task": "regression", "source": "local", "files": files, "validation_fraction": 0.25},
             "train": {"optimizer": "radam", "learning_rate": 3e-3, "batch_size": 16, "epochs": 30},
             "output_dir": str(tmp_path / "run"),
         },
         ["train.eval_strategy=no", "train.save_strategy=no"],
     )
-    metrics = run_recipe(recipe)["test"]
+    results = run_recipe(recipe)
+    metrics = results["test"]
     assert math.isfinite(metrics["rmse"]) and metrics["rmse"] < 0.5 * spread
+    # A quarter of the training series are held out (no classes to stratify by) and evaluated too.
+    assert math.isfinite(results["validation"]["rmse"]) and results["validation"]["rmse"] < 0.5 * spread
     model = EADCTransformerForTimeSeriesRegression.from_pretrained(tmp_path / "run")
     assert model.config.num_targets == 1
