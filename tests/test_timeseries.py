@@ -132,10 +132,13 @@ def test_japanese_vowels_with_pretraining_end_to_end(tmp_path):
         f"output_dir={tmp_path / 'run'}",
     ]
     metrics = run_recipe(load_recipe("timeseries/japanese-vowels", overrides))["test"]
-    assert metrics["accuracy"] >= 0.5  # 9 classes: chance is 0.11 (seen 0.69 to 0.77 after these 10 epochs)
+    assert metrics["accuracy"] >= 0.8  # 9 classes: chance is 0.11 (seen 0.95 after these 15 epochs)
     assert (tmp_path / "run" / "pretrained" / "model.safetensors").exists()
     model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "run")
-    assert type(model) is EADCTransformerForTimeSeriesClassification and model.config.alpha == 0.3
+    assert type(model) is EADCTransformerForTimeSeriesClassification and (model.config.alpha, model.config.beta) == (
+        0.1,
+        0.9,
+    )
     assert model.config.id2label[0] == "1" and model.config.num_labels == 9
     assert evaluate_run(tmp_path / "run")["test"]["accuracy"] == metrics["accuracy"]
     assert read_metrics(tmp_path / "run")["test"]["accuracy"] == metrics["accuracy"]
