@@ -84,7 +84,8 @@ def hold_out(
     is_held[held] = True
 
     def take(mask: np.ndarray) -> tuple[list[np.ndarray], list[Any]]:
-        return [values[i] for i in np.flatnonzero(mask)], [labels[i] for i in np.flatnonzero(mask)]
+        indices = np.flatnonzero(mask)
+        return [values[i] for i in indices], [labels[i] for i in indices]
 
     return {**splits, "train": take(~is_held), "validation": take(is_held)}
 
