@@ -1,0 +1,87 @@
+"""Checkpoints saved by earlier ea_hf versions keep loading, with ea_hf and (as remote code) without it, and give
+the outputs they gave when saved (tests/fixtures/checkpoints_v0_1, made by its make.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import ea_hf
+from ea_hf.adapters import load_adapter
+
+FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints_v0_1"
+#: Fixture folder -> the Auto class it loads through and the names of its inputs.
+CASES = {
+    "encoder": ("AutoModelForSequenceClassification", ("input_ids", "attention_mask")),
+    "seq2seq": ("AutoModelForSeq2SeqLM", ("input_ids", "attention_mask", "decoder_input_ids")),
+    "dc_transformer": ("AutoModelForSequenceClassification", ("values", "attention_mask")),
+}
+
+
+def expected(folder: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    stored = load_file(str(folder / "expected.safetensors"))
+    return {name: value for name, value in stored.items() if name != "output"}, stored["output"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_old_checkpoints_load_with_ea_hf(name):
+    auto_class, _ = CASES[name]
+    model = getattr(transformers, auto_class).from_pretrained(FIXTURES / name).eval()
+    assert not type(model).__module__.startswith("transformers_modules")  # ea_hf's classes, not the copies
+    inputs, output = expected(FIXTURES / name)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert (logits - output).abs().max().item() <= 1e-5
+
+
+def test_old_lora_adapter_loads_onto_a_freshly_patched_base():
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(FIXTURES / "lora" / "base")
+    model = load_adapter(ea_hf.patch(base, alpha=0.2, beta=0.2), FIXTURES / "lora" / "adapter").eval()
+    inputs, output = expected(FIXTURES / "lora")
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert (logits - output).abs().max().item() <= 1e-5
+    with torch.no_grad():  # negative control: the adapter's weights are what makes the outputs match
+        fresh = transformers.AutoModelForSequenceClassification.from_pretrained(FIXTURES / "lora" / "base")
+        plain = ea_hf.patch(fresh, alpha=0.2, beta=0.2).eval()(**inputs).logits
+    assert (plain - output).abs().max().item() > 1e-3
+
+
+REMOTE = textwrap.dedent(
+    """
+    import json, sys
+    import transformers
+    from safetensors.torch import load_file
+    sys.modules["ea_hf"] = None  # ea_hf is not importable in this interpreter
+    results = {}
+    for folder, auto_class in json.loads(sys.argv[1]).items():
+        model = getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=True).eval()
+        stored = load_file(folder + "/expected.safetensors")
+        inputs = {k: v for k, v in stored.items() if k != "output"}
+        logits = model(**inputs).logits.detach()
+        results[folder] = {"class": type(model).__module__, "diff": (logits - stored["output"]).abs().max().item()}
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.mark.slow
+def test_old_checkpoints_load_without_ea_hf_as_remote_code(tmp_path):
+    cases = {str(FIXTURES / name): auto_class for name, (auto_class, _) in CASES.items()}
+    env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    run = subprocess.run(
+        [sys.executable, "-c", REMOTE, json.dumps(cases)], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(results) == set(cases)
+    for result in results.values():
+        assert result["class"].startswith("transformers_modules.")
+        assert result["diff"] <= 1e-5
