@@ -176,7 +176,7 @@ def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, ba
     else:
         peak_mib = peak_rss_mib()
         memory_source = "ru_maxrss of a fresh process (before = VmRSS after model creation)"
-    from ea_hf import kernels
+    from ea_hf.ops import cpu as kernels
 
     return {
         "variant": variant,

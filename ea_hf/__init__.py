@@ -7,22 +7,57 @@
 >>> model = ea_hf.patch(model, alpha=0.2, beta=0.2)
 >>> ea_hf.summary(model).added_parameters
 296
+
+The package is layered (see the README, "Architecture"): ``modeling`` (the core, copied beside checkpoints),
+``ops`` and ``integrations``, ``training``, ``hub``, ``cli``; each imports only from the layers below it. The
+registrations that connect them run here, once: the EA Auto classes, the fused kernels
+and ``push_to_hub`` with model cards.
 """
 
-from .attention import ATTENTION_IMPLEMENTATION, AttentionMapEvolution, evolving_attention_forward
-from .configuration import EvolvingAttentionSettings, evolving_attention_config_class
-from .dc_transformer import register as register_dc_transformer
-from .modeling import evolving_attention_model_class, register_auto_classes
-from .patching import ADAPTERS, PatchSummary, is_patched, patch, summary, supported_model_types, unpatch
+import warnings
+from typing import Any
+
+from . import ops
+from .hub.upload import push_model
+from .modeling import (
+    ARCHITECTURES,
+    ATTENTION_IMPLEMENTATION,
+    AttentionMapEvolution,
+    EvolvingAttentionSettings,
+    PatchSummary,
+    evolving_attention_config_class,
+    evolving_attention_forward,
+    evolving_attention_model_class,
+    is_patched,
+    patch,
+    register_auto_classes,
+    register_fused_kernel,
+    register_hub_publisher,
+    summary,
+    supported_model_types,
+    unpatch,
+)
+from .modeling.dc_transformer import register as register_dc_transformer
 from .visualization import plot_attention
 
 __version__ = "0.1.0"
 
 register_auto_classes()
 register_dc_transformer()
+for _kernel in ops.FUSED_KERNELS:
+    register_fused_kernel(_kernel)
+register_hub_publisher(push_model)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ADAPTERS":  # the architecture table's name before 0.2, easily taken for ea_hf.adapters (PEFT)
+        warnings.warn("ea_hf.ADAPTERS is now ea_hf.ARCHITECTURES", FutureWarning, stacklevel=2)
+        return ARCHITECTURES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
-    "ADAPTERS",
+    "ARCHITECTURES",
     "ATTENTION_IMPLEMENTATION",
     "AttentionMapEvolution",
     "EvolvingAttentionSettings",

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .modeling.attach import is_patched
+
 
 def attention_maps(model: nn.Module, inputs: Mapping[str, Any], example: int = 0) -> list[torch.Tensor]:
     """The attention probabilities of every (encoder) layer for one example of ``inputs``: [H, N, N] per
     layer, cropped to the example's real tokens when ``inputs`` has an ``attention_mask``."""
-    from .patching import is_patched
-
     switch = not is_patched(model) and model.config._attn_implementation != "eager"
     previous = model.config._attn_implementation
     if switch:  # sdpa and flash kernels do not return attention probabilities

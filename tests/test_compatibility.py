@@ -14,7 +14,7 @@ import transformers
 from safetensors.torch import load_file
 
 import ea_hf
-from ea_hf.adapters import load_adapter
+from ea_hf.integrations.peft import load_adapter
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints_v0_1"
 #: Fixture folder -> the Auto class it loads through and the names of its inputs.

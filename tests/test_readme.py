@@ -32,3 +32,5 @@ def test_readme_python_blocks_run_in_order(tmp_path):
     assert "6 evolving attention modules, 7,848 added parameters" in run.stdout
     assert "EABertForSequenceClassification ea-bert" in run.stdout
     assert (tmp_path / "out" / "model.safetensors").exists()
+    assert "EABertForSequenceClassification\n" in run.stdout  # the Trainer example's saved model loads as EA
+    assert (tmp_path / "out-trainer" / "model_classes.py").exists()

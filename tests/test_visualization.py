@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import tiny_inputs, tiny_model
+from testing import tiny_inputs, tiny_model
 
 import ea_hf
 from ea_hf.cli import main

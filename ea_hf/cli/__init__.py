@@ -21,12 +21,15 @@ Sub-commands:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import typing
 from collections.abc import Sequence
 
 from .. import __version__
+from ..modeling.settings import METHOD_DEPENDENT, EvolvingAttentionSettings
 
 
 def _layers(text: str) -> list[int]:
@@ -36,7 +39,7 @@ def _layers(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
 
 
-def _kind_settings(text: str) -> dict | bool:
+def _role_settings(text: str) -> dict | bool:
     """``off`` or a JSON object of settings, e.g. ``{"alpha": 0.1, "layers": [0, 1]}``."""
     if text.strip().lower() == "off":
         return False
@@ -49,6 +52,34 @@ def _kind_settings(text: str) -> dict | bool:
     return value
 
 
+def add_settings_arguments(
+    parser: argparse.ArgumentParser, settings_class: type = EvolvingAttentionSettings
+) -> None:
+    """One option per field of the settings dataclass (``--kernel-size`` for ``kernel_size``), with its type,
+    choices, default and help from the field: a setting added there is an option here."""
+    hints = typing.get_type_hints(settings_class)
+    for field in dataclasses.fields(settings_class):
+        annotation = hints[field.name]
+        options = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+        base_type = typing.get_origin(options[0]) or options[0]
+        choices = field.metadata.get("choices")
+        default = None if field.name in METHOD_DEPENDENT else field.default
+        shown = "the method's" if default is None and field.name in METHOD_DEPENDENT else default
+        parser.add_argument(
+            f"--{field.name.replace('_', '-')}",
+            type=_layers if base_type in (tuple, list) else base_type,
+            choices=choices,
+            default=default,
+            metavar=None if choices else field.name.upper(),
+            help=f"{field.metadata.get('help', field.name)} (default: {'all' if shown is None else shown})",
+        )
+
+
+def settings_from_arguments(args: argparse.Namespace, settings_class: type = EvolvingAttentionSettings):
+    """The settings the options of :func:`add_settings_arguments` describe (checked before any model loads)."""
+    return settings_class.from_arguments(**{f.name: getattr(args, f.name) for f in dataclasses.fields(settings_class)})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ea-hf", description="Evolving Attention for Hugging Face Transformers")
     parser.add_argument("--version", action="version", version=f"ea_hf {__version__}")
@@ -57,27 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     patch = commands.add_parser("patch", help="patch a checkpoint with evolving attention and save it")
     patch.add_argument("model", help="Hub id or local directory of a supported checkpoint")
     patch.add_argument("out_dir", help="directory to write the EA checkpoint to (must not exist or be empty)")
-    patch.add_argument(
-        "--method",
-        default="conv",
-        help="conv (Evolving Attention), residual (no convolution) or echo (echo attention) (conv)",
-    )
-    patch.add_argument(
-        "--alpha", type=float, default=None, help="weight of the previous layer's logits (0.2; 0 for echo)"
-    )
-    patch.add_argument(
-        "--beta", type=float, default=None, help="weight of the convolution branch (0.2; 0 for residual and echo)"
-    )
-    patch.add_argument("--kernel-size", type=int, default=3, help="odd convolution kernel size (3)")
-    patch.add_argument("--layers", type=_layers, default=None, help="comma-separated layers to patch (all)")
-    patch.add_argument("--init", default="kaiming_uniform", help="convolution init scheme (kaiming_uniform)")
-    patch.add_argument("--echoes", type=int, default=2, help="echo: number of echo steps (2)")
-    patch.add_argument("--echo-state", default="scalar", help="echo: state transition, scalar, row or column")
-    patch.add_argument("--max-positions", type=int, default=None, help="echo: longest sequence of a row/column state")
-    for kind, what in [("decoder", "decoder self-attention"), ("cross", "encoder-decoder attention")]:
+    add_settings_arguments(patch)
+    for role, what in [("decoder", "decoder self-attention"), ("cross", "encoder-decoder attention")]:
         patch.add_argument(
-            f"--{kind}",
-            type=_kind_settings,
+            f"--{role}",
+            type=_role_settings,
             default=None,
             metavar="JSON|off",
             help=f"seq2seq models: {what} settings overriding the defaults (alpha 0, the encoder's beta, "

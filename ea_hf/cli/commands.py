@@ -12,7 +12,9 @@ import torch
 import transformers
 
 import ea_hf
-from ea_hf.hub import save_preprocessor
+
+from ..hub.upload import save_preprocessor
+from . import settings_from_arguments
 
 
 def _model_class(model: str, auto_class: str | None) -> type:
@@ -29,21 +31,19 @@ def _model_class(model: str, auto_class: str | None) -> type:
     return transformers.AutoModel
 
 
+def _looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only be a local path: a Hub id is ``NAME`` or ``OWNER/NAME``, never absolute or
+    relative (``./``, ``../``) or with more than one slash."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
 def patch(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory")
-    settings = ea_hf.EvolvingAttentionSettings.for_method(
-        args.method,
-        args.alpha,
-        args.beta,
-        kernel_size=args.kernel_size,
-        layers=args.layers,
-        init=args.init,
-        echoes=args.echoes,
-        echo_state=args.echo_state,
-        max_positions=args.max_positions,
-    )  # checked before the model is loaded
+    settings = settings_from_arguments(args)  # checked before the model is loaded
+    if _looks_like_path(args.model) and not Path(args.model).exists():
+        raise FileNotFoundError(f"{args.model} does not exist (neither a local directory nor a Hub id)")
     model = _model_class(args.model, args.auto_class).from_pretrained(args.model)
     torch.manual_seed(args.seed)
     ea_hf.patch(model, **settings.to_dict(), decoder=args.decoder, cross=args.cross)
@@ -63,7 +63,7 @@ def summary(args: argparse.Namespace) -> int:
 
 
 def ls(args: argparse.Namespace) -> int:
-    from ..recipe import list_recipes, load_recipe, recipe_name
+    from ..training.recipe import list_recipes, load_recipe, recipe_name
 
     for path in list_recipes():
         try:
@@ -77,7 +77,7 @@ def ls(args: argparse.Namespace) -> int:
 def cp(args: argparse.Namespace) -> int:
     import yaml
 
-    from ..recipe import load_recipe, resolve_recipe_path
+    from ..training.recipe import load_recipe, resolve_recipe_path
 
     source = resolve_recipe_path(args.name)
     dest = Path(args.dest)
@@ -97,7 +97,7 @@ def cp(args: argparse.Namespace) -> int:
 
 
 def validate(args: argparse.Namespace) -> int:
-    from ..recipe import expand_sweep, load_recipe
+    from ..training.recipe import expand_sweep, load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     runs = expand_sweep(recipe)
@@ -115,7 +115,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..recipe import expand_sweep, load_recipe
+    from ..training.recipe import expand_sweep, load_recipe
 
     runs = expand_sweep(load_recipe(args.recipe, args.overrides))  # every combination validated up front
     if args.nproc_per_node < 1:
@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--nproc-per-node inside a distributed launch; use one or the other")
         return _launch(args)
 
-    from ..runner import compare_runs, run_recipe
+    from ..training.run_dir import compare_runs
+    from ..training.trainer import run_recipe
 
     is_main = int(os.environ.get("RANK", "0")) == 0
     for recipe in runs:
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def eval(args: argparse.Namespace) -> int:  # noqa: A001  (the sub-command's name)
-    from ..runner import evaluate_run
+    from ..training.trainer import evaluate_run
 
     for split, metrics in evaluate_run(args.run_dir).items():
         print(f"{split}: {metrics}")
@@ -146,14 +147,14 @@ def eval(args: argparse.Namespace) -> int:  # noqa: A001  (the sub-command's nam
 
 
 def compare(args: argparse.Namespace) -> int:
-    from ..runner import compare_runs
+    from ..training.run_dir import compare_runs
 
     print(compare_runs(args.run_dirs))
     return 0
 
 
 def card(args: argparse.Namespace) -> int:
-    from ..hub import run_card
+    from ..hub.runs import run_card
 
     text = str(run_card(args.run_dir, args.repo_id))
     if args.output is None:
@@ -165,7 +166,7 @@ def card(args: argparse.Namespace) -> int:
 
 
 def push(args: argparse.Namespace) -> int:
-    from ..hub import push_run
+    from ..hub.runs import push_run
 
     commit = push_run(
         args.run_dir,
@@ -192,7 +193,8 @@ def _viz_inputs(model_path: str, args: argparse.Namespace):
 
 
 def viz(args: argparse.Namespace) -> int:
-    from ..runner import RECIPE_FILE, read_run_recipe, resolve_model_path
+    from ..training.models import resolve_model_path
+    from ..training.run_dir import RECIPE_FILE, read_run_recipe
     from ..visualization import plot_attention
 
     model = transformers.AutoModel.from_pretrained(args.run_dir).eval()

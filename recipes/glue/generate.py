@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ea_hf.glue import GLUE_TASKS
+from ea_hf.training.kinds.glue import GLUE_TASKS
 
 HERE = Path(__file__).resolve().parent
 

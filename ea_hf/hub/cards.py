@@ -1,0 +1,187 @@
+"""Model cards of EA checkpoints, rendered from ``model_cards/model_card.md``: the Hub metadata (library,
+pipeline tag, tags, base model, datasets, evaluation results as ``model-index``), the evolving-attention settings
+exactly as the model's config stores them, how to load it, and the papers' BibTeX.
+
+Example (offline):
+    >>> import transformers, ea_hf
+    >>> config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...                                  intermediate_size=37, vocab_size=99)
+    >>> model = ea_hf.patch(transformers.BertForSequenceClassification(config), alpha=0.1, beta=0.3)
+    >>> card = model_card(model, "me/ea-tiny-bert")
+    >>> card.data.library_name, card.data.tags
+    ('transformers', ['evolving-attention', 'ea_hf'])
+    >>> "| encoder | 0.1 | 0.3 | 3 | all | kaiming_uniform | conv |" in card.text
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from safetensors import safe_open
+
+from ..modeling.patching import summary
+from ..modeling.settings import EvolvingAttentionSettings, unused_fields
+from ..resources import shipped_dir
+
+CARD_TEMPLATE = shipped_dir("model_cards") / "model_card.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskResults:
+    """What a card says about a fine-tuned model's task and results: the task kind's card information
+    (``ea_hf.training.task_kind.CardInfo``), the recipe as YAML, the metrics by split and their names."""
+
+    info: Any
+    recipe_yaml: str
+    metrics: Mapping[str, Mapping[str, float]]
+    metric_names: Sequence[str]
+
+
+def _is_hub_id(name: str | None) -> bool:
+    """Whether ``name`` reads as a Hub repository id rather than a local path or ``package:NAME``."""
+    return bool(name) and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None and not Path(name).exists()
+
+
+def _versions(*extra: str) -> dict[str, str]:
+    versions = {}
+    for package in ("ea_hf", "transformers", "torch", "huggingface_hub", *extra):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def settings_table(settings: Mapping[str, Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The columns and rows of the settings table: one row per attention role, one column per setting that the
+    stored settings hold (in the order of :class:`EvolvingAttentionSettings`), each value as stored; "-" where
+    the role's method has no use for the setting."""
+    names = [field.name for field in dataclasses.fields(EvolvingAttentionSettings)]
+    columns = [name for name in names if any(name in values for values in settings.values())]
+    columns += sorted({key for values in settings.values() for key in values} - set(names))  # from newer versions
+    rows = [[role] + [_cell(values, column) for column in columns] for role, values in settings.items()]
+    return columns, rows
+
+
+def _cell(values: Mapping[str, Any], column: str) -> str:
+    if column not in values or column in unused_fields(values.get("method", "conv")):
+        return "-"
+    value = values[column]
+    if column == "layers":
+        return "all" if value is None else ", ".join(map(str, value))
+    return "-" if value is None else str(value)
+
+
+def evolution_parameters_in(folder: Path) -> int:
+    """Parameters of the evolution modules stored in the safetensors files of ``folder`` (no tensor loaded)."""
+    total = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            for key in weights.keys():
+                if ".evolving_attention." in key:
+                    shape = weights.get_slice(key).get_shape()
+                    total += math.prod(shape)
+    return total
+
+
+def _evaluation(task: TaskResults) -> tuple[list[EvalResult], list[dict[str, str]]]:
+    """model-index entries and table rows for a run's metrics."""
+    info = task.info
+    results, rows = [], []
+    for split, values in task.metrics.items():
+        for metric in task.metric_names:
+            if metric not in values:
+                continue
+            results.append(
+                EvalResult(
+                    task_type=info.task_type,
+                    dataset_type=info.dataset_type,
+                    dataset_name=info.dataset_name,
+                    dataset_config=info.dataset_config,
+                    dataset_split=split,
+                    metric_type=metric,
+                    metric_value=round(float(values[metric]), 4),
+                )
+            )
+            value = f"{values[metric]:.4f}"
+            rows.append({"dataset": info.dataset_name, "split": split, "metric": metric, "value": value})
+    return results, rows
+
+
+def render_card(
+    *,
+    repo_id: str,
+    settings: Mapping[str, Mapping[str, Any]],
+    architecture: str,
+    auto_class: str,
+    added_parameters: int,
+    base_model: str | None,
+    task: TaskResults | None = None,
+    adapter: bool = False,
+) -> ModelCard:
+    """The model card (``model_cards/model_card.md``) from what is known about a checkpoint: its settings as
+    stored (``config.evolving_attention``), and for a fine-tuned model its task and results."""
+    eval_results, result_rows = _evaluation(task) if task is not None and task.metrics else (None, [])
+    info = task.info if task is not None else None
+    tags = ["evolving-attention", "ea_hf"] + (["peft", "lora"] if adapter else [])
+    pipeline_tag = info.pipeline_tag if info is not None else None
+    datasets = list(info.hub_datasets) if info is not None and info.hub_datasets else None
+    columns, rows = settings_table(settings)
+    card_data = ModelCardData(
+        model_name=repo_id.split("/")[-1],
+        base_model=base_model if _is_hub_id(base_model) else None,
+        library_name="peft" if adapter else "transformers",
+        pipeline_tag=pipeline_tag,
+        tags=tags,
+        datasets=datasets,
+        eval_results=eval_results or None,
+    )
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(CARD_TEMPLATE),
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
+        base_model=card_data.base_model,
+        base_model_text=f"`{base_model}`" if base_model else "a transformers model",
+        task_text=info.task_text if info is not None else None,
+        architecture=architecture,
+        auto_class=auto_class,
+        added_parameters=f"{added_parameters:,}",
+        setting_columns=columns,
+        settings=rows,
+        results=result_rows,
+        recipe=task.recipe_yaml.strip() if task is not None else None,
+        adapter=adapter,
+        versions=_versions("datasets", "accelerate", *(["peft"] if adapter else [])),
+    )
+
+
+def auto_class_of(config: Mapping[str, Any]) -> str:
+    """The Auto class whose ``auto_map`` entry is the config's architecture (AutoModel if none)."""
+    architecture = (config.get("architectures") or [""])[0]
+    for auto_class, target in (config.get("auto_map") or {}).items():
+        if auto_class != "AutoConfig" and target.rsplit(".", 1)[-1] == architecture:
+            return auto_class
+    return "AutoModel"
+
+
+def model_card(model: Any, repo_id: str) -> ModelCard:
+    """The model card of an EA model in memory (what its ``push_to_hub`` uploads)."""
+    config = model.config.to_dict()
+    config["architectures"] = [type(model).__name__]  # the config only records it when saved
+    return render_card(
+        repo_id=repo_id,
+        settings=config.get("evolving_attention") or {},
+        architecture=type(model).__name__,
+        auto_class=auto_class_of(config),
+        added_parameters=summary(model).added_parameters,
+        base_model=getattr(model, "name_or_path", None),
+    )

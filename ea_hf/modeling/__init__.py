@@ -1,0 +1,56 @@
+"""The modeling core: everything an EA model needs to run, and nothing else.
+
+The files of this folder are flat siblings that import one another with single-dot relative imports and
+otherwise only torch, transformers and huggingface_hub: transformers copies them beside every saved EA
+checkpoint, so ``trust_remote_code=True`` loads it where ea_hf is not installed. This ``__init__`` is not
+copied; it only gathers the public names.
+
+Bottom to top: ``settings`` (the one definition of every setting), ``chain`` (the per-call state),
+``history`` (decoding), ``masks``, ``convolution`` (the evolution step and its autograd node, fused kernels
+plug in here), ``evolution`` and ``echo`` (the per-layer modules) with the ``methods`` registry, ``attention``
+(the transformers attention function), ``architectures`` (the table), ``attach`` (sites, plans, hooks),
+``config_classes`` and ``model_classes`` (the EA classes), ``patching`` (patch, unpatch, summary) and
+``dc_transformer`` (EA-DC-Transformer).
+"""
+
+from .architectures import ARCHITECTURES, ArchitectureSpec, supported_model_types
+from .attach import is_patched
+from .attention import ATTENTION_IMPLEMENTATION, evolving_attention_forward, register_attention
+from .config_classes import evolving_attention_config_class
+from .convolution import register_fused_kernel
+from .echo import EchoAttention
+from .evolution import AttentionMapEvolution
+from .methods import EVOLUTION_METHODS
+from .model_classes import (
+    auto_class_names,
+    evolving_attention_model_class,
+    register_auto_classes,
+    register_hub_publisher,
+)
+from .patching import PatchSummary, patch, summary, unpatch
+from .settings import ATTENTION_ROLES, EvolvingAttentionSettings
+
+__all__ = [
+    "ARCHITECTURES",
+    "ATTENTION_IMPLEMENTATION",
+    "ATTENTION_ROLES",
+    "EVOLUTION_METHODS",
+    "ArchitectureSpec",
+    "AttentionMapEvolution",
+    "EchoAttention",
+    "EvolvingAttentionSettings",
+    "PatchSummary",
+    "auto_class_names",
+    "evolving_attention_config_class",
+    "evolving_attention_forward",
+    "evolving_attention_model_class",
+    "is_patched",
+    "patch",
+    "register_attention",
+    "register_auto_classes",
+    "register_fused_kernel",
+    "register_hub_publisher",
+    "summary",
+    "supported_model_types",
+    "unpatch",
+]

@@ -1,0 +1,80 @@
+"""The architecture table: where each supported transformers architecture keeps its attention.
+
+Each entry is a few lines of data naming the attention classes; everything else is found by walking the module
+tree (``attach.py``). Adding an architecture whose attention calls transformers' ``AttentionInterface`` is one
+entry in :data:`ARCHITECTURES`.
+
+This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
+transformers and sibling files (single-dot relative imports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchitectureSpec:
+    """Where an architecture keeps its attention.
+
+    Args:
+        attention: class names of its attention modules (those that call transformers' attention interface
+            with the full logits of one layer).
+        num_heads_attribute: attribute of those modules holding the number of heads.
+        cross_attention: attribute names under which its layers hold encoder-decoder attention modules.
+            Other attention modules are decoder self-attention if their ``is_causal`` is true, else encoder
+            self-attention.
+    """
+
+    attention: tuple[str, ...]
+    num_heads_attribute: str = "num_attention_heads"
+    cross_attention: tuple[str, ...] = ()
+
+
+_BART_FAMILY: dict[str, Any] = {"num_heads_attribute": "num_heads", "cross_attention": ("encoder_attn",)}
+
+#: Supported architectures, by transformers ``model_type``. All share the attention-interface path.
+ARCHITECTURES: dict[str, ArchitectureSpec] = {
+    "bert": ArchitectureSpec(("BertSelfAttention",)),
+    "roberta": ArchitectureSpec(("RobertaSelfAttention",)),
+    "xlm-roberta": ArchitectureSpec(("XLMRobertaSelfAttention",)),
+    "camembert": ArchitectureSpec(("CamembertSelfAttention",)),
+    "electra": ArchitectureSpec(("ElectraSelfAttention",)),
+    "distilbert": ArchitectureSpec(("DistilBertSelfAttention",), num_heads_attribute="n_heads"),
+    "vit": ArchitectureSpec(("ViTAttention",)),
+    "deit": ArchitectureSpec(("DeiTAttention",)),
+    "t5": ArchitectureSpec(("T5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
+    "bart": ArchitectureSpec(("BartAttention",), **_BART_FAMILY),
+    "mbart": ArchitectureSpec(("MBartAttention",), **_BART_FAMILY),
+    "marian": ArchitectureSpec(("MarianAttention",), **_BART_FAMILY),
+}
+
+
+def base_model_type(config) -> str:
+    """The transformers model_type of a config, seen through an EA config class (``ea-bert`` -> ``bert``)."""
+    return getattr(type(config), "evolving_attention_base", type(config)).model_type
+
+
+def supported_model_types() -> list[str]:
+    """The transformers ``model_type``s that evolving attention supports."""
+    return sorted(ARCHITECTURES)
+
+
+def architecture_of(model: nn.Module) -> ArchitectureSpec:
+    """The :data:`ARCHITECTURES` entry of a model; ValueError naming the supported ones if it has none."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"Expected a transformers PreTrainedModel, got {type(model).__name__}")
+    model_type = base_model_type(config)
+    spec = ARCHITECTURES.get(model_type)
+    if spec is None:
+        raise ValueError(
+            f"Evolving attention does not support model_type {model_type!r} ({type(model).__name__}). "
+            f"Supported: {', '.join(supported_model_types())}."
+        )
+    return spec
+
+

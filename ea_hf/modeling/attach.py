@@ -1,0 +1,191 @@
+"""Attaching evolution modules: where a model's attention lives (sites, layer stacks, roles), checking settings
+against it, and adding or removing the evolution modules and the hooks that route the per-call chain.
+
+This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
+transformers and sibling files (single-dot relative imports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from .architectures import architecture_of
+from .attention import ATTENTION_IMPLEMENTATION, MODULE_ATTRIBUTE, pass_cache
+from .chain import start_chain
+from .methods import EVOLUTION_METHODS
+from .settings import ATTENTION_ROLES, EvolvingAttentionSettings, RoleSettings, role_settings
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSite:
+    """One attention module of a model and its place in a layer stack."""
+
+    name: str
+    module: nn.Module
+    stack_name: str
+    layer: int
+    role: str
+
+
+def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
+    """Every attention module of a supported model, with its stack, layer index and role.
+
+    An attention module at ``<stack>.<list>.<i>.<...>`` is layer ``i`` of ``<stack>``.
+    """
+    spec = architecture_of(model)
+    sites = []
+    for name, module in model.named_modules():
+        if type(module).__name__ not in spec.attention:
+            continue
+        parts = name.split(".")
+        numeric = [i for i, part in enumerate(parts) if part.isdigit()]
+        if not numeric or numeric[0] == 0:
+            raise ValueError(f"Cannot place attention module {name!r} in a layer stack")
+        index = numeric[0]
+        stack_name = ".".join(parts[: index - 1])
+        if parts[-1] in spec.cross_attention:
+            role = "cross"
+        elif getattr(module, "is_causal", False):
+            role = "decoder"
+        else:
+            role = "encoder"
+        sites.append(AttentionSite(name, module, stack_name, int(parts[index]), role))
+    if not sites:
+        raise ValueError(f"Found no attention modules ({', '.join(spec.attention)}) in {type(model).__name__}")
+    return sites
+
+
+def attention_roles(model: nn.Module) -> list[str]:
+    """The attention roles a model has, in :data:`ATTENTION_ROLES` order."""
+    present = {site.role for site in find_attention_sites(model)}
+    return [role for role in ATTENTION_ROLES if role in present]
+
+
+def is_patched(model: nn.Module) -> bool:
+    return any(hasattr(module, MODULE_ATTRIBUTE) for module in model.modules())
+
+
+def plan_evolution(
+    model: nn.Module, settings: Mapping[str, EvolvingAttentionSettings]
+) -> list[tuple[EvolvingAttentionSettings, list[AttentionSite]]]:
+    """Check that ``settings`` fit ``model`` and return, per layer stack, its settings and sites in layer order,
+    without touching the model.
+
+    Raises ValueError (or NotImplementedError for decoders) naming every problem at once.
+    """
+    sites = find_attention_sites(model)
+    problems = []
+    if not any(site.role == "encoder" for site in sites):
+        decoder = next(site.name for site in sites if site.role != "encoder")
+        raise NotImplementedError(
+            f"{type(model).__name__} is a decoder-only model ({decoder}, ...); evolving attention supports "
+            "encoder and encoder-decoder models. Use an encoder configuration (is_decoder=False) or a "
+            "sequence-to-sequence model."
+        )
+    if not settings:
+        problems.append("no attention role is left to patch")
+    unknown_roles = sorted(set(settings) - {s.role for s in sites})
+    if unknown_roles:
+        problems.append(f"settings for attention role(s) {unknown_roles} that {type(model).__name__} does not have")
+    by_stack: dict[tuple[str, str], list[AttentionSite]] = {}
+    for site in sites:
+        by_stack.setdefault((site.stack_name, site.role), []).append(site)
+    planned = []
+    for (stack_name, role), stack_sites in by_stack.items():
+        chosen = settings.get(role)
+        if chosen is None:
+            continue
+        num_layers = len(stack_sites)
+        if chosen.layers is not None:
+            out_of_range = [i for i in chosen.layers if i >= num_layers]
+            if out_of_range:
+                problems.append(
+                    f"layer indices {out_of_range} out of range for {stack_name or 'the model'} "
+                    f"({role}), which has {num_layers} layers (0..{num_layers - 1})"
+                )
+                continue
+        planned.append((chosen, sorted(stack_sites, key=lambda s: s.layer)))
+    if problems:
+        raise ValueError("Cannot patch the model: " + "; ".join(problems))
+    return planned
+
+
+def attach_evolution(
+    model: PreTrainedModel,
+    settings: Mapping[str, EvolvingAttentionSettings],
+    plan: list[tuple[EvolvingAttentionSettings, list[AttentionSite]]] | None = None,
+) -> None:
+    """Give the model's attention modules their evolution modules and route attention through them.
+
+    The model's classes and config are left as they are (see :func:`patch` for the full conversion). ``plan``
+    is :func:`plan_evolution`'s result when the caller has already validated the settings.
+    """
+    if plan is None:
+        plan = plan_evolution(model, settings)
+    spec = architecture_of(model)
+    for chosen, stack_sites in plan:
+        previous = None
+        for site in stack_sites:
+            if chosen.layers is not None and site.layer not in chosen.layers:
+                continue
+            reference = next(site.module.parameters())
+            num_heads = getattr(site.module, spec.num_heads_attribute)
+            where = {"role": site.role, "position": site.layer, "previous": previous}
+            where |= {"device": reference.device, "dtype": reference.dtype}
+            head_dim = query_projection(site.module).out_features // num_heads
+            evolution = EVOLUTION_METHODS[chosen.method].from_settings(chosen, num_heads, head_dim, **where)
+            setattr(site.module, MODULE_ATTRIBUTE, evolution)
+            if evolution.causal:
+                site.module.register_forward_pre_hook(pass_cache, with_kwargs=True)
+            previous = site.layer
+        stack = model.get_submodule(stack_sites[0].stack_name)
+        if not any(hook is start_chain for hook in stack._forward_pre_hooks.values()):
+            stack.register_forward_pre_hook(start_chain, with_kwargs=True)
+    set_attention_implementation(model, ATTENTION_IMPLEMENTATION)
+
+
+def query_projection(attention: nn.Module) -> nn.Linear:
+    """The query projection of an attention module: the first linear layer in it (query, q, q_proj, q_lin)."""
+    for module in attention.modules():
+        if isinstance(module, nn.Linear):
+            return module
+    raise ValueError(f"{type(attention).__name__} has no linear query projection")
+
+
+def set_attention_implementation(model: nn.Module, implementation: str) -> None:
+    """Set the attention implementation on every config in the model (T5's stacks keep their own copies)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PreTrainedConfig):
+            config._attn_implementation_internal = implementation
+
+
+def detach_evolution(model: nn.Module) -> None:
+    """Remove what :func:`attach_evolution` added (modules and chain hooks)."""
+    for module in model.modules():
+        if hasattr(module, MODULE_ATTRIBUTE):
+            delattr(module, MODULE_ATTRIBUTE)
+        for handle_id, hook in list(module._forward_pre_hooks.items()):
+            if hook is start_chain or hook is pass_cache:
+                del module._forward_pre_hooks[handle_id]
+                module._forward_pre_hooks_with_kwargs.pop(handle_id, None)
+
+
+def resolve_settings(
+    model: nn.Module, encoder: EvolvingAttentionSettings, overrides: Mapping[str, RoleSettings]
+) -> dict[str, EvolvingAttentionSettings]:
+    """Settings per attention role of ``model``: the encoder's, the papers' defaults, and the user's overrides
+    (see :func:`~.settings.role_settings`)."""
+    roles = attention_roles(model)
+    settings, problems = role_settings(roles, encoder, overrides)
+    problems = [
+        f"{type(model).__name__} has no {role} attention to configure" if role not in roles else f"{role}: {text}"
+        for role, text in problems
+    ]
+    if problems:
+        raise ValueError("Cannot patch the model: " + "; ".join(problems))
+    return settings

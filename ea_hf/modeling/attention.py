@@ -1,0 +1,150 @@
+"""The transformers attention function of evolving attention and its registration (``AttentionInterface``).
+
+``evolving_attention_forward`` computes S (scaled QK^T plus any positional bias), lets the module's
+:class:`~.evolution.AttentionMapEvolution` evolve it, masks, and applies softmax and dropout. Attention
+modules without one (layers or attention roles left out of the patch) get plain eager attention.
+
+This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
+transformers and sibling files (single-dot relative imports).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from .chain import CHAIN_KWARG, SPARE_KEY
+from .history import convolution_history
+from .masks import convolution_mask, evolving_attention_mask, split_attention_mask
+
+#: Name under which the attention function and its mask function are registered in transformers.
+ATTENTION_IMPLEMENTATION = "evolving_attention"
+#: Attribute of a patched attention module that holds its :class:`AttentionMapEvolution`.
+MODULE_ATTRIBUTE = "evolving_attention"
+#: Keyword argument that carries the KV cache (if any) down to the attention calls of causal layers.
+CACHE_KWARG = "evolving_attention_cache"
+
+
+def evolving_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    position_bias: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers attention function (``attn_implementation="evolving_attention"``).
+
+    Attention modules without an :class:`AttentionMapEvolution` (layers or attention roles left out of the patch) get
+    plain eager attention, so a whole model can use this one implementation. ``position_bias`` (T5's relative
+    position bias) is part of the logits S that evolve. Returns the output [B, Q, H, D] and the (evolved)
+    attention probabilities [B, H, Q, K].
+    """
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    if math.frexp(scaling)[0] == 0.5:
+        # A power of two (1/8 for 64-dimensional heads) scales exactly: scaling the queries instead of the
+        # [B, H, Q, K] product gives eager attention's numbers with one pass less over the map.
+        scores = torch.matmul(query * scaling if scaling != 1.0 else query, key.transpose(-1, -2))
+    else:  # in place: the product is a fresh tensor that autograd does not keep
+        scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)
+    if position_bias is not None:
+        scores = scores + position_bias
+    allowed, additive = split_attention_mask(attention_mask)
+    evolution = getattr(module, MODULE_ATTRIBUTE, None)
+    if evolution is not None:
+        if scores.dtype in (torch.float16, torch.bfloat16):
+            # Blends, convolution, mask and softmax in fp32: a half-precision map rounds away the small
+            # residual terms, and fp16's mask value plus a negative logit overflows to -inf.
+            scores = scores.float()
+        chain = kwargs.get(CHAIN_KWARG)
+        cache = kwargs.get(CACHE_KWARG)
+        query_length = scores.shape[-2]
+        past = 0 if cache is None else cache.get_seq_length() - query_length
+        history = None
+        if cache is not None and evolution.causal and evolution.beta != 0.0:
+            history = convolution_history(cache, evolution.key, past)
+        conv_mask = convolution_mask(evolution.role, allowed, query_length, past, chain if chain is not None else {})
+        scores = evolution(scores, conv_mask, chain, history, query=query, past=past)
+    if additive is not None:
+        scores = scores + additive
+    elif allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    # The spare map is passed on without a local name here: attention_probabilities counts its references.
+    probs = attention_probabilities(
+        scores, chain.pop(SPARE_KEY, None) if evolution is not None and chain is not None else None
+    ).to(value.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    output = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    return output, probs
+
+
+def attention_probabilities(scores: torch.Tensor, spare: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax over the keys, written into ``spare`` (a map nothing reads any more) where it fits.
+
+    Without autograd the previous layer's logits are dead once this layer has mixed them in; reusing their
+    storage spares the allocator a fresh [B, H, Q, K] map per layer, whose first touch costs page faults that
+    weigh as much as the convolution on long sequences. Nothing else may hold the map: not the tensor object
+    (a forward hook on the evolution module may have kept it; callers pass ``spare`` without keeping a
+    reference) and not a view of its storage.
+    """
+    if (
+        spare is not None
+        and sys.getrefcount(spare) == ARGUMENT_REFERENCES
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and spare.shape == scores.shape
+        and spare.dtype == scores.dtype
+        and spare.device == scores.device
+        and spare.is_contiguous()
+        and sole_storage_user(spare)
+    ):
+        return torch.ops.aten._softmax.out(scores, -1, False, out=spare)
+    return F.softmax(scores, dim=-1)
+
+
+def argument_references(argument: Any) -> int:
+    return sys.getrefcount(argument)
+
+
+#: References to an argument that the caller passed without keeping it (interpreter-dependent, so measured).
+ARGUMENT_REFERENCES = argument_references(object())
+
+
+def sole_storage_user(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the only tensor using its storage (no views or aliases of it exist)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    # untyped_storage() holds one more reference while it is being counted.
+    return use_count is not None and tensor._base is None and use_count(tensor.untyped_storage()._cdata) == 2
+
+
+
+def pass_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """Forward pre-hook for a causal attention module: hand its KV cache on to the attention function.
+
+    Attention modules consume ``past_key_values`` themselves; the convolution needs it too, to keep the
+    earlier rows of its input between decoding steps.
+    """
+    cache = kwargs.get("past_key_values")
+    if cache is not None:
+        kwargs[CACHE_KWARG] = cache
+    return args, kwargs
+
+
+def register_attention() -> None:
+    """Register the attention and mask functions with transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, evolving_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, evolving_attention_mask)
+
+
+register_attention()

@@ -1,0 +1,298 @@
+"""The evolution step as tensor operations and one autograd node: mix, mask, convolve, ReLU, blend.
+
+:class:`EvolveConvolution` computes A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with
+A_in = lerp(S, A_prev, alpha) and keeps only S, A_prev and the ReLU gate for backward. Fused kernels (the CPU
+kernel of ``ea_hf.ops``; GPU kernels later) plug in through :func:`register_fused_kernel`; where none is
+registered or applicable, the same steps run as torch operations.
+
+This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
+transformers and sibling files (single-dot relative imports).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .history import ConvolutionHistory
+
+
+class FusedKernel(Protocol):
+    """What a fused implementation of the evolution step provides (see ``ea_hf.ops.cpu`` for one)."""
+
+    def applicable(
+        self, *tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor
+    ) -> bool: ...
+
+    def correlate(self, scores: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, **options: Any) -> Any: ...
+
+    def backward(self, *args: Any) -> tuple[Any, ...]: ...
+
+
+#: Fused kernels, tried in order; registered by ``ea_hf.ops`` (remote-code copies of this file have none).
+FUSED_KERNELS: list[FusedKernel] = []
+
+
+def register_fused_kernel(kernel: FusedKernel) -> None:
+    """Use ``kernel`` for the evolution step wherever it says it is applicable (idempotent)."""
+    if kernel not in FUSED_KERNELS:
+        FUSED_KERNELS.append(kernel)
+
+
+def fused_kernel(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor):
+    """The first registered kernel applicable to these tensors, or None (torch operations)."""
+    return next((k for k in FUSED_KERNELS if k.applicable(*tensors, keep=keep, weight=weight)), None)
+
+
+class EvolveConvolution(torch.autograd.Function):
+    """A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with A_in = lerp(S, A_prev, alpha), as one
+    autograd node.
+
+    Autograd through the plain formulation keeps four [B, H, Q, K] maps per layer for backward (the masked
+    input, the convolution output, the ReLU output and a blend product), runs each blend as its own pass and
+    allocates a map for every partial gradient. This function scales the (tiny) weights by beta instead of the
+    map and keeps only S, A_prev (alive anyway as the previous layer's output) and the ReLU gate. A registered
+    fused kernel (see :func:`register_fused_kernel`; the CPU one) runs the residual mix, mask, convolution, ReLU
+    and blend as one pass forward; backward, one pass gives the gradients of S and A_prev (transposed convolution
+    of the gated gradient, mask, blend, split by the residual weights) and one the weight and bias gradients, without
+    materialising A_in, the gated gradient or the masked input. Elsewhere (GPU, float64, no compiler) the
+    same steps run as torch operations.
+
+    ``previous`` is A_prev (``None``: A_in = S); ``keep`` is a float 0/1 mask broadcastable to S (``None``:
+    every entry enters the convolution); ``causal`` marks a kernel that has only the rows at and above its
+    centre.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, previous, keep, weight, bias, alpha, beta, causal, context_rows):
+        scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
+        logits, gate = evolve_step(
+            scores,
+            keep,
+            scaled_weight,
+            scaled_bias,
+            beta,
+            causal,
+            None,
+            context_rows,
+            previous=previous,
+            alpha=alpha,
+            for_backward=True,
+        )
+        ctx.save_for_backward(scores, previous, gate, scaled_weight, keep)
+        ctx.alpha, ctx.beta, ctx.context_rows = alpha, beta, context_rows
+        return logits
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def backward(ctx, grad_logits):
+        scores, previous, gate, scaled_weight, keep = ctx.saved_tensors
+        alpha, beta, c = ctx.alpha, ctx.beta, ctx.context_rows
+        kernel_rows, kernel_columns = scaled_weight.shape[-2:]
+        # Gradients of A_in go to S and A_prev in the proportions of the residual mix.
+        scales = (1.0, None) if previous is None else (1.0 - alpha, alpha)
+        grad_scores = grad_previous = grad_weight = grad_bias = None
+        needs_input = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        needs_kernel = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        kernel = fused_kernel(scores, previous, grad_logits, keep=keep, weight=scaled_weight)
+        if kernel is not None:
+            # One pass: the kernel applies the ReLU gate and the residual mix as it reads, nothing is
+            # materialised but the gradients.
+            grad_scores, grad_previous, grad_weight, grad_bias = kernel.backward(
+                scores, previous, alpha, keep, grad_logits, gate, scaled_weight, c, beta
+            )
+        else:
+            grad_convolved = relu_gate(grad_logits, gate)
+            if needs_input:
+                grad_scores, grad_previous = convolution_input_grad(
+                    grad_convolved, scaled_weight, keep, grad_logits, beta, c, scales=scales
+                )
+            if needs_kernel:
+                attention_in = scores if previous is None else torch.lerp(scores, previous, alpha)
+                conv_input = attention_in if keep is None else attention_in * keep
+                grad_weight = convolution_weight_grad(conv_input, grad_convolved, kernel_rows, kernel_columns, c)
+                grad_bias = grad_convolved.sum((0, 2, 3))
+        if grad_weight is not None:  # gradients of the beta-scaled kernel, brought back to the parameters
+            grad_weight, grad_bias = beta * grad_weight, beta * grad_bias
+        return grad_scores, grad_previous, None, grad_weight, grad_bias, None, None, None, None
+
+
+def scale_kernel(
+    weight: torch.Tensor, bias: torch.Tensor, beta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """beta * weight and beta * bias in the map's dtype: ReLU(beta * x) = beta * ReLU(x) for beta > 0, so
+    the weights are scaled instead of the map (fp32 for half-precision models, see evolving_attention_forward)."""
+    return weight.to(dtype) * beta, bias.to(dtype) * beta
+
+
+def evolve_step(
+    scores: torch.Tensor,
+    keep: torch.Tensor | None,
+    scaled_weight: torch.Tensor,
+    scaled_bias: torch.Tensor,
+    beta: float,
+    causal: bool,
+    history: ConvolutionHistory | None,
+    context_rows: int,
+    *,
+    previous: torch.Tensor | None = None,
+    alpha: float = 0.0,
+    for_backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(A_logit, the ReLU gate for backward if ``for_backward``) for the rows of S, with beta-scaled kernel
+    weights.
+
+    A_in is S, or with ``previous`` the residual mix lerp(S, previous, alpha): the CPU kernel mixes as it
+    reads; elsewhere it is computed in S's storage, or in a new tensor ``for_backward`` (which keeps S). The
+    gate is the ReLU output, or for the kernel a bool map of where it is positive. Row i of a causal
+    convolution reads input rows i - c .. i (c = ``context_rows``); ``history`` supplies the earlier rows of
+    step-by-step decoding.
+    """
+    blend = 1.0 - beta
+    kernel = None if history is not None else fused_kernel(scores, previous, keep=keep, weight=scaled_weight)
+    if kernel is not None:
+        gate = torch.empty_like(scores, dtype=torch.bool) if for_backward else None
+        logits = kernel.correlate(
+            scores,
+            scaled_weight,
+            scaled_bias,
+            row_shift=-context_rows,
+            lerp_end=previous,
+            lerp_weight=alpha,
+            in_keep=keep,
+            relu=True,
+            saved=gate,
+            blend=scores,
+            blend_coef=blend,
+            in_place=not for_backward,  # without autograd S is not needed afterwards
+        )
+        return logits, gate
+    attention_in = scores
+    if previous is not None:
+        attention_in = torch.lerp(scores, previous, alpha) if for_backward else scores.lerp_(previous, alpha)
+    conv_input = attention_in if keep is None else attention_in * keep
+    rows_before = 0
+    if history is not None:
+        conv_input, rows_before = history.extend(conv_input, context_rows)
+    # Padding `context_rows` on both sides: a causal kernel (its last row at the centre) then produces
+    # `context_rows` extra rows at the bottom, and output row i reads input rows i - c .. i. Autocast off:
+    # it would convolve in half precision.
+    with torch.autocast(conv_input.device.type, enabled=False):
+        padding = (context_rows, scaled_weight.shape[-1] // 2)
+        convolved = F.conv2d(conv_input, scaled_weight, scaled_bias, padding=padding)
+    if causal:
+        convolved = convolved[..., rows_before : rows_before + scores.shape[-2], :]
+    convolved = convolved.relu_()
+    if for_backward:
+        return torch.add(convolved, attention_in, alpha=blend), convolved
+    return convolved.add_(attention_in, alpha=blend), None
+
+
+def convolution_input_grad(
+    grad_convolved: torch.Tensor,
+    scaled_weight: torch.Tensor,
+    keep: torch.Tensor | None,
+    grad_logits: torch.Tensor,
+    beta: float,
+    context_rows: int,
+    scales: tuple[float, float | None] = (1.0, None),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradient of A_logit with respect to A_in: the transposed convolution of the ReLU-gated gradient
+    ``grad_convolved``, masked like the forward input, plus (1 - beta) times the incoming gradient; returned
+    times each of ``scales`` (the second ``None``: not needed). The CPU kernel computes the same in
+    ``ea_hf.ops.cpu.backward``.
+
+    The transposed convolution is a convolution with the kernel flipped in both directions and its channels
+    swapped; a causal kernel then reads rows i .. i + c (the rows whose outputs read row i).
+    """
+    transposed = scaled_weight.flip(-2, -1).transpose(0, 1)
+    shift = scaled_weight.shape[-2] - 1 - context_rows  # c for a centred kernel, 0 for a causal one
+    grad_in = F.conv2d(grad_convolved, transposed, padding=(context_rows, scaled_weight.shape[-1] // 2))
+    offset = context_rows - shift
+    grad_in = grad_in[..., offset : offset + grad_logits.shape[-2], :]
+    if keep is not None:
+        grad_in = grad_in.mul_(keep)
+    grad_in = grad_in.add_(grad_logits, alpha=1.0 - beta)
+    second = None if scales[1] is None else grad_in * scales[1]
+    return (grad_in if scales[0] == 1.0 else grad_in.mul_(scales[0])), second
+
+
+def relu_gate(grad: torch.Tensor, relu: torch.Tensor) -> torch.Tensor:
+    """The gradient through the ReLU, given its output or the bool map of where that is positive."""
+    if relu.dtype == torch.bool:
+        return grad * relu
+    return torch.ops.aten.threshold_backward(grad, relu, 0)
+
+
+def evolve_convolution(
+    scores: torch.Tensor,
+    keep: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    beta: float,
+    causal: bool = False,
+    history: ConvolutionHistory | None = None,
+    context_rows: int | None = None,
+    *,
+    previous: torch.Tensor | None = None,
+    alpha: float = 0.0,
+) -> torch.Tensor:
+    """beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in (see :class:`EvolveConvolution`).
+
+    A_in is ``scores``, or with ``previous`` (the previous layer's A_logit) the residual mix
+    (1 - alpha) * scores + alpha * previous; where it is materialised without autograd, it overwrites
+    ``scores``. Without autograd (inference, ``generate``) nothing is kept for backward; with it, the step
+    runs through :class:`EvolveConvolution`. ``context_rows`` defaults to the kernel's half width.
+
+    Example:
+        >>> a_in, weight, bias = torch.randn(1, 2, 4, 4), torch.randn(2, 2, 3, 3), torch.zeros(2)
+        >>> plain = 0.5 * torch.relu(F.conv2d(a_in, weight, bias, padding=1)) + 0.5 * a_in
+        >>> torch.allclose(evolve_convolution(a_in.clone(), None, weight, bias, 0.5), plain, atol=1e-6)
+        True
+    """
+    if context_rows is None:
+        context_rows = weight.shape[-1] // 2
+    tensors = (scores, weight, bias, previous)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        if history is not None:  # a first decoding step with autograd on: record its rows for the next steps
+            if history.rows is not None:
+                raise ValueError("evolve_convolution back-propagates only through a first decoding step")
+            attention_in = scores if previous is None else torch.lerp(scores, previous, alpha)
+            history.extend(attention_in if keep is None else attention_in * keep, context_rows)
+        return EvolveConvolution.apply(scores, previous, keep, weight, bias, alpha, beta, causal, context_rows)
+    scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
+    logits, _ = evolve_step(
+        scores, keep, scaled_weight, scaled_bias, beta, causal, history, context_rows, previous=previous, alpha=alpha
+    )
+    return logits
+
+
+def convolution_weight_grad(
+    conv_input: torch.Tensor, grad_output: torch.Tensor, kernel_rows: int, kernel_columns: int, context_rows: int
+) -> torch.Tensor:
+    """Weight gradient [H_out, H_in, kh, kw] of a stride-1 convolution with ``context_rows`` rows and
+    kw // 2 columns of zero padding, as one batched matrix product per kernel tap over the map's rows.
+
+    Each tap pairs the output gradient with the input shifted by the tap's offset, both cropped to where
+    the shifted input exists (the zero padding contributes nothing), so no padded copy is made.
+    """
+    batch, heads_out, rows, width = grad_output.shape
+    columns = kernel_columns // 2
+    grad_weight = grad_output.new_zeros(heads_out, conv_input.shape[1], kernel_rows, kernel_columns)
+    for dy in range(kernel_rows):
+        shift_y = dy - context_rows  # output row i reads input row i + shift_y
+        out_rows = slice(max(0, -shift_y), min(rows, conv_input.shape[-2] - shift_y))
+        in_rows = slice(out_rows.start + shift_y, out_rows.stop + shift_y)
+        for dx in range(kernel_columns):
+            shift_x = dx - columns
+            out_cols = slice(max(0, -shift_x), min(width, width - shift_x))
+            in_cols = slice(out_cols.start + shift_x, out_cols.stop + shift_x)
+            for b in range(batch):
+                grad_rows = grad_output[b, :, out_rows, out_cols].transpose(0, 1)  # [rows, H_out, cols], a view
+                input_rows = conv_input[b, :, in_rows, in_cols].transpose(0, 1)  # [rows, H_in, cols], a view
+                grad_weight[:, :, dy, dx] += torch.bmm(grad_rows, input_rows.transpose(1, 2)).sum(0)
+    return grad_weight
+

@@ -1,0 +1,271 @@
+"""The attention-map evolution of one layer: Evolving Attention (``conv``) and its residual-only variant.
+
+For attention layer i with H heads and pre-softmax logits S_i of shape [B, H, N, N] (scaled QK^T plus any
+positional bias, no padding or causal mask), Evolving Attention (TPAMI 2023, section 3.1) computes
+
+    A_in_i    = alpha * A_logit_(i-1) + (1 - alpha) * S_i        (A_in = S for the first layer of a chain)
+    A_logit_i = beta * ReLU(Conv_i(A_in_i)) + (1 - beta) * A_in_i
+    P_i       = softmax(A_logit_i + mask);   output = dropout(P_i) @ V
+
+Conv_i is a 2-D convolution over the N x N map with the heads as channels. Entries that the mask removes,
+and the rows of padded queries, are zeroed before the convolution (see ``masks.py``), so padding never
+reaches a valid entry: a padded sequence sees exactly the zero border it would see alone.
+
+Sequence-to-sequence models have three chains (TPAMI section 3.1, "Convolution Masks for Seq2Seq Models"):
+encoder self-attention, decoder self-attention and encoder-decoder (cross) attention. The last two convolve
+causally: their kernels keep only the rows at and above the centre, so query row i reads rows i - k//2 .. i
+and nothing from a later target position. ``residual`` (RealFormer-style) keeps the first line only: no
+convolution, beta = 0 and no weights.
+
+This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
+transformers and sibling files (single-dot relative imports).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as hf_init
+
+from .chain import REPLAYS_KEY, SPARE_KEY
+from .convolution import evolve_convolution
+from .history import ConvolutionHistory
+from .settings import ATTENTION_ROLES, CAUSAL_ROLES, EvolvingAttentionSettings
+
+
+class AttentionMapEvolution(nn.Module):
+    """Evolves one layer's attention logits from those of the previous layer in its chain.
+
+    The convolution weight is stored directly (not as an ``nn.Conv2d``) so that transformers' per-architecture
+    weight initialisation leaves it to :meth:`reset_parameters`. It has shape [H, H, k, k]; a causal
+    convolution (decoder self-attention and cross attention) only has the kernel rows at and above the centre,
+    [H, H, k // 2 + 1, k], so a query row reads rows at or above it and never a later one.
+
+    Args:
+        num_heads: number of attention heads H (the convolution's channels).
+        alpha, beta, kernel_size, init: see :class:`~ea_hf.configuration.EvolvingAttentionSettings`.
+        role: what attention this layer is: ``"encoder"`` (self-attention), ``"decoder"`` (causal
+            self-attention) or ``"cross"`` (encoder-decoder attention). The last two convolve causally.
+        position: this layer's index in its stack.
+        previous: index of the previous evolving layer of the same chain, ``None`` for the first one.
+
+    Example:
+        >>> evolution = AttentionMapEvolution(4, alpha=0.2, beta=0.2, kernel_size=3, position=0)
+        >>> chain = {}
+        >>> evolution(torch.zeros(1, 4, 5, 5), None, chain).shape
+        torch.Size([1, 4, 5, 5])
+        >>> AttentionMapEvolution(4, alpha=0.0, beta=0.2, kernel_size=3, role="decoder").weight.shape
+        torch.Size([4, 4, 2, 3])
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        alpha: float,
+        beta: float,
+        kernel_size: int,
+        init: str = "kaiming_uniform",
+        role: str = "encoder",
+        position: int = 0,
+        previous: int | None = None,
+        method: str = "conv",
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if role not in ATTENTION_ROLES:
+            raise ValueError(f"Unknown attention role {role!r}; expected 'encoder', 'decoder' or 'cross'")
+        self.num_heads = num_heads
+        self.alpha = float(alpha)
+        self.beta = float(beta)
+        self.kernel_size = kernel_size
+        self.init = init
+        self.role = role
+        #: Whether the convolution is causal (its kernel has only the rows at and above the centre).
+        self.causal = role in CAUSAL_ROLES
+        self.position = position
+        self.previous = previous
+        self.method = method
+        if method == "conv":
+            rows = kernel_size // 2 + 1 if self.causal else kernel_size
+            factory = {"device": device, "dtype": dtype}
+            self.weight = nn.Parameter(torch.empty(num_heads, num_heads, rows, kernel_size, **factory))
+            self.bias = nn.Parameter(torch.empty(num_heads, **factory))
+        else:  # residual attention (and echo, a subclass): no convolution
+            if self.beta != 0.0:
+                raise ValueError(f"method {method!r} has no convolution; beta must be 0, got {beta}")
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    @classmethod
+    def from_settings(cls, settings: EvolvingAttentionSettings, num_heads: int, head_dim: int, **where: Any):
+        """The module for one layer with ``settings``; ``where``: role, position, previous, device, dtype."""
+        return cls(
+            num_heads,
+            alpha=settings.alpha,
+            beta=settings.beta,
+            kernel_size=settings.kernel_size,
+            init=settings.init,
+            method=settings.method,
+            **where,
+        )
+
+    @property
+    def context_rows(self) -> int:
+        """How many earlier rows of its input the convolution reads for one output row."""
+        return self.kernel_size // 2
+
+    def extra_repr(self) -> str:
+        return (
+            f"method={self.method!r}, heads={self.num_heads}, kernel_size={self.kernel_size}, alpha={self.alpha}, "
+            f"beta={self.beta}, role={self.role!r}, position={self.position}, previous={self.previous}"
+        )
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise the convolution with the configured scheme from torch's RNG.
+
+        ``kaiming_uniform`` is torch's ``nn.Conv2d`` default (weight and bias); ``xavier_uniform`` and
+        ``normal`` (std 0.02) draw the weight and zero the bias; ``dirac`` starts as the identity map per head
+        with a zero bias (for a causal kernel the centre is its last row). Parameters already loaded from a
+        checkpoint are left alone.
+        """
+        if self.weight is None:
+            return
+        if self.init == "kaiming_uniform":
+            hf_init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+            bound = 1.0 / math.sqrt(self.weight[0].numel())
+            hf_init.uniform_(self.bias, -bound, bound)
+            return
+        if self.init == "xavier_uniform":
+            hf_init.xavier_uniform_(self.weight)
+        elif self.init == "normal":
+            hf_init.normal_(self.weight, mean=0.0, std=0.02)
+        elif self.init == "dirac":
+            if getattr(self.weight, "_is_hf_initialized", False):
+                return
+            self.weight.zero_()
+            heads = torch.arange(self.num_heads)
+            self.weight[heads, heads, self.context_rows, self.kernel_size // 2] = 1.0
+        else:
+            raise ValueError(f"Unknown init scheme {self.init!r}")
+        hf_init.zeros_(self.bias)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.role, self.position)
+
+    def convolve(self, conv_input: torch.Tensor, rows_before: int = 0) -> torch.Tensor:
+        """ReLU(Conv(A_in)) for the rows of ``conv_input`` after its first ``rows_before`` (earlier, cached) rows.
+
+        ``conv_input`` must already have its masked entries zeroed; outside the map the convolution sees zeros.
+        This is the plain formulation; :meth:`forward` computes the same through :class:`EvolveConvolution`.
+        """
+        c = self.context_rows
+        if not self.causal:
+            return F.relu(F.conv2d(conv_input, self.weight, self.bias, padding=c))
+        # Zero rows above the first one stand for the rows that do not exist yet (or are not cached);
+        # with the kernel's bottom row at the centre, output row i reads input rows i - c .. i.
+        padded = F.pad(conv_input, (c, c, c - rows_before, 0))
+        return F.relu(F.conv2d(padded, self.weight, self.bias))
+
+    def previous_logits(self, chain: dict[Any, Any] | None) -> torch.Tensor | None:
+        """A_logit of the previous layer of this chain (``None`` for the first layer or when alpha is 0)."""
+        if chain is None:
+            raise RuntimeError(
+                "Evolving attention ran outside a patched layer stack: no per-call chain was passed. "
+                "Call the model (or its encoder) rather than an attention layer on its own."
+            )
+        if self.previous is None:
+            return None
+        # Nothing else reads an entry once its successor has (autograd keeps what it needs), so it is dropped:
+        # one map per chain stays alive instead of one per layer. Gradient checkpointing replays layers, which
+        # read their entries again; chains not started by `start_chain` keep them too.
+        replays = torch.is_grad_enabled() and chain.get(REPLAYS_KEY, True)
+        key = (self.role, self.previous)
+        previous = chain.get(key) if replays else chain.pop(key, None)
+        if previous is None:
+            raise RuntimeError(
+                f"Evolving attention layer {self.position} ({self.role}) expected the logits of layer "
+                f"{self.previous}, which did not run in this forward call (layers skipped or reordered?)."
+            )
+        return previous if self.alpha != 0.0 else None
+
+    def reference(
+        self,
+        scores: torch.Tensor,
+        conv_mask: torch.Tensor | None,
+        chain: dict[Any, Any] | None,
+        history: ConvolutionHistory | None = None,
+    ) -> torch.Tensor:
+        """The evolution written as the paper's equations, one tensor operation each (what :meth:`forward`
+        must reproduce; tests and benchmarks compare against it)."""
+        previous = self.previous_logits(chain)
+        attention_in = scores if previous is None else self.alpha * previous + (1.0 - self.alpha) * scores
+        logits = attention_in
+        if self.beta != 0.0:
+            conv_input = attention_in if conv_mask is None else attention_in.masked_fill(~conv_mask, 0.0)
+            rows_before = 0
+            if history is not None:
+                conv_input, rows_before = history.extend(conv_input, self.context_rows)
+            convolved = self.convolve(conv_input, rows_before)
+            logits = self.beta * convolved + (1.0 - self.beta) * attention_in
+        chain[self.key] = logits
+        return logits
+
+    def forward(
+        self,
+        scores: torch.Tensor,
+        conv_mask: torch.Tensor | None,
+        chain: dict[Any, Any] | None,
+        history: ConvolutionHistory | None = None,
+        query: torch.Tensor | None = None,
+        past: int = 0,
+    ) -> torch.Tensor:
+        """Return A_logit for this layer and record it in ``chain`` for the next layer.
+
+        Computes :meth:`reference` with fewer passes over the [B, H, Q, K] maps: the residual mix is done
+        in place on ``scores`` (which this function then owns), and the convolution, ReLU and blend run in
+        :class:`EvolveConvolution`, which keeps only its input and the ReLU output for backward.
+
+        Args:
+            scores: S, the layer's logits [B, H, Q, K] (positional bias included, no padding or causal mask).
+                Overwritten when it does not require grad or is a non-leaf autograd result.
+            conv_mask: boolean [B, 1 or H, Q, K], True where an entry may enter the convolution; None if all may.
+            chain: the per-call dict of previous layers' logits.
+            history: for incremental decoding, the earlier rows of this layer's convolution input.
+            query, past: the layer's queries [B, H, Q, D] and the number of earlier (cached) query positions;
+                only echo attention reads them.
+        """
+        if history is not None and history.rows is not None and torch.is_grad_enabled():
+            # Later decoding steps with autograd on (not what generate does): the plain formulation carries
+            # gradients through the kept rows of earlier steps.
+            return self.reference(scores, conv_mask, chain, history)
+        previous = self.previous_logits(chain)
+        if self.beta == 0.0:
+            logits = scores if previous is None else scores.lerp_(previous, self.alpha)
+        else:
+            keep = None if conv_mask is None else conv_mask.to(scores.dtype)
+            logits = evolve_convolution(
+                scores,
+                keep,
+                self.weight,
+                self.bias,
+                self.beta,
+                self.causal,
+                history,
+                self.context_rows,
+                previous=previous,
+                alpha=self.alpha,
+            )
+        if previous is not None and not torch.is_grad_enabled():
+            chain[SPARE_KEY] = previous
+        chain[self.key] = logits
+        return logits
+

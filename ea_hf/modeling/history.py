@@ -1,0 +1,79 @@
+"""The decoding history: the earlier rows a causal convolution needs when ``generate`` decodes step by step.
+
+When ``generate`` decodes with a KV cache, the earlier rows each causal convolution needs are kept on the cache
+object (:class:`ConvolutionHistory`) and reordered with it in beam search.
+
+This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
+transformers and sibling files (single-dot relative imports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: Attribute of a transformers ``Cache`` object under which the convolution histories of its model are kept.
+CACHE_ATTRIBUTE = "evolving_attention_histories"
+
+
+@dataclasses.dataclass
+class ConvolutionHistory:
+    """The last input rows of one causal convolution, kept with a KV cache between decoding steps.
+
+    A decoding step computes only the new query rows of the attention map, but the causal convolution of row i
+    reads rows i - k // 2 .. i of its input. Those earlier rows are kept here, on the cache object that
+    ``generate`` passes from step to step (see :func:`convolution_history`), and reordered with it in beam
+    search (see :func:`reorder_convolution_histories`).
+    """
+
+    rows: torch.Tensor | None = None
+    seen: int = 0
+
+    def extend(self, new_rows: torch.Tensor, keep: int) -> tuple[torch.Tensor, int]:
+        """Return (earlier rows + ``new_rows``, number of earlier rows) and remember the last ``keep`` rows."""
+        earlier = self.rows
+        if earlier is None:
+            full = new_rows
+        else:
+            if earlier.shape[0] != new_rows.shape[0]:
+                raise RuntimeError(
+                    f"Evolving attention cache holds rows for batch size {earlier.shape[0]}, but the step has "
+                    f"batch size {new_rows.shape[0]}; the KV cache was resized outside generate()."
+                )
+            # Keys added since then are later tokens, masked (zero) in the earlier rows.
+            earlier = F.pad(earlier, (0, new_rows.shape[-1] - earlier.shape[-1]))
+            full = torch.cat([earlier, new_rows], dim=-2)
+        self.rows = full[..., full.shape[-2] - min(keep, full.shape[-2]) :, :]
+        self.seen += new_rows.shape[-2]
+        return full, 0 if earlier is None else earlier.shape[-2]
+
+
+def convolution_history(cache: Any, key: tuple[str, int], past: int) -> ConvolutionHistory:
+    """The :class:`ConvolutionHistory` of one layer, stored on the transformers ``Cache`` object itself.
+
+    ``past`` is the number of tokens the cache held before this step; a step with no past starts afresh.
+    """
+    histories = cache.__dict__.setdefault(CACHE_ATTRIBUTE, {})
+    history = histories.get(key)
+    if past <= 0:
+        history = histories[key] = ConvolutionHistory()
+    elif history is None or history.seen != past:
+        seen = 0 if history is None else history.seen
+        raise RuntimeError(
+            f"The KV cache holds {past} earlier tokens but evolving attention ({key[0]} layer {key[1]}) kept "
+            f"convolution rows for {seen}. The cache was filled, cropped or reordered outside this model's "
+            "forward/generate (assisted decoding and cache cropping are not supported)."
+        )
+    return history
+
+
+def reorder_convolution_histories(cache: Any, beam_idx: torch.LongTensor) -> None:
+    """Reorder the kept convolution rows along the batch like the KV cache (beam search)."""
+    for history in cache.__dict__.get(CACHE_ATTRIBUTE, {}).values():
+        if history.rows is not None:
+            history.rows = history.rows.index_select(0, beam_idx.to(history.rows.device))
+
+

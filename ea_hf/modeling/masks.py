@@ -1,0 +1,83 @@
+"""Masks: which entries of an attention map the convolution may read, and the mask function of the attention
+implementation.
+
+This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
+transformers and sibling files (single-dot relative imports).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.masking_utils import sdpa_mask
+
+from .chain import DECODER_ROWS_KEY
+
+#: Additive float masks at or below this value count as "masked" when deciding what the convolution sees.
+MASKED_LOGIT_THRESHOLD = -1e4
+
+
+def split_attention_mask(
+    attention_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Return (allowed, additive): a boolean "may attend" mask and, for float masks, the values to add."""
+    if attention_mask is None:
+        return None, None
+    if attention_mask.dtype == torch.bool:
+        return attention_mask, None
+    return attention_mask > MASKED_LOGIT_THRESHOLD, attention_mask
+
+
+def real_query_rows(allowed: torch.Tensor, query_length: int, past: int = 0) -> torch.Tensor:
+    """[B, 1 or H, Q, 1]: True for query rows of real (non-padding) tokens in self-attention.
+
+    Queries and keys are the same tokens, query row i being key ``past + i``; a token is real exactly when it
+    may attend to itself.
+    """
+    allowed = allowed.expand(*allowed.shape[:-2], query_length, allowed.shape[-1])
+    if allowed.shape[-1] < past + query_length:
+        raise NotImplementedError(
+            "Evolving self-attention needs every query among the keys; "
+            f"got {query_length} queries after {past} cached tokens over {allowed.shape[-1]} keys."
+        )
+    return torch.diagonal(allowed, offset=past, dim1=-2, dim2=-1).unsqueeze(-1)
+
+
+def self_attention_conv_mask(allowed: torch.Tensor | None, query_length: int, past: int = 0) -> torch.Tensor | None:
+    """Entries that may enter the convolution in self-attention: allowed ones in rows of real tokens."""
+    return convolution_mask("encoder", allowed, query_length, past, {})
+
+
+def convolution_mask(
+    role: str, allowed: torch.Tensor | None, query_length: int, past: int, chain: dict[Any, Any]
+) -> torch.Tensor | None:
+    """Which entries of the [B, H, Q, K] map the convolution of an attention ``role`` may read.
+
+    Self-attention zeroes masked entries and the rows of padding queries (and records the decoder's real rows
+    in the chain); cross attention zeroes padded source columns and the decoder's padding rows.
+    """
+    if role == "cross":
+        rows = chain.get(DECODER_ROWS_KEY)
+        if allowed is None:
+            return rows
+        return allowed if rows is None else allowed & rows
+    if allowed is None:
+        return None
+    rows = real_query_rows(allowed, query_length, past)
+    if role == "decoder":
+        chain[DECODER_ROWS_KEY] = rows
+    return allowed & rows
+
+
+
+def evolving_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """Mask function for ``evolving_attention``: sdpa's boolean mask, never skipped for causal models.
+
+    sdpa may drop a causal mask and rely on ``is_causal``; the convolution needs the mask to know which
+    entries are future ones, so it must always be materialised. Only a full mask without any padding is
+    returned as ``None``.
+    """
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+

@@ -1,0 +1,469 @@
+// Fused CPU kernels of Evolving Attention's convolution step (ea_hf/ops/cpu.py compiles and loads them).
+//
+// Maps are float32, contiguous [B, H, Q, K]; masks are [B, 1, Q, K] (shared by the heads); outside the map
+// the convolution reads zeros. The input a map's rows are read from is
+//
+//     a = x + lerp_weight * (lerp_end - x)     (lerp_end != NULL; else a = x)
+//     a = a * gate                             (gate != NULL: the 0/1 ReLU gate of backward, one byte each)
+//     a = a * in_keep                          (in_keep != NULL)
+//
+// ea_correlate computes, per batch b, output head o, row i and column j,
+//
+//     v = bias[o] + sum_{c, dy, dx} w[o, c, dy, dx] * a[b, c, i + dy + row_shift, j + dx - kc / 2]
+//     v = max(v, 0)                            (relu)
+//     saved[b, o, i, j] = v > 0                (saved != NULL: the ReLU gate for backward, one byte each)
+//     v = v * out_keep[b, ., i, j]             (out_keep != NULL)
+//     v = v + blend_coef * blend'[b, o, i, j]  (blend != NULL, mixed with lerp_end like x)
+//     out[b, o, i, j] = out_scale * v;  out2[b, o, i, j] = out2_scale * v  (out2 != NULL)
+//
+// which is the forward step (ReLU, blend with A_in). ea_backward computes, in the same pass over the rows, the
+// input gradient (the same correlation with the kernel flipped and transposed, over the ReLU-gated gradient,
+// then masked, blended with the incoming gradient and split between S and A_prev: out and out2) and the weight
+// and bias gradients, sum over b, i, j of gy[b, o, i, j] * a[b, c, i + dy + row_shift, j + dx - kc / 2] with
+// gy = grad * gate. Neither materialises A_in, the gated gradient or the masked input.
+//
+// No torch headers: a plain shared library called through ctypes, which compiles in about a second. Threads
+// come from OpenMP, the runtime torch itself uses.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;  // one 512-bit vector of floats (the compiler splits it where vectors are narrower)
+constexpr int kBlocks = 2;  // vectors of columns per step: 2 x H accumulators stay in registers for H <= 12
+constexpr int kMaxHeads = 64;
+constexpr int kMaxKernelRows = 8;
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef signed char vbyte __attribute__((vector_size(kLanes)));
+
+inline vfloat load(const float* p) {
+    vfloat v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+
+// Zero-filled floats whose first element sits on a 64-byte boundary: vector loads of aligned columns then never
+// straddle two cache lines.
+struct AlignedFloats {
+    std::vector<float> storage;
+    float* data = nullptr;
+    void assign_zeros(size_t count) {
+        storage.assign(count + kLanes, 0.0f);
+        const auto address = reinterpret_cast<std::uintptr_t>(storage.data());
+        data = storage.data() + ((64 - address % 64) % 64) / sizeof(float);
+    }
+};
+
+inline float lanes_sum(vfloat v) {
+    float values[kLanes], total = 0.0f;
+    store(values, v);
+    for (int k = 0; k < kLanes; ++k) total += values[k];
+    return total;
+}
+
+struct Input {  // where rows of `a` come from
+    const float* x;
+    const float* lerp_end;
+    float lerp_weight;
+    const unsigned char* gate;
+    const float* in_keep;
+    int batch, heads, rows, cols, kernel_rows, kernel_cols, row_shift;
+};
+
+// The input rows that output rows read, prepared (mixed, gated, masked) with zero borders so that every
+// vector load is in bounds: a ring of `kernel_rows` slots per head. Consecutive output rows share all but one
+// input row, so each input row is prepared once per thread.
+struct RowRing {
+    AlignedFloats data;
+    std::vector<long> tags;  // which (batch, row) each slot holds; -1 empty, -2 the zero row outside the map
+    int width = 0;
+    const float* lines[kMaxHeads * kMaxKernelRows];  // [c][dy] -> column 0 of that row, 64-byte aligned
+};
+
+// Each ring row: a zero border of one vector (at least kernel_cols / 2 columns) on the left, so that column 0
+// is aligned, then the columns rounded up to whole steps, then a zero border for the last step's reads.
+constexpr int kLead = kLanes;
+
+inline int padded_width(const Input& in) {
+    const int step = kLanes * kBlocks;
+    return kLead + ((in.cols + step - 1) / step) * step + step + kLanes;
+}
+
+// Copies of input rows that other threads overwrite when the output replaces the input (ea_correlate with
+// out == x): the rows just outside a thread's own rows that its first and last output rows read.
+struct Halo {
+    std::vector<long> rows;  // flat (batch * rows + row) indices
+    std::vector<float> data;  // [row][head][column]
+
+    const float* find(long flat, int c, int cols, int heads) const {
+        for (size_t k = 0; k < rows.size(); ++k)
+            if (rows[k] == flat) return data.data() + (k * heads + c) * static_cast<size_t>(cols);
+        return nullptr;
+    }
+
+    void capture(const Input& in, long begin, long end) {
+        const size_t map = static_cast<size_t>(in.rows) * in.cols;
+        auto visit = [&](long t) {
+            const int b = static_cast<int>(t / in.rows), i = static_cast<int>(t % in.rows);
+            for (int dy = 0; dy < in.kernel_rows; ++dy) {
+                const int r = i + dy + in.row_shift;
+                const long flat = static_cast<long>(b) * in.rows + r;
+                if (r < 0 || r >= in.rows || (flat >= begin && flat < end)) continue;
+                if (std::find(rows.begin(), rows.end(), flat) != rows.end()) continue;
+                rows.push_back(flat);
+                for (int c = 0; c < in.heads; ++c) {
+                    const float* src = in.x + (static_cast<size_t>(b) * in.heads + c) * map + static_cast<size_t>(r) * in.cols;
+                    data.insert(data.end(), src, src + in.cols);
+                }
+            }
+        };
+        for (long t = begin; t < std::min(end, begin + in.kernel_rows); ++t) visit(t);
+        for (long t = std::max(begin, end - in.kernel_rows); t < end; ++t) visit(t);
+    }
+};
+
+void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo = nullptr) {
+    const int heads = in.heads, kr = in.kernel_rows;
+    const int width = padded_width(in);
+    const size_t map = static_cast<size_t>(in.rows) * in.cols;
+    if (ring.width != width) {
+        ring.width = width;
+        ring.data.assign_zeros(static_cast<size_t>(heads) * kr * width);
+        ring.tags.assign(kr, -1);
+    }
+    for (int dy = 0; dy < kr; ++dy) {
+        const int r = i + dy + in.row_shift;
+        const int slot = ((r % kr) + kr) % kr;
+        const bool inside = r >= 0 && r < in.rows;
+        const long tag = inside ? static_cast<long>(b) * in.rows + r : -2;
+        for (int c = 0; c < heads; ++c)
+            ring.lines[c * kr + dy] = ring.data.data + (static_cast<size_t>(c) * kr + slot) * width + kLead;
+        if (ring.tags[slot] == tag) continue;
+        ring.tags[slot] = tag;
+        const size_t row = static_cast<size_t>(r) * in.cols;
+        const float* keep = in.in_keep && inside ? in.in_keep + b * map + row : nullptr;
+        for (int c = 0; c < heads; ++c) {
+            float* dst = ring.data.data + (static_cast<size_t>(c) * kr + slot) * width + kLead;
+            if (!inside) {
+                std::memset(dst, 0, sizeof(float) * in.cols);
+                continue;
+            }
+            const size_t start = (static_cast<size_t>(b) * heads + c) * map + row;
+            const float* copy = halo ? halo->find(static_cast<long>(b) * in.rows + r, c, in.cols, heads) : nullptr;
+            const float* src = copy ? copy : in.x + start;
+            if (in.lerp_end) {
+                const float* end = in.lerp_end + start;
+                for (int j = 0; j < in.cols; ++j) dst[j] = src[j] + in.lerp_weight * (end[j] - src[j]);
+            } else {
+                std::memcpy(dst, src, sizeof(float) * in.cols);
+            }
+            if (in.gate) {
+                const unsigned char* gate = in.gate + start;
+                for (int j = 0; j < in.cols; ++j) dst[j] = gate[j] ? dst[j] : 0.0f;
+            }
+            if (keep)
+                for (int j = 0; j < in.cols; ++j) dst[j] *= keep[j];
+        }
+    }
+}
+
+struct Output {
+    const float* w;  // [c][dy][dx][h] inside the kernel (ea_correlate takes [h][c][dy][dx] and reorders it)
+    const float* bias;
+    int relu;
+    unsigned char* saved;
+    const float* out_keep;
+    const float* blend;
+    float blend_coef;
+    float* out;
+    float out_scale;
+    float* out2;
+    float out2_scale;
+};
+
+// The epilogue of one vector of outputs at `at` (see the file comment), for whole vectors; the same steps as
+// the scalar code for a row's last, partial block.
+inline void finish(const Input& in, const Output& o, vfloat y, size_t at, const float* out_keep) {
+    if (o.relu) y = y > 0.0f ? y : 0.0f;
+    if (o.saved) {
+        const vbyte positive = __builtin_convertvector(y > 0.0f, vbyte) & 1;
+        std::memcpy(o.saved + at, &positive, sizeof positive);
+    }
+    if (out_keep) y *= load(out_keep);
+    if (o.blend) {
+        vfloat mixed = load(o.blend + at);
+        if (in.lerp_end) mixed += in.lerp_weight * (load(in.lerp_end + at) - mixed);
+        y += o.blend_coef * mixed;
+    }
+    if (o.out2) store(o.out2 + at, o.out2_scale * y);
+    if (o.out_scale != 1.0f) y *= o.out_scale;
+    store(o.out + at, y);
+}
+
+// One output row (b, i) for all heads. `Heads` and `Cols` > 0 fix the head count and kernel width at compile
+// time (accumulators in registers, taps unrolled); 0 reads them at run time (any size, slower).
+template <int Heads, int Cols>
+void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, const Halo* halo = nullptr) {
+    const int heads = Heads > 0 ? Heads : in.heads;
+    const int kernel_cols = Cols > 0 ? Cols : in.kernel_cols;
+    const int pad = kernel_cols / 2, kr = in.kernel_rows;
+    const int step = kLanes * kBlocks;
+    const size_t map = static_cast<size_t>(in.rows) * in.cols, row = static_cast<size_t>(i) * in.cols;
+    prepare_rows(in, b, i, ring, halo);
+    const float* out_keep = o.out_keep ? o.out_keep + b * map + row : nullptr;
+    for (int j0 = 0; j0 < in.cols; j0 += step) {
+        vfloat acc[Heads > 0 ? Heads : kMaxHeads][kBlocks];
+        for (int h = 0; h < heads; ++h)
+            for (int k = 0; k < kBlocks; ++k) acc[h][k] = vfloat{} + (o.bias ? o.bias[h] : 0.0f);
+        for (int c = 0; c < heads; ++c) {
+            for (int dy = 0; dy < kr; ++dy) {
+                const float* line = ring.lines[c * kr + dy] + j0 - pad;
+#pragma GCC unroll 8
+                for (int dx = 0; dx < kernel_cols; ++dx) {
+                    vfloat v[kBlocks];
+                    for (int k = 0; k < kBlocks; ++k) v[k] = load(line + dx + k * kLanes);
+                    // The H weights of one tap are contiguous: broadcasts need no per-head offsets.
+                    const float* weight = o.w + ((static_cast<size_t>(c) * kr + dy) * kernel_cols + dx) * heads;
+#pragma GCC unroll 16
+                    for (int h = 0; h < heads; ++h) {
+                        const float w = weight[h];
+                        for (int k = 0; k < kBlocks; ++k) acc[h][k] += w * v[k];
+                    }
+                }
+            }
+        }
+        const int valid = std::min(step, in.cols - j0);
+        for (int h = 0; h < heads; ++h) {
+            const size_t at = (static_cast<size_t>(b) * heads + h) * map + row + j0;
+            if (valid == step) {
+                for (int k = 0; k < kBlocks; ++k) finish(in, o, acc[h][k], at + k * kLanes, out_keep ? out_keep + j0 + k * kLanes : nullptr);
+                continue;
+            }
+            float values[kLanes * kBlocks];
+            for (int k = 0; k < kBlocks; ++k) {
+                vfloat y = acc[h][k];
+                if (o.relu) y = y > 0.0f ? y : 0.0f;
+                store(values + k * kLanes, y);
+            }
+            if (o.saved)
+                for (int j = 0; j < valid; ++j) o.saved[at + j] = values[j] > 0.0f;
+            if (out_keep)
+                for (int j = 0; j < valid; ++j) values[j] *= out_keep[j0 + j];
+            if (o.blend && in.lerp_end) {
+                for (int j = 0; j < valid; ++j) {
+                    const float mixed = o.blend[at + j] + in.lerp_weight * (in.lerp_end[at + j] - o.blend[at + j]);
+                    values[j] += o.blend_coef * mixed;
+                }
+            } else if (o.blend) {
+                for (int j = 0; j < valid; ++j) values[j] += o.blend_coef * o.blend[at + j];
+            }
+            if (o.out2)
+                for (int j = 0; j < valid; ++j) o.out2[at + j] = o.out2_scale * values[j];
+            if (o.out_scale != 1.0f)
+                for (int j = 0; j < valid; ++j) values[j] *= o.out_scale;
+            std::memcpy(o.out + at, values, sizeof(float) * valid);
+        }
+    }
+}
+
+// `given` with its weights ([h][c][dy][dx]) copied into `reordered` as the kernel reads them, [c][dy][dx][h].
+Output with_reordered_weights(const Output& given, int heads, int taps, std::vector<float>& reordered) {
+    reordered.resize(static_cast<size_t>(heads) * heads * taps);
+    for (int h = 0; h < heads; ++h)
+        for (int c = 0; c < heads; ++c)
+            for (int t = 0; t < taps; ++t)
+                reordered[(static_cast<size_t>(c) * taps + t) * heads + h] = given.w[(static_cast<size_t>(h) * heads + c) * taps + t];
+    Output o = given;
+    o.w = reordered.data();
+    return o;
+}
+
+template <int Heads, int Cols>
+void correlate(const Input& in, const Output& given, int threads) {
+    const int tasks = in.batch * in.rows, heads = in.heads, taps = in.kernel_rows * in.kernel_cols;
+    std::vector<float> reordered;
+    const Output o = with_reordered_weights(given, heads, taps, reordered);
+    // Each thread takes consecutive rows. Writing the output over the input is safe within a thread (an input
+    // row is in the ring before its output row is written); the rows of neighbouring threads it reads are
+    // copied before anyone writes.
+    const bool in_place = o.out == in.x;
+#pragma omp parallel num_threads(threads)
+    {
+        const long count = omp_get_num_threads(), id = omp_get_thread_num();
+        const long begin = tasks * id / count, end = tasks * (id + 1) / count;
+        RowRing ring;
+        Halo halo;
+        if (in_place) {
+            halo.capture(in, begin, end);
+#pragma omp barrier
+        }
+        for (long t = begin; t < end; ++t)
+            output_row<Heads, Cols>(in, o, t / in.rows, t % in.rows, ring, in_place ? &halo : nullptr);
+    }
+}
+
+// Weight and bias gradient contributions of output row (b, i), added to per-thread vector accumulators
+// grad_w[o][c][dy][dx] and grad_b[o]. Per (c, dy, dx) the H row dot products run over the columns with
+// their accumulators in registers.
+// `gy[h]` is row i of the gated output gradient of head h, 64-byte aligned and zero beyond the last column
+// up to whole vectors.
+template <int Heads, int Cols>
+void weight_grad_row(const Input& in, const float* const* gy, int b, int i, RowRing& ring,
+                     std::vector<vfloat>& grad_w, std::vector<vfloat>& grad_b) {
+    const int heads = Heads > 0 ? Heads : in.heads;
+    const int kernel_cols = Cols > 0 ? Cols : in.kernel_cols;
+    const int pad = kernel_cols / 2, kr = in.kernel_rows, taps = kr * kernel_cols;
+    const int vectors = (in.cols + kLanes - 1) / kLanes;
+    prepare_rows(in, b, i, ring);
+    for (int h = 0; h < heads; ++h)
+        for (int v = 0; v < vectors; ++v) grad_b[h] += load(gy[h] + v * kLanes);
+    if (Heads > 0 && Cols > 0 && Heads % 4 == 0) {
+        // Register blocking: per input vector, the Cols shifted loads serve 4 heads (4 x Cols accumulators),
+        // so the loop is bound by multiply-adds rather than by loads.
+        constexpr int kGroup = 4;
+        for (int c = 0; c < heads; ++c) {
+            for (int dy = 0; dy < kr; ++dy) {
+                const float* line = ring.lines[c * kr + dy] - pad;
+                for (int h0 = 0; h0 < heads; h0 += kGroup) {
+                    vfloat acc[kGroup][Cols > 0 ? Cols : 1] = {};
+                    for (int v = 0; v < vectors; ++v) {
+                        vfloat x[Cols > 0 ? Cols : 1];
+#pragma GCC unroll 8
+                        for (int dx = 0; dx < kernel_cols; ++dx) x[dx] = load(line + dx + v * kLanes);
+#pragma GCC unroll 4
+                        for (int g = 0; g < kGroup; ++g) {
+                            vfloat gradient = load(gy[h0 + g] + v * kLanes);
+                            // Keep it in a register: folded into each multiply-add as a memory operand, it
+                            // would be loaded once per tap and the loop would wait on loads.
+                            __asm__("" : "+v"(gradient));
+#pragma GCC unroll 8
+                            for (int dx = 0; dx < kernel_cols; ++dx) acc[g][dx] += gradient * x[dx];
+                        }
+                    }
+                    for (int g = 0; g < kGroup; ++g)
+                        for (int dx = 0; dx < kernel_cols; ++dx)
+                            grad_w[(static_cast<size_t>(h0 + g) * heads + c) * taps + dy * kernel_cols + dx] += acc[g][dx];
+                }
+            }
+        }
+        return;
+    }
+    for (int c = 0; c < heads; ++c) {
+        for (int dy = 0; dy < kr; ++dy) {
+            const float* line = ring.lines[c * kr + dy] - pad;
+            for (int dx = 0; dx < kernel_cols; ++dx) {
+                vfloat acc[Heads > 0 ? Heads : kMaxHeads];
+                for (int h = 0; h < heads; ++h) acc[h] = vfloat{};
+                for (int v = 0; v < vectors; ++v) {
+                    const vfloat x = load(line + dx + v * kLanes);
+#pragma GCC unroll 16
+                    for (int h = 0; h < heads; ++h) acc[h] += load(gy[h] + v * kLanes) * x;
+                }
+                for (int h = 0; h < heads; ++h) grad_w[(static_cast<size_t>(h) * heads + c) * taps + dy * kernel_cols + dx] += acc[h];
+            }
+        }
+    }
+}
+
+// Adds one thread's vector accumulators to the weight and bias gradients (inside a parallel region).
+inline void reduce(const std::vector<vfloat>& grad_w, const std::vector<vfloat>& grad_b, float* grad_weight,
+                   float* grad_bias, int heads) {
+#pragma omp critical
+    {
+        for (size_t k = 0; k < grad_w.size(); ++k) grad_weight[k] += lanes_sum(grad_w[k]);
+        for (int h = 0; h < heads; ++h) grad_bias[h] += lanes_sum(grad_b[h]);
+    }
+}
+
+// The whole backward of the evolution step in one pass over the rows: for row i, the input gradient (the
+// transposed convolution of the gated gradient, as ea_correlate computes it) from a ring of gated gradient
+// rows, then the weight and bias contributions of gradient row i, which that ring already holds gated.
+template <int Heads, int Cols>
+void backward(const Input& grad_in, const Output& grad_out, const Input& forward_in, float* grad_weight,
+              float* grad_bias, int threads) {
+    const int heads = grad_in.heads, taps = grad_in.kernel_rows * grad_in.kernel_cols;
+    const int tasks = grad_in.batch * grad_in.rows, kr = grad_in.kernel_rows, own_row = -grad_in.row_shift;
+    const size_t weights = static_cast<size_t>(heads) * heads * taps;
+    std::fill(grad_weight, grad_weight + weights, 0.0f);
+    std::fill(grad_bias, grad_bias + heads, 0.0f);
+    std::vector<float> reordered;
+    const Output out = with_reordered_weights(grad_out, heads, taps, reordered);
+#pragma omp parallel num_threads(threads)
+    {
+        RowRing gradient_ring, input_ring;
+        std::vector<vfloat> grad_w(weights, vfloat{}), grad_b(heads, vfloat{});
+        const float* rows[kMaxHeads];
+#pragma omp for schedule(static) nowait
+        for (int t = 0; t < tasks; ++t) {
+            const int b = t / grad_in.rows, i = t % grad_in.rows;
+            output_row<Heads, Cols>(grad_in, out, b, i, gradient_ring);
+            for (int h = 0; h < heads; ++h) rows[h] = gradient_ring.lines[h * kr + own_row];
+            weight_grad_row<Heads, Cols>(forward_in, rows, b, i, input_ring, grad_w, grad_b);
+        }
+        reduce(grad_w, grad_b, grad_weight, grad_bias, heads);
+    }
+}
+
+// Specialised for the usual head counts with a 3-column kernel; anything else takes the generic version.
+#define EA_DISPATCH(FUNCTION, HEADS, COLS, ...)                      \
+    do {                                                             \
+        if ((COLS) == 3) {                                           \
+            switch (HEADS) {                                         \
+                case 4: FUNCTION<4, 3>(__VA_ARGS__); return 0;       \
+                case 8: FUNCTION<8, 3>(__VA_ARGS__); return 0;       \
+                case 12: FUNCTION<12, 3>(__VA_ARGS__); return 0;     \
+                case 16: FUNCTION<16, 3>(__VA_ARGS__); return 0;     \
+                default: break;                                      \
+            }                                                        \
+        }                                                            \
+        FUNCTION<0, 0>(__VA_ARGS__);                                 \
+        return 0;                                                    \
+    } while (0)
+
+inline bool supported(int heads, int kernel_rows, int kernel_cols) {
+    return heads >= 1 && heads <= kMaxHeads && kernel_rows >= 1 && kernel_rows <= kMaxKernelRows &&
+           kernel_cols >= 1 && kernel_cols / 2 <= kLead;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Both return 0 on success and 1 for sizes the kernels do not take (the caller checks them first).
+int ea_correlate(const float* x, const float* lerp_end, float lerp_weight, const unsigned char* gate, const float* in_keep,
+                 const float* w, const float* bias, int batch, int heads, int rows, int cols, int kernel_rows,
+                 int kernel_cols, int row_shift, int relu, unsigned char* saved, const float* out_keep, const float* blend,
+                 float blend_coef, float* out, float out_scale, float* out2, float out2_scale, int threads) {
+    if (!supported(heads, kernel_rows, kernel_cols)) return 1;
+    const Input in{x, lerp_end, lerp_weight, gate, in_keep, batch, heads, rows, cols, kernel_rows, kernel_cols,
+                   row_shift};
+    const Output o{w, bias, relu, saved, out_keep, blend, blend_coef, out, out_scale, out2, out2_scale};
+    EA_DISPATCH(correlate, heads, kernel_cols, in, o, threads);
+}
+
+// The evolution step's backward: gradients of S (out, times out_scale) and of A_prev (out2, times
+// out2_scale) from grad, the bool ReLU gate and the flipped, transposed kernel w_t (rows read from
+// i - row_shift_t on), and the weight and bias gradients of the beta-scaled kernel, whose input is S mixed
+// with A_prev and masked, read from row i + row_shift on.
+int ea_backward(const float* scores, const float* previous, float alpha, const float* keep, const float* grad,
+                const unsigned char* gate, const float* w_t, int batch, int heads, int rows, int cols,
+                int kernel_rows, int kernel_cols, int row_shift, int row_shift_t, float blend_coef, float* out,
+                float out_scale, float* out2, float out2_scale, float* grad_weight, float* grad_bias, int threads) {
+    if (!supported(heads, kernel_rows, kernel_cols) || -row_shift_t < 0 || -row_shift_t >= kernel_rows) return 1;
+    const Input grad_in{grad, nullptr, 0.0f, gate, nullptr, batch, heads, rows, cols, kernel_rows, kernel_cols,
+                        row_shift_t};
+    const Output grad_out{w_t, nullptr, 0, nullptr, keep, grad, blend_coef, out, out_scale, out2, out2_scale};
+    const Input forward_in{scores, previous, alpha, nullptr, keep, batch, heads, rows, cols, kernel_rows,
+                           kernel_cols, row_shift};
+    EA_DISPATCH(backward, heads, kernel_cols, grad_in, grad_out, forward_in, grad_weight, grad_bias, threads);
+}
+
+int ea_kernel_version() { return 5; }
+}

@@ -1,0 +1,327 @@
+"""Task kind ``timeseries``: multivariate time series for EA-DC-Transformer (loading, scaling, batching, the
+model, its pre-training phase) and the kind's recipe sections.
+
+Series are [T, C] arrays of varying length T. They come from the UEA/UCR ``.ts`` format (read with aeon,
+the optional ``timeseries`` extra, which also ships some UEA archives such as JapaneseVowels, so those load
+offline by name) or from arrays. Values are standardised per variable with the training split's statistics;
+batches are right-padded with an ``attention_mask``.
+
+Example:
+    >>> import numpy as np
+    >>> data = series_dataset({"train": ([np.ones((3, 2)), np.zeros((5, 2))], ["a", "b"])})
+    >>> data["train"].features["label"].names, len(data["train"][1]["values"])
+    (['a', 'b'], 5)
+    >>> batch = SeriesCollator()([data["train"][0], data["train"][1]])
+    >>> batch["values"].shape, batch["attention_mask"].tolist()
+    (torch.Size([2, 5, 2]), [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import transformers
+
+from ...modeling.dc_transformer import (
+    EADCTransformerConfig,
+    EADCTransformerForPreTraining,
+    EADCTransformerForTimeSeriesClassification,
+    EADCTransformerForTimeSeriesRegression,
+)
+from ..models import optimizer_override
+from ..recipe import DataSection, Recipe
+from ..run_dir import PRETRAINED_DIR
+from ..task_kind import CardInfo, Preprocessed, TaskKind
+
+
+def _import_aeon():
+    try:
+        import aeon.datasets
+    except ImportError:
+        raise ImportError('reading UEA/UCR .ts data needs aeon: pip install "ea_hf[timeseries]"') from None
+    return aeon.datasets
+
+
+def load_ts_file(path: str | Path) -> tuple[list[np.ndarray], list[str]]:
+    """Series ([T, C] float32 arrays) and labels of a UEA/UCR ``.ts`` file."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no .ts file {str(path)!r}")
+    values, labels = _import_aeon().load_from_ts_file(str(path), return_type="np-list")
+    return [np.asarray(series, dtype=np.float32).T for series in values], [str(label) for label in labels]
+
+
+def load_uea(name: str, splits: Sequence[str] = ("train", "test")) -> dict[str, tuple[list[np.ndarray], list[str]]]:
+    """A UEA/UCR archive by name, from aeon's bundled copies (offline) or its download cache."""
+    datasets = _import_aeon()
+    loaded = {}
+    for split in splits:
+        values, labels = datasets.load_classification(name, split=split)
+        loaded[split] = ([np.asarray(series, dtype=np.float32).T for series in values], [str(y) for y in labels])
+    return loaded
+
+
+def hold_out(
+    splits: dict[str, tuple[list[np.ndarray], Sequence[Any]]], fraction: float, seed: int = 0, stratify: bool = True
+) -> dict[str, tuple[list[np.ndarray], list[Any]]]:
+    """Move ``fraction`` of the training series into a ``validation`` split (per class when ``stratify``).
+
+    The shuffle depends on ``seed`` only, so every model and training seed of a search sees the same split,
+    and the test split is never looked at: hyper-parameters are chosen on validation, as in the paper.
+
+    Example:
+        >>> import numpy as np
+        >>> train = ([np.full((2, 1), i, dtype=np.float32) for i in range(10)], ["a"] * 5 + ["b"] * 5)
+        >>> held = hold_out({"train": train}, 0.2)
+        >>> len(held["train"][0]), sorted(held["validation"][1])
+        (8, ['a', 'b'])
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"the validation fraction must be between 0 and 1, got {fraction}")
+    if "validation" in splits:
+        raise ValueError("the data already has a validation split; leave data.validation_fraction at 0")
+    values, labels = splits["train"]
+    rng = np.random.default_rng(seed)
+    groups = (
+        [np.flatnonzero(np.asarray(labels) == label) for label in sorted(set(labels))]
+        if stratify
+        else [np.arange(len(values))]
+    )
+    held = np.concatenate([rng.permutation(group)[: round(fraction * len(group))] for group in groups])
+    if len(held) == 0 or len(held) == len(values):
+        raise ValueError(f"a validation fraction of {fraction} of {len(values)} training series leaves a split empty")
+    is_held = np.zeros(len(values), dtype=bool)
+    is_held[held] = True
+
+    def take(mask: np.ndarray) -> tuple[list[np.ndarray], list[Any]]:
+        indices = np.flatnonzero(mask)
+        return [values[i] for i in indices], [labels[i] for i in indices]
+
+    return {**splits, "train": take(~is_held), "validation": take(is_held)}
+
+
+def standardise(splits: dict[str, tuple[list[np.ndarray], Any]]) -> dict[str, tuple[list[np.ndarray], Any]]:
+    """Scale every variable to mean 0 and standard deviation 1 with the training split's statistics."""
+    steps = np.concatenate(splits["train"][0], axis=0)
+    mean, std = steps.mean(axis=0), steps.std(axis=0) + 1e-8
+    return {split: ([(series - mean) / std for series in values], labels) for split, (values, labels) in splits.items()}
+
+
+def series_dataset(splits: Mapping[str, tuple[Sequence[np.ndarray], Sequence[Any]]], regression: bool = False):
+    """A ``datasets.DatasetDict`` with ``values`` ([T, C] lists) and ``label`` (a ClassLabel with the sorted
+    class names of all splits, or float32 targets for regression)."""
+    import datasets
+
+    label_feature: Any = datasets.Value("float32")
+    if not regression:
+        names = sorted({str(label) for _, labels in splits.values() for label in labels})
+        label_feature = datasets.ClassLabel(names=names)
+    result = {}
+    for split, (values, labels) in splits.items():
+        if len(values) != len(labels):
+            raise ValueError(f"the {split} split has {len(values)} series but {len(labels)} labels")
+        channels = {np.shape(series)[1] for series in values}
+        if len(channels) > 1:
+            raise ValueError(f"the {split} split mixes series with {sorted(channels)} variables")
+        features = datasets.Features(
+            {"values": datasets.Sequence(datasets.Sequence(datasets.Value("float32"))), "label": label_feature}
+        )
+        targets = [float(label) for label in labels] if regression else [str(label) for label in labels]
+        result[split] = datasets.Dataset.from_dict(
+            {"values": [np.asarray(series).tolist() for series in values], "label": targets}, features=features
+        )
+    return datasets.DatasetDict(result)
+
+
+class SeriesCollator:
+    """Pads a list of examples (``values`` [T, C], ``label``) to the longest, with an ``attention_mask``."""
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        series = [torch.as_tensor(example["values"], dtype=torch.float32) for example in examples]
+        longest, channels = max(len(s) for s in series), series[0].shape[1]
+        values = torch.zeros(len(series), longest, channels)
+        mask = torch.zeros(len(series), longest, dtype=torch.long)
+        for row, one in enumerate(series):
+            values[row, : len(one)] = one
+            mask[row, : len(one)] = 1
+        batch = {"values": values, "attention_mask": mask}
+        if "label" in examples[0] and examples[0]["label"] is not None:
+            batch["labels"] = torch.tensor([example["label"] for example in examples])
+        return batch
+
+
+def series_metrics_fn(regression: bool):
+    """``compute_metrics``: accuracy (classification) or RMSE (regression)."""
+
+    def compute(prediction) -> dict[str, float]:
+        outputs, labels = prediction[0], prediction[1]
+        outputs = outputs[0] if isinstance(outputs, tuple) else outputs
+        if regression:
+            return {"rmse": float(np.sqrt(np.mean((outputs.reshape(labels.shape) - labels) ** 2)))}
+        return {"accuracy": float(np.mean(np.argmax(outputs, axis=-1) == labels))}
+
+    return compute
+
+
+# --------------------------------------------------------------------------------------------------
+# The task kind
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TimeSeriesData(DataSection):
+    """Kind ``timeseries``: ``task`` is classification or regression; ``source: uea`` reads a UEA/UCR archive by
+    name (``archive``, from aeon's bundled copies or its cache), ``source: local`` reads ``.ts`` files."""
+
+    task: Literal["classification", "regression"] = "classification"
+    source: Literal["uea", "local"] = "uea"
+    archive: str | None = None
+    #: Hold out this share of the training series (per class for classification) as a ``validation`` split to
+    #: choose hyper-parameters on; the split depends on ``split_seed`` only.
+    validation_fraction: float = 0.0
+    split_seed: int = 0
+
+
+@dataclasses.dataclass
+class PretrainSection:
+    """Self-supervised pre-training before fine-tuning (TPAMI section 3.3.2): hide ``mask_ratio`` of the input
+    values and learn to reconstruct them, for ``epochs`` epochs of the training split (0: no pre-training); the
+    fine-tuned model starts from the result."""
+
+    epochs: float = 0.0
+    learning_rate: float | None = None
+    mask_ratio: float = 0.15
+
+
+@dataclasses.dataclass
+class TimeSeriesRecipe(Recipe):
+    data: TimeSeriesData = dataclasses.field(default_factory=TimeSeriesData)
+    pretrain: PretrainSection = dataclasses.field(default_factory=PretrainSection)
+
+
+class TimeSeriesKind(TaskKind):
+    """EA-DC-Transformer on multivariate time series: classification (accuracy) or regression (RMSE). The model
+    is built from ``model.config`` and the ``ea`` section (EA off: DC-Transformer), or loaded from a checkpoint."""
+
+    name = "timeseries"
+    recipe_class = TimeSeriesRecipe
+
+    def check(self, recipe: Recipe, problems: list[tuple[str, str]]) -> None:
+        data = recipe.data
+        if data.source == "uea" and not data.archive:
+            problems.append(("data.archive", "name the UEA/UCR archive (e.g. JapaneseVowels)"))
+        if not 0.0 <= data.validation_fraction < 1.0:
+            problems.append(("data.validation_fraction", "must be at least 0 and below 1"))
+        for split, path in data.files.items():
+            if Path(path).suffix.lower() != ".ts":
+                problems.append((f"data.files.{split}", f"expected a UEA/UCR .ts file, got {path!r}"))
+        if recipe.pretrain.epochs < 0:
+            problems.append(("pretrain.epochs", "must not be negative"))
+
+    def needs_checkpoint(self, recipe: Recipe) -> bool:
+        return False  # built from model.config
+
+    def task_label(self, recipe: Recipe) -> str:
+        return recipe.data.task
+
+    def metric_names(self, recipe: Recipe) -> tuple[str, ...]:
+        return ("rmse",) if recipe.data.task == "regression" else ("accuracy",)
+
+    def card_info(self, recipe: Recipe) -> CardInfo:
+        data = recipe.data
+        name = f"UEA/UCR {data.archive}" if data.source == "uea" else "local .ts files"
+        # The Hub has no pipeline for time-series classification or regression (only forecasting).
+        return CardInfo(
+            pipeline_tag=None,
+            task_type=f"time-series-{data.task}",
+            task_text=f"time-series {data.task}",
+            dataset_name=name,
+            dataset_type=data.archive if data.source == "uea" else "local",
+        )
+
+    def load_data(self, recipe: Recipe):
+        data = recipe.data
+        if data.source == "uea":
+            splits = load_uea(data.archive)
+        else:
+            splits = {split: load_ts_file(path) for split, path in data.files.items()}
+        regression = data.task == "regression"
+        if data.validation_fraction:
+            splits = hold_out(splits, data.validation_fraction, data.split_seed, stratify=not regression)
+        loaded = series_dataset(standardise(splits), regression=regression)
+        return loaded, None if regression else tuple(loaded["train"].features["label"].names)
+
+    def load_model(self, recipe: Recipe, label_names: tuple[str, ...] | None, data: dict[str, Any]):
+        return series_model(recipe, label_names, data, recipe.model.name_or_path), None
+
+    def preprocess(self, recipe, data, label_names, model, processor) -> Preprocessed:
+        return Preprocessed(dict(data), SeriesCollator(), series_metrics_fn(regression=label_names is None))
+
+    def before_training(self, recipe: Recipe, run_dir: Path, args: transformers.TrainingArguments) -> Recipe:
+        return pretrain_series(recipe, run_dir, args) if recipe.pretrain.epochs > 0 else recipe
+
+
+def series_model(recipe: Recipe, label_names: tuple[str, ...] | None, data, name_or_path: str | None):
+    """An EA-DC-Transformer for the task: from ``name_or_path`` (a pre-trained or fine-tuned checkpoint), or
+    new from ``model.config`` and the ``ea`` settings (alpha = beta = 0 with EA off: DC-Transformer)."""
+    head = EADCTransformerForTimeSeriesRegression if label_names is None else EADCTransformerForTimeSeriesClassification
+    task = {"num_targets": 1} if label_names is None else {"num_labels": len(label_names)}
+    if label_names is not None:
+        task |= {"id2label": dict(enumerate(label_names)), "label2id": {n: i for i, n in enumerate(label_names)}}
+    if name_or_path:
+        return head.from_pretrained(name_or_path, **task)
+    settings = recipe.evolution() if recipe.ea.enabled else None
+    first = next(iter(data.values()))[0]["values"]
+    longest = max(len(series) for split in data.values() for series in split["values"])
+    config = EADCTransformerConfig(
+        input_size=len(first[0]),
+        max_position_embeddings=longest,
+        alpha=settings.alpha if settings else 0.0,
+        beta=settings.beta if settings else 0.0,
+        evolution_kernel_size=settings.kernel_size if settings else 3,
+        mask_ratio=recipe.pretrain.mask_ratio,
+        **(recipe.model.config or {}),
+        **task,
+    )
+    return head(config)
+
+
+def pretrain_series(recipe: Recipe, run_dir: Path, args: transformers.TrainingArguments) -> Recipe:
+    """Pre-train an EA-DC-Transformer by masked value reconstruction on the training split (saved in
+    ``run_dir/pretrained``); return the recipe whose model starts from it."""
+    transformers.set_seed(recipe.train.seed)
+    data, label_names = recipe.task_kind.load_data(recipe)
+    config = series_model(recipe, label_names, data, None).config
+    model = EADCTransformerForPreTraining(config)
+    phase = copy.deepcopy(recipe)
+    phase.train.epochs, phase.train.max_steps = recipe.pretrain.epochs, -1
+    phase.train.learning_rate = recipe.pretrain.learning_rate or recipe.train.learning_rate
+    phase.train.eval_strategy = phase.train.save_strategy = "no"
+    pretrain_args = dataclasses.replace(
+        args,
+        output_dir=str(run_dir / PRETRAINED_DIR),
+        num_train_epochs=phase.train.epochs,
+        max_steps=-1,
+        learning_rate=phase.train.learning_rate,
+        eval_strategy="no",
+        save_strategy="no",
+    )
+    trainer = transformers.Trainer(
+        model=model,
+        args=pretrain_args,
+        train_dataset=data["train"],
+        data_collator=SeriesCollator(),
+        optimizer_cls_and_kwargs=optimizer_override(phase),
+    )
+    trainer.train()
+    trainer.save_model(str(run_dir / PRETRAINED_DIR))
+    finetune = copy.deepcopy(recipe)
+    finetune.model.name_or_path = str(run_dir / PRETRAINED_DIR)
+    return finetune
+
+

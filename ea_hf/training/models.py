@@ -1,0 +1,136 @@
+"""What a run trains: the recipe's model (loaded, patched, wrapped in a LoRA adapter) and its optimizer, without
+``Trainer`` itself (so that task kinds can use them without importing it)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from ..integrations.peft import load_adapter, lora_config
+from ..modeling.patching import patch
+from .recipe import Recipe
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A Hub id or directory; ``package:NAME`` is the checkpoint shipped by package NAME (``get_model_path()``)."""
+    if not name_or_path.startswith("package:"):
+        return name_or_path
+    module_name = name_or_path.removeprefix("package:")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"model.name_or_path {name_or_path!r}: cannot import {module_name!r} ({error})") from None
+    if not hasattr(module, "get_model_path"):
+        raise ValueError(f"model.name_or_path {name_or_path!r}: {module_name} has no get_model_path()")
+    return str(module.get_model_path())
+
+
+#: What transformers configs call their hidden-state and attention-probability dropout (BERT and ViT
+#: families; T5; BART family and DistilBERT).
+DROPOUT_ATTRIBUTES = (
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "dropout_rate",
+    "dropout",
+    "attention_dropout",
+)
+
+
+def dropout_settings(config: transformers.PreTrainedConfig, dropout: float) -> dict[str, float]:
+    """Config overrides that set every dropout ``config`` has for hidden states and attention to ``dropout``."""
+    names = [name for name in DROPOUT_ATTRIBUTES if hasattr(config, name)]
+    if not names:
+        raise ValueError(
+            f"model.dropout: {type(config).__name__} has none of the dropout settings {', '.join(DROPOUT_ATTRIBUTES)}; "
+            "leave model.dropout unset to keep the checkpoint's"
+        )
+    return dict.fromkeys(names, dropout)
+
+
+def load_model(
+    recipe: Recipe, label_names: tuple[str, ...] | None, data: dict[str, Any], adapter_dir: Path | None = None
+):
+    """The recipe's model (patched, and wrapped in a LoRA adapter if asked) and its preprocessor.
+
+    The task kind may build the model itself (``TaskKind.load_model``); otherwise ``kind.auto_class`` is loaded
+    from ``model.name_or_path`` with the task's labels (``label_names`` None: a regression head with one output).
+    """
+    kind = recipe.task_kind
+    built = kind.load_model(recipe, label_names, data)
+    if built is not None:
+        return built
+    model_path = resolve_model_path(recipe.model.name_or_path)
+    config_kwargs: dict[str, Any] = {"num_labels": 1 if label_names is None else len(label_names)}
+    if label_names is None:
+        config_kwargs["problem_type"] = "regression"
+    else:
+        config_kwargs["id2label"] = dict(enumerate(label_names))
+        config_kwargs["label2id"] = {name: i for i, name in enumerate(label_names)}
+    common = {"revision": recipe.model.revision, "trust_remote_code": recipe.model.trust_remote_code}
+    if recipe.model.dropout is not None:
+        config = transformers.AutoConfig.from_pretrained(model_path, **common)
+        config_kwargs |= dropout_settings(config, recipe.model.dropout)
+    processor = getattr(transformers, kind.preprocessor_class).from_pretrained(model_path, **common)
+    try:
+        model = getattr(transformers, kind.auto_class).from_pretrained(
+            model_path, **common, **config_kwargs, ignore_mismatched_sizes=recipe.model.ignore_mismatched_sizes
+        )
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        raise ValueError(
+            f"{recipe.model.name_or_path} has weights (usually a task head) of another size than this task "
+            "needs; set model.ignore_mismatched_sizes=true to start them afresh"
+        ) from error
+    if recipe.ea.enabled:
+        patch(model, **recipe.ea_settings())
+    if recipe.peft.method == "lora":
+        if adapter_dir is not None:
+            model = load_adapter(model, adapter_dir)
+        else:
+            import peft  # the peft extra; the recipe check said so if it is missing
+
+            lora = recipe.peft
+            config = lora_config(
+                model,
+                r=lora.r,
+                lora_alpha=lora.lora_alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                task_type=kind.peft_task_type,
+            )
+            model = peft.get_peft_model(model, config)
+    return model, processor
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def optimizer_override(recipe: Recipe) -> tuple[type, dict[str, Any]] | None:
+    """The optimizer Trainer's own choices lack: Rectified Adam as the paper's time-series experiments use it
+    (betas 0.9, 0.99) for ``train.optimizer: radam``; None otherwise."""
+    train = recipe.train
+    if train.optimizer != "radam":
+        return None
+    return torch.optim.RAdam, {"lr": train.learning_rate, "betas": (0.9, 0.99), "weight_decay": train.weight_decay}
+
+
+def evolution_settings(recipe: Recipe) -> dict[str, dict[str, Any]]:
+    """The per-role settings the recipe's model gets (``config.evolving_attention``), exactly as
+    :func:`ea_hf.patch` stores them, from the base checkpoint's config alone: the model is built on the meta
+    device, so no weights are loaded. Empty when EA is off."""
+    if not recipe.ea.enabled:
+        return {}
+    common = {"revision": recipe.model.revision, "trust_remote_code": recipe.model.trust_remote_code}
+    config = transformers.AutoConfig.from_pretrained(resolve_model_path(recipe.model.name_or_path), **common)
+    with torch.device("meta"):
+        model = getattr(transformers, recipe.task_kind.auto_class).from_config(config)
+    return dict(patch(model, **recipe.ea_settings()).config.evolving_attention)

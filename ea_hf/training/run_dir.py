@@ -1,0 +1,115 @@
+"""The run-directory format, and reading finished runs (``ea-hf eval``, ``compare``, ``card``, ``push``).
+
+Run directory layout::
+
+    recipe.yaml                  the resolved recipe (file + overrides + defaults)
+    config.json, model.safetensors, modeling files, tokenizer files   the final model, as ea_hf.patch saves it
+    adapter_config.json, adapter_model.safetensors                    instead, for a PEFT run: the adapter
+    checkpoints/checkpoint-N/    Trainer checkpoints (resume from the last one with ``resume=True``)
+    pretrained/                  a pre-training phase's model, for kinds that have one
+    eval/<split>/metrics.json    metrics of each evaluated split
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..modeling.settings import EvolvingAttentionSettings
+from .recipe import Recipe, recipe_from_dict
+from .task_kind import get_task_kind
+
+CHECKPOINTS = "checkpoints"
+RECIPE_FILE = "recipe.yaml"
+EVAL_DIR = "eval"
+PRETRAINED_DIR = "pretrained"
+CONFIG_FILE = "config.json"
+ADAPTER_CONFIG = "adapter_config.json"
+
+#: ea_hf 0.1 wrote every kind's data fields and a ``pretrain`` section into each run's recipe.yaml; a kind's
+#: schema now has only its own. These keys are dropped where the run's kind does not have them.
+V0_1_DATA_KEYS = (
+    "task", "source", "archive", "hub_id", "files", "max_length", "image_column", "label_column", "image_size",
+    "crop_scale", "horizontal_flip", "max_train_samples", "max_eval_samples", "validation_fraction", "split_seed",
+)  # fmt: skip
+V0_1_SECTIONS = ("pretrain",)
+
+
+def read_run_recipe(run_dir: str | Path) -> Recipe:
+    """The recipe a run ran with (its ``recipe.yaml``), also for runs written by ea_hf 0.1."""
+    path = Path(run_dir) / RECIPE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no {RECIPE_FILE})")
+    data = yaml.safe_load(path.read_text())
+    return recipe_from_dict(_without_v0_1_keys(data) if isinstance(data, Mapping) else data)
+
+
+def _without_v0_1_keys(data: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        schema = get_task_kind(data.get("kind", Recipe.kind)).recipe_class
+    except ValueError:
+        return dict(data)  # the recipe check names the unknown kind
+    sections = {field.name: field for field in dataclasses.fields(schema)}
+    cleaned = {key: value for key, value in data.items() if key in sections or key not in V0_1_SECTIONS}
+    if isinstance(cleaned.get("data"), Mapping):
+        data_fields = {field.name for field in dataclasses.fields(sections["data"].default_factory())}
+        cleaned["data"] = {
+            key: value for key, value in cleaned["data"].items() if key in data_fields or key not in V0_1_DATA_KEYS
+        }
+    return cleaned
+
+
+def write_metrics(run_dir: Path, split: str, metrics: dict[str, Any]) -> Path:
+    path = run_dir / EVAL_DIR / split / "metrics.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def read_metrics(run_dir: str | Path) -> dict[str, dict]:
+    root = Path(run_dir) / EVAL_DIR
+    return {path.parent.name: json.loads(path.read_text()) for path in sorted(root.glob("*/metrics.json"))}
+
+
+def check_finished(run_dir: str | Path) -> Path:
+    """``run_dir`` as a Path if it holds a finished model (or adapter); FileNotFoundError saying what is missing."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
+    if not (run_dir / CONFIG_FILE).is_file() and not (run_dir / ADAPTER_CONFIG).is_file():
+        raise FileNotFoundError(
+            f"{run_dir} holds no finished model ({CONFIG_FILE} or {ADAPTER_CONFIG}); did the run end?"
+        )
+    return run_dir
+
+
+def describe_evolution(settings: EvolvingAttentionSettings) -> str:
+    """A short label for a comparison table: ``a=0.2 b=0.2 k=3`` (``residual a=0.2``, ``echo S=2 scalar``)."""
+    if settings.method == "echo":
+        return f"echo S={settings.echoes} {settings.echo_state}"
+    if settings.method == "residual":
+        return f"residual a={settings.alpha:g}"
+    return f"a={settings.alpha:g} b={settings.beta:g} k={settings.kernel_size}"
+
+
+def compare_runs(run_dirs: list[str | Path]) -> str:
+    """A table of runs side by side: task, EA settings and the task's metrics for every evaluated split."""
+    rows = []
+    for run_dir in run_dirs:
+        recipe = read_run_recipe(run_dir)
+        names = recipe.task_kind.metric_names(recipe)
+        ea = describe_evolution(recipe.evolution()) if recipe.ea.enabled else "off"
+        for split, metrics in read_metrics(run_dir).items():
+            scores = " ".join(f"{name}={metrics[name]:.4f}" for name in names if name in metrics)
+            rows.append((str(run_dir), recipe.task_kind.task_label(recipe), ea, split, scores))
+    if not rows:
+        return "no evaluated runs"
+    header = ("run", "task", "ea", "split", "metrics")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *rows]]
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""Task kinds: the registry of what a recipe's ``kind:`` can be, and the interface each kind implements.
+
+A task kind owns everything that differs between tasks: its recipe schema (the ``data`` section and any
+sections of its own), its checks, data loading, preprocessing and collation, its model head, its metrics, and
+what a model card says about it. The runner, the run-directory tools and the Hub publishing code ask the kind
+and never test which kind a recipe has. The built-in kinds (``glue``, ``image``, ``timeseries``) are registered
+in ``ea_hf/training/kinds/__init__.py``; adding one is a new file there and one line in that list (see the
+README, "Architecture").
+
+Example:
+    >>> import ea_hf.training  # registers the built-in kinds
+    >>> sorted(task_kinds())
+    ['glue', 'image', 'timeseries']
+    >>> get_task_kind("glue").auto_class
+    'AutoModelForSequenceClassification'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import transformers
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class CardInfo:
+    """What a model card says about the task of a run: the Hub's pipeline tag, the model-index task type, the
+    dataset (name, type and config as the model-index records them, and Hub ids for the ``datasets`` metadata)
+    and a phrase for the text ("fine-tuned for ...")."""
+
+    pipeline_tag: str | None
+    task_type: str
+    task_text: str
+    dataset_name: str
+    dataset_type: str
+    dataset_config: str | None = None
+    hub_datasets: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Preprocessed:
+    """Model-ready splits, the batch collator and the Trainer's ``compute_metrics``."""
+
+    splits: dict[str, Any]
+    collator: Callable[[list[Any]], dict[str, Any]] | None
+    compute_metrics: Callable[[Any], dict[str, float]] | None
+
+
+class TaskKind:
+    """One kind of fine-tuning task. Subclasses set the class attributes and implement the methods marked
+    *required*; the others have defaults that fit a classification task on a transformers checkpoint."""
+
+    #: The recipe's ``kind:`` value.
+    name: str = ""
+    #: The recipe class of this kind: :class:`~ea_hf.training.recipe.Recipe` with this kind's ``data``
+    #: section type and any sections of its own.
+    recipe_class: type[Recipe]
+    #: The transformers Auto class of the model head (also what model cards tell users to load with).
+    auto_class: str = "AutoModelForSequenceClassification"
+    #: The Auto class of its tokenizer or image processor; None if the kind has none.
+    preprocessor_class: str | None = None
+    #: peft's task type for LoRA (``SEQ_CLS``), None if peft has none for it.
+    peft_task_type: str | None = None
+    #: Whether Trainer may drop dataset columns the model does not take (image batches are made by a transform
+    #: from the raw column, after Trainer would have dropped it).
+    remove_unused_columns: bool = True
+
+    # -- recipes -------------------------------------------------------------------------------------------
+
+    def check(self, recipe: Recipe, problems: list[tuple[str, str]]) -> None:
+        """Add (dotted path, message) for each problem of a recipe of this kind (beyond its types)."""
+
+    def needs_checkpoint(self, recipe: Recipe) -> bool:
+        """Whether ``model.name_or_path`` is required (kinds that can build a model from its config say no)."""
+        return True
+
+    def task_label(self, recipe: Recipe) -> str:
+        """The task as a comparison table shows it (``sst2``, ``image``...). *Required*."""
+        raise NotImplementedError
+
+    def metric_names(self, recipe: Recipe) -> tuple[str, ...]:
+        """The metrics a run reports, headline first. *Required*."""
+        raise NotImplementedError
+
+    def card_info(self, recipe: Recipe) -> CardInfo:
+        """What the model card says about the task. *Required*."""
+        raise NotImplementedError
+
+    # -- running ---------------------------------------------------------------------------------------------
+
+    def load_data(self, recipe: Recipe) -> tuple[dict[str, Any], tuple[str, ...] | None]:
+        """The raw splits (``datasets.Dataset`` or alike, with ``select``) and the label names (None for
+        regression). *Required*."""
+        raise NotImplementedError
+
+    def load_model(self, recipe: Recipe, label_names: tuple[str, ...] | None, data: dict[str, Any]):
+        """The model and its preprocessor for a run, before patching (see ``trainer.load_model``); None to
+        load ``auto_class`` from ``model.name_or_path`` with the labels set (the default)."""
+        return None
+
+    def preprocess(
+        self, recipe: Recipe, data: dict[str, Any], label_names: tuple[str, ...] | None, model: Any, processor: Any
+    ) -> Preprocessed:
+        """Model-ready splits, collator and metrics. *Required*."""
+        raise NotImplementedError
+
+    def before_training(self, recipe: Recipe, run_dir: Path, args: transformers.TrainingArguments) -> Recipe:
+        """A phase that runs before fine-tuning (e.g. pre-training); returns the recipe to fine-tune with."""
+        return recipe
+
+
+_TASK_KINDS: dict[str, TaskKind] = {}
+
+
+def register_task_kind(kind: TaskKind) -> TaskKind:
+    """Register a task kind under ``kind.name`` (a second registration of the name replaces the first)."""
+    if not kind.name:
+        raise ValueError(f"{type(kind).__name__} has no name")
+    _TASK_KINDS[kind.name] = kind
+    return kind
+
+
+def task_kinds() -> dict[str, TaskKind]:
+    """The registered task kinds by name."""
+    return dict(_TASK_KINDS)
+
+
+def get_task_kind(name: str) -> TaskKind:
+    """The task kind registered as ``name``; ValueError (with a did-you-mean) otherwise."""
+    kind = _TASK_KINDS.get(name)
+    if kind is None:
+        close = difflib.get_close_matches(str(name), list(_TASK_KINDS), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown kind {name!r}{hint}; one of {', '.join(sorted(_TASK_KINDS))}")
+    return kind

@@ -1,0 +1,198 @@
+"""Running a recipe: load the checkpoint, patch it (or not, for the baseline), fine-tune with ``Trainer``,
+evaluate every split and save everything into the run directory (see ``run_dir.py``). What differs between
+tasks comes from the recipe's task kind (``task_kind.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from ..modeling.evolution import AttentionMapEvolution
+from .models import load_model, optimizer_override
+from .recipe import Recipe
+from .run_dir import ADAPTER_CONFIG, CHECKPOINTS, RECIPE_FILE, read_run_recipe, write_metrics
+
+
+def evolution_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in model.modules() if isinstance(m, AttentionMapEvolution) for p in m.parameters()]
+
+
+class EvolvingAttentionTrainer(transformers.Trainer):
+    """``Trainer`` with an optional separate learning rate for the added evolution parameters."""
+
+    def __init__(self, *args: Any, ea_learning_rate: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ea_learning_rate = ea_learning_rate
+
+    def create_optimizer(self, model: nn.Module | None = None):
+        if self.ea_learning_rate is None or self.optimizer is not None:
+            return super().create_optimizer(model) if model is not None else super().create_optimizer()
+        model = self.model if model is None else model
+        evolution = {id(p) for p in evolution_parameters(model)}
+        decay_names = set(self.get_decay_parameter_names(model))
+        groups: dict[str, dict[str, Any]] = {
+            "decay": {"params": [], "weight_decay": self.args.weight_decay},
+            "no_decay": {"params": [], "weight_decay": 0.0},
+            "evolution": {"params": [], "weight_decay": 0.0, "lr": self.ea_learning_rate},
+        }
+        for name, parameter in model.named_parameters():
+            if not parameter.requires_grad:
+                continue
+            group = "evolution" if id(parameter) in evolution else "decay" if name in decay_names else "no_decay"
+            groups[group]["params"].append(parameter)
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+        self.optimizer = optimizer_cls([g for g in groups.values() if g["params"]], **optimizer_kwargs)
+        return self.optimizer
+
+
+def training_arguments(recipe: Recipe, run_dir: Path) -> transformers.TrainingArguments:
+    train = recipe.train
+    return transformers.TrainingArguments(
+        output_dir=str(run_dir / CHECKPOINTS),
+        learning_rate=train.learning_rate,
+        per_device_train_batch_size=train.batch_size,
+        per_device_eval_batch_size=train.eval_batch_size or train.batch_size,
+        num_train_epochs=train.epochs,
+        max_steps=train.max_steps,
+        # A float below 1 is a ratio of the total steps.
+        warmup_steps=train.warmup_steps or train.warmup_ratio,
+        lr_scheduler_type=train.lr_scheduler,
+        optim="sgd" if train.optimizer == "sgd" else "adamw_torch",  # radam: see prepare()
+        optim_args=f"momentum={train.momentum}" if train.optimizer == "sgd" else None,
+        weight_decay=train.weight_decay,
+        adam_epsilon=train.adam_epsilon,
+        max_grad_norm=train.max_grad_norm,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        seed=train.seed,
+        eval_strategy=train.eval_strategy,
+        eval_steps=train.eval_steps,
+        save_strategy=train.save_strategy,
+        save_steps=train.save_steps,
+        save_total_limit=train.save_total_limit,
+        logging_steps=train.logging_steps,
+        fp16=train.fp16,
+        bf16=train.bf16,
+        # Without this, processes launched by torchrun/accelerate on a machine without an accelerator would
+        # each train alone on all the data instead of forming a gloo process group.
+        use_cpu=not torch.accelerator.is_available(),
+        # The GLUE losses are means over sequences, which DDP's gradient averaging already gets right; token
+        # averaging would multiply them (and their gradients) by the number of processes (transformers#35078).
+        average_tokens_across_devices=False,
+        remove_unused_columns=recipe.task_kind.remove_unused_columns,
+        report_to="none",
+    )
+
+
+def prepare(
+    recipe: Recipe,
+    run_dir: Path,
+    callbacks: list[transformers.TrainerCallback] | None = None,
+    train: bool = True,
+    args: transformers.TrainingArguments | None = None,
+    adapter_dir: Path | None = None,
+):
+    """The Trainer (model, preprocessor, processed splits) for a recipe, nothing trained yet, and its eval
+    splits.
+
+    With ``train=False`` (evaluation only) the train split is neither kept nor processed. ``adapter_dir``
+    loads a trained PEFT adapter instead of creating a new one.
+    """
+    args = training_arguments(recipe, run_dir) if args is None else args
+    # New weights (classifier head, convolutions) are part of the run: same seed, same run.
+    transformers.set_seed(recipe.train.seed)
+    # In a distributed run the main process fills the datasets cache first; the others then read it.
+    kind = recipe.task_kind
+    with args.main_process_first(desc="loading and preprocessing the data"):
+        data, label_names = kind.load_data(recipe)
+        if not train:
+            data.pop("train", None)
+        elif "train" not in data:
+            raise ValueError(f"the data has no 'train' split (splits: {list(data)})")
+        limits = {"train": recipe.data.max_train_samples}
+        for split in data:
+            limit = limits.get(split, recipe.data.max_eval_samples)
+            if limit is not None and limit < len(data[split]):
+                data[split] = data[split].select(range(limit))
+        model, processor = load_model(recipe, label_names, data, adapter_dir)
+        prepared = kind.preprocess(recipe, data, label_names, model, processor)
+    processed = prepared.splits
+    eval_splits = {split: dataset for split, dataset in processed.items() if split != "train"}
+    trainer = EvolvingAttentionTrainer(
+        model=model,
+        args=args,
+        train_dataset=processed.get("train"),
+        eval_dataset=eval_splits or None,
+        processing_class=processor,
+        data_collator=prepared.collator,
+        compute_metrics=prepared.compute_metrics,
+        ea_learning_rate=recipe.ea.learning_rate,
+        callbacks=callbacks,
+        optimizer_cls_and_kwargs=optimizer_override(recipe),
+    )
+    return trainer, eval_splits
+
+
+def evaluate_splits(trainer: transformers.Trainer, eval_splits: dict[str, Any], run_dir: Path) -> dict[str, dict]:
+    results = {}
+    for split, dataset in eval_splits.items():
+        metrics = trainer.evaluate(eval_dataset=dataset, metric_key_prefix=split)
+        results[split] = {key.removeprefix(f"{split}_"): value for key, value in metrics.items()}
+        if trainer.is_world_process_zero():
+            write_metrics(run_dir, split, results[split])
+    return results
+
+
+def run_recipe(
+    recipe: Recipe, resume: bool = False, callbacks: list[transformers.TrainerCallback] | None = None
+) -> dict[str, dict]:
+    """Fine-tune and evaluate one recipe (no sweep); return the metrics by split.
+
+    A run directory that already holds a run is only reused with ``resume=True``, which continues from its
+    last Trainer checkpoint (or starts afresh if there is none). Launched by ``torchrun`` or
+    ``accelerate launch``, every process calls this; the run is then data-parallel and only the main process
+    writes files.
+    """
+    run_dir = Path(recipe.output_dir)
+    args = training_arguments(recipe, run_dir)
+    is_main = args.process_index == 0  # also sets up the process group of a distributed launch
+    occupied = run_dir.exists() and any(run_dir.iterdir())
+    args.distributed_state.wait_for_everyone()  # all have looked before the main one writes: they agree
+    if occupied and not resume:
+        raise FileExistsError(
+            f"{run_dir} already holds a run; continue it with --resume (resume=True) or choose another output_dir"
+        )
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RECIPE_FILE).write_text(recipe.to_yaml())
+    recipe = recipe.task_kind.before_training(recipe, run_dir, args)
+    trainer, eval_splits = prepare(recipe, run_dir, callbacks, args=args)
+    last = transformers.trainer_utils.get_last_checkpoint(str(run_dir / CHECKPOINTS)) if resume else None
+    trainer.train(resume_from_checkpoint=last)
+    if recipe.peft.merge:
+        results = evaluate_splits(trainer, eval_splits, run_dir)  # merging rewrites the model's modules
+        if trainer.is_world_process_zero():
+            trainer.model.merge_and_unload().save_pretrained(run_dir)
+            trainer.processing_class.save_pretrained(run_dir)
+        return results
+    trainer.save_model(str(run_dir))  # the full model, or the adapter for a PEFT run
+    return evaluate_splits(trainer, eval_splits, run_dir)
+
+
+def evaluate_run(run_dir: str | Path) -> dict[str, dict]:
+    """Re-evaluate the final model of a run on its evaluation splits (rewrites eval/<split>/metrics.json)."""
+    run_dir = Path(run_dir)
+    recipe = read_run_recipe(run_dir)
+    if (run_dir / ADAPTER_CONFIG).is_file():
+        # A PEFT run saved its adapter: rebuild the base as the run did, then load the adapter onto it.
+        trainer, eval_splits = prepare(recipe, run_dir, train=False, adapter_dir=run_dir)
+        return evaluate_splits(trainer, eval_splits, run_dir)
+    recipe.model.name_or_path = str(run_dir)
+    recipe.ea.enabled = False  # the saved model is already what it is: EA or baseline
+    recipe.peft.method = None
+    trainer, eval_splits = prepare(recipe, run_dir, train=False)
+    return evaluate_splits(trainer, eval_splits, run_dir)

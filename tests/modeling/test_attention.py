@@ -1,0 +1,436 @@
+"""The attention function and the map evolution against an independent, loop-based reference."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import BertConfig, BertModel
+from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, padding_mask_function
+
+import ea_hf
+import ea_hf.modeling.attention as attention_module
+import ea_hf.modeling.convolution as convolution_module
+from ea_hf.modeling.attention import CACHE_KWARG, evolving_attention_forward
+from ea_hf.modeling.chain import CHAIN_KWARG
+from ea_hf.modeling.convolution import EvolveConvolution
+from ea_hf.modeling.evolution import AttentionMapEvolution
+from ea_hf.modeling.history import CACHE_ATTRIBUTE, reorder_convolution_histories
+from ea_hf.modeling.masks import evolving_attention_mask, self_attention_conv_mask
+from ea_hf.ops import cpu as kernels
+
+B, H, N, D = 2, 3, 7, 5
+TINY_BERT = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37)
+
+
+def reference_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Cross-correlation written out as shifted sums: out[q, k] = b + sum w[r, c] x[q + r - p, k + c - p]."""
+    k = weight.shape[-1]
+    p = k // 2
+    padded = torch.zeros(x.shape[0], x.shape[1], x.shape[2] + 2 * p, x.shape[3] + 2 * p, dtype=x.dtype)
+    padded[:, :, p : p + x.shape[2], p : p + x.shape[3]] = x
+    out = bias.view(1, -1, 1, 1).expand(x.shape[0], -1, x.shape[2], x.shape[3]).clone()
+    for r in range(k):
+        for c in range(k):
+            window = padded[:, :, r : r + x.shape[2], c : c + x.shape[3]]
+            out += torch.einsum("oi,biqk->boqk", weight[:, :, r, c], window)
+    return out
+
+
+def reference_chain(queries, keys, values, valid_tokens, weights, biases, alpha, beta):
+    """Eqs. (1)-(2) of TPAMI section 3.1 for a whole chain, with padding zeroed before each convolution."""
+    entry_valid = valid_tokens[:, None, :, None] & valid_tokens[:, None, None, :]
+    previous, outputs, probabilities = None, [], []
+    for q, k, v, w, b in zip(queries, keys, values, weights, biases, strict=True):
+        scores = q @ k.transpose(-1, -2) / D**0.5
+        a_in = scores if previous is None else alpha * previous + (1 - alpha) * scores
+        a_logit = beta * torch.relu(reference_conv(a_in * entry_valid, w, b)) + (1 - beta) * a_in
+        previous = a_logit
+        masked = a_logit.masked_fill(~valid_tokens[:, None, None, :], torch.finfo(a_logit.dtype).min)
+        probs = masked.softmax(-1)
+        probabilities.append(probs)
+        outputs.append((probs @ v).transpose(1, 2))
+    return outputs, probabilities
+
+
+class FakeAttention(nn.Module):
+    def __init__(self, evolution):
+        super().__init__()
+        self.evolving_attention = evolution
+
+
+def make_layers(num_layers, alpha, beta, kernel_size=3, dtype=torch.float64):
+    layers = []
+    for i in range(num_layers):
+        evolution = AttentionMapEvolution(
+            H, alpha=alpha, beta=beta, kernel_size=kernel_size, position=i, previous=i - 1 if i else None
+        ).to(dtype)
+        layers.append(FakeAttention(evolution).eval())
+    return layers
+
+
+@pytest.mark.parametrize("kernel_size", [1, 3, 5])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_chain_matches_reference(kernel_size, mask_kind):
+    torch.manual_seed(0)
+    alpha, beta = 0.3, 0.6
+    layers = make_layers(3, alpha, beta, kernel_size)
+    qs, ks, vs = ([torch.randn(B, H, N, D, dtype=torch.float64) for _ in layers] for _ in range(3))
+    valid = torch.ones(B, N, dtype=torch.bool)
+    if mask_kind != "none":
+        valid[1, 4:] = False
+    allowed = valid[:, None, None, :].expand(B, 1, N, N)
+    mask = {
+        "bool": allowed,
+        "float": torch.zeros(B, 1, N, N, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min),
+        "none": None,
+    }[mask_kind]
+
+    chain = {}
+    ours = [
+        evolving_attention_forward(layer, q, k, v, mask, **{CHAIN_KWARG: chain})
+        for layer, q, k, v in zip(layers, qs, ks, vs, strict=True)
+    ]
+    weights = [layer.evolving_attention.weight for layer in layers]
+    biases = [layer.evolving_attention.bias for layer in layers]
+    outputs, probabilities = reference_chain(qs, ks, vs, valid, weights, biases, alpha, beta)
+    for (out, probs), ref_out, ref_probs in zip(ours, outputs, probabilities, strict=True):
+        # Padded query rows carry no meaning; compare the rows of real tokens.
+        assert (probs - ref_probs).transpose(1, 2)[valid].abs().max() <= 1e-12
+        assert (out - ref_out)[valid].abs().max() <= 1e-12
+
+
+def test_padding_entries_never_reach_the_convolution():
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.0, beta=1.0, kernel_size=3).double()
+    valid = torch.tensor([[True] * 4 + [False] * 3])
+    allowed = valid[:, None, None, :].expand(1, 1, N, N)
+    conv_mask = self_attention_conv_mask(allowed, N)
+    assert torch.equal(conv_mask[0, 0], valid[0][:, None] & valid[0][None, :])
+    scores = torch.randn(1, H, N, N, dtype=torch.float64)
+    noisy = scores.clone()
+    noisy[..., 4:, :] = 1e3 * torch.randn_like(noisy[..., 4:, :])  # padded query rows
+    noisy[..., :, 4:] = 1e3 * torch.randn_like(noisy[..., :, 4:])  # padded key columns
+    a = evolution(scores, conv_mask, {})
+    b = evolution(noisy, conv_mask, {})
+    assert torch.equal(a[..., :4, :4], b[..., :4, :4])
+    alone = evolution(scores[..., :4, :4], None, {})
+    assert (a[..., :4, :4] - alone).abs().max() <= 1e-12
+
+
+def full_kernel(evolution: AttentionMapEvolution) -> torch.Tensor:
+    """A causal evolution's weight as the k x k kernel it stands for: zero rows below the centre."""
+    k = evolution.kernel_size
+    weight = torch.zeros(evolution.num_heads, evolution.num_heads, k, k, dtype=evolution.weight.dtype)
+    weight[:, :, : k // 2 + 1] = evolution.weight.detach()
+    return weight
+
+
+@pytest.mark.parametrize("kernel_size", [1, 3, 5])
+@pytest.mark.parametrize("kind", ["decoder", "cross"])
+def test_causal_convolution_is_the_masked_kernel(kernel_size, kind):
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.0, beta=1.0, kernel_size=kernel_size, role=kind).double()
+    assert evolution.causal and evolution.weight.shape == (H, H, kernel_size // 2 + 1, kernel_size)
+    x = torch.randn(B, H, N, N + 2, dtype=torch.float64)
+    expected = torch.relu(reference_conv(x, full_kernel(evolution), evolution.bias.detach()))
+    assert (evolution.convolve(x) - expected).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("kernel_size", [3, 5])
+def test_causal_evolution_never_reads_the_future(kernel_size):
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.5, beta=1.0, kernel_size=kernel_size, role="decoder").double()
+    allowed = torch.ones(N, N, dtype=torch.bool).tril()[None, None]
+    conv_mask = self_attention_conv_mask(allowed, N)
+    scores = torch.randn(1, H, N, N, dtype=torch.float64)
+    for i in range(N - 1):
+        # Token i+1.. changes: rows > i and columns > i of the logits move.
+        perturbed = scores.clone()
+        perturbed[..., i + 1 :, :] += torch.randn_like(perturbed[..., i + 1 :, :])
+        perturbed[..., :, i + 1 :] += torch.randn_like(perturbed[..., :, i + 1 :])
+        a = evolution(scores, conv_mask, {})
+        b = evolution(perturbed, conv_mask, {})
+        assert torch.equal((a * allowed)[..., : i + 1, :], (b * allowed)[..., : i + 1, :])
+    # A non-causal kernel does read the next row: the property is not vacuous.
+    open_kernel = AttentionMapEvolution(H, alpha=0.5, beta=1.0, kernel_size=kernel_size).double()
+    perturbed = scores.clone()
+    perturbed[..., 3:, :] += 1.0
+    diff = open_kernel(perturbed, conv_mask, {}) - open_kernel(scores, conv_mask, {})
+    assert (diff * allowed)[..., :3, :].abs().max() > 1e-3
+
+
+class FakeCache:
+    """What the attention function uses of a transformers Cache: the number of tokens it holds."""
+
+    def __init__(self):
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+def decoder_layers(kernel_size, alpha=0.3, beta=0.7):
+    layers = []
+    for i, kind in enumerate(["decoder", "cross", "decoder", "cross"]):
+        evolution = AttentionMapEvolution(
+            H,
+            alpha=alpha,
+            beta=beta,
+            kernel_size=kernel_size,
+            role=kind,
+            position=i // 2,
+            previous=None if i < 2 else 0,
+        ).double()
+        layers.append(FakeAttention(evolution).eval())
+    return layers
+
+
+@pytest.mark.parametrize("kernel_size", [1, 3, 5])
+def test_step_by_step_decoding_with_kept_rows_equals_the_full_map(kernel_size):
+    """Two decoder layers (self + cross each): feeding tokens one or two at a time, with the convolution rows
+    kept on the cache, gives the full forward's rows; left padding in the decoder included."""
+    torch.manual_seed(0)
+    layers = decoder_layers(kernel_size)
+    source = 6
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64) for _ in range(3))
+    ck, cv = (torch.randn(B, H, source, D, dtype=torch.float64) for _ in range(2))
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[1, :2] = False  # left-padded target
+    source_valid = torch.ones(B, source, dtype=torch.bool)
+    source_valid[0, 4:] = False
+    causal = torch.ones(N, N, dtype=torch.bool).tril() & valid[:, None, None, :]
+    cross = source_valid[:, None, None, :]
+
+    def run(rows, past, cache):
+        chain, outputs = {}, []
+        for layer in layers:
+            is_cross = layer.evolving_attention.role == "cross"
+            keys, values = (ck, cv) if is_cross else (k[:, :, : past + len(rows)], v[:, :, : past + len(rows)])
+            mask = cross if is_cross else causal[:, :, rows, : past + len(rows)]
+            kwargs = {CHAIN_KWARG: chain, CACHE_KWARG: cache}
+            outputs.append(evolving_attention_forward(layer, q[:, :, rows], keys, values, mask, **kwargs)[0])
+        return outputs
+
+    full = run(list(range(N)), 0, None)
+    cache = FakeCache()
+    for start, stop in [(0, 1), (1, 3), (3, 4), (4, 5), (5, 7)]:
+        cache.length = stop  # the KV cache is updated before attention runs
+        steps = run(list(range(start, stop)), start, cache)
+        for step, whole in zip(steps, full, strict=True):
+            real = valid[:, start:stop]
+            assert (step - whole[:, start:stop])[real].abs().max() <= 1e-12
+    assert len(cache.__dict__[CACHE_ATTRIBUTE]) == 4
+
+
+def test_kept_rows_follow_beam_reordering_and_detect_a_stale_cache():
+    torch.manual_seed(0)
+    layers = decoder_layers(3)[:1]
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64) for _ in range(3))
+    causal = torch.ones(N, N, dtype=torch.bool).tril()[None, None]
+
+    def step(queries, rows, cache):
+        kwargs = {CHAIN_KWARG: {}, CACHE_KWARG: cache}
+        keys = k[:, :, : rows.stop]
+        return evolving_attention_forward(
+            layers[0], queries[:, :, rows], keys, v[:, :, : rows.stop], causal[..., rows, : rows.stop], **kwargs
+        )[0]
+
+    cache = FakeCache()
+    cache.length = 3
+    step(q, slice(0, 3), cache)
+    beam_idx = torch.tensor([1, 0])
+    reorder_convolution_histories(cache, beam_idx)
+    # After reordering, batch row 0 continues what was row 1: same as a full run on the swapped queries.
+    swapped = q.clone()
+    swapped[:, :, :3] = q[beam_idx, :, :3]
+    k_swapped = k.clone()
+    k_swapped[:, :, :3] = k[beam_idx, :, :3]
+    k, k_saved = k_swapped, k
+    cache.length = 4
+    stepped = step(swapped, slice(3, 4), cache)
+    whole = evolving_attention_forward(
+        layers[0], swapped[:, :, :4], k[:, :, :4], v[:, :, :4], causal[..., :4, :4], **{CHAIN_KWARG: {}}
+    )[0]
+    assert (stepped - whole[:, 3:4]).abs().max() <= 1e-12
+    k = k_saved
+    cache.length = 6  # two tokens the evolution never saw
+    with pytest.raises(RuntimeError, match="holds 5 earlier tokens"):
+        step(q, slice(5, 6), cache)
+
+
+def test_mask_function_always_materialises_causal_masks():
+    common = dict(batch_size=2, q_length=5, kv_length=5, device="cpu")
+    causal = evolving_attention_mask(mask_function=causal_mask_function, **common)
+    assert causal is not None and causal.dtype == torch.bool
+    assert torch.equal(causal[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
+    padding = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    padded = evolving_attention_mask(
+        mask_function=bidirectional_mask_function, attention_mask=padding, allow_is_bidirectional_skip=True, **common
+    )
+    assert torch.equal(padded[:, 0, 2], padding)
+    assert padding_mask_function  # the transformers helper this mask composes with exists
+
+
+def test_missing_chain_or_previous_layer_is_an_error():
+    layers = make_layers(2, 0.5, 0.5)
+    q = torch.randn(1, H, N, D, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="outside a patched layer stack"):
+        evolving_attention_forward(layers[0], q, q, q, None)
+    with pytest.raises(RuntimeError, match="expected the logits of layer 0"):
+        evolving_attention_forward(layers[1], q, q, q, None, **{CHAIN_KWARG: {}})
+
+
+def test_query_rows_are_located_among_cached_keys():
+    allowed = torch.ones(1, 1, 1, 6, dtype=torch.bool)
+    allowed[..., 2] = False
+    assert torch.equal(self_attention_conv_mask(allowed, 1, past=5), allowed)  # a real query keeps its row
+    assert not self_attention_conv_mask(allowed, 1, past=2).any()  # a padding query reads nothing
+    with pytest.raises(NotImplementedError, match="queries after 6 cached tokens"):
+        self_attention_conv_mask(allowed, 1, past=6)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def evolution_path(request, monkeypatch):
+    """Run a test on the CPU kernel path and on the torch-operations path."""
+    if request.param == "kernel" and kernels.cpu_kernel() is None:
+        pytest.skip("no C++ compiler on this machine: the kernel path cannot be built")
+    if request.param == "torch":
+        monkeypatch.setattr(convolution_module, "FUSED_KERNELS", [])
+    return request.param
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder", "cross"])
+@pytest.mark.parametrize("kernel_size", [1, 3, 5])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_path_matches_the_reference_with_gradients(evolution_path, kind, kernel_size, masked):
+    """forward() (fused) against reference() (the paper's equations, one op each): logits and the gradients
+    of S, the previous layer's logits, the weights and the bias, in fp32."""
+    torch.manual_seed(0)
+    queries, keys = 9, 9 if kind != "cross" else 12
+    evolution = AttentionMapEvolution(
+        H, alpha=0.3, beta=0.4, kernel_size=kernel_size, role=kind, position=1, previous=0
+    )
+    scores = torch.randn(B, H, queries, keys, requires_grad=True)
+    previous = torch.randn(B, H, queries, keys, requires_grad=True)
+    upstream = torch.randn(B, H, queries, keys)
+    conv_mask = None
+    if masked:
+        valid = torch.ones(B, keys, dtype=torch.bool)
+        valid[1, 6:] = False
+        conv_mask = valid[:, None, None, :] & valid[:, None, :queries, None]
+
+    def run(method):
+        evolution.zero_grad()
+        scores.grad = previous.grad = None
+        logits = method(scores * 1.0, conv_mask, {(kind, 0): previous * 1.0, "replays": True})
+        (logits * upstream).sum().backward()
+        return [logits.detach(), scores.grad, previous.grad, evolution.weight.grad, evolution.bias.grad]
+
+    for fast, reference in zip(run(evolution.forward), run(evolution.reference), strict=True):
+        assert (fast - reference).abs().max() <= 1e-5 * max(1.0, reference.abs().max())
+
+
+@pytest.mark.parametrize(("kind", "kernel_size"), [("encoder", 3), ("decoder", 3), ("encoder", 5), ("cross", 5)])
+def test_custom_backward_passes_gradcheck(kind, kernel_size):
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=kernel_size, role=kind).double()
+    scores, previous = (torch.randn(1, H, 6, 7, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    keep = (torch.rand(1, 1, 6, 7) > 0.3).double()
+
+    def evolve(scores, previous, weight, bias):
+        return EvolveConvolution.apply(
+            scores, previous, keep, weight, bias, 0.3, 0.4, evolution.causal, evolution.context_rows
+        )
+
+    assert torch.autograd.gradcheck(evolve, (scores, previous, evolution.weight, evolution.bias))
+    assert torch.autograd.gradcheck(lambda s, w, b: evolve(s, None, w, b), (scores, evolution.weight, evolution.bias))
+
+
+def test_inference_drops_consumed_logits_from_the_chain():
+    """Without autograd each layer's logits are released once the next layer has read them."""
+    layers = make_layers(4, alpha=0.3, beta=0.4, dtype=torch.float32)
+    chain = {}
+    with torch.no_grad():
+        for layer in layers:
+            q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
+            evolving_attention_forward(layer, q, k, v, None, **{CHAIN_KWARG: chain})
+            assert len([key for key in chain if isinstance(key, tuple)]) == 1
+
+
+def test_probabilities_go_into_a_spare_map_only_when_nothing_else_holds_it():
+    scores = torch.randn(B, H, N, N)
+    expected = scores.softmax(-1)
+    probabilities = attention_module.attention_probabilities
+
+    def spare_and_pointer():
+        chain = {"spare": torch.randn(B, H, N, N)}
+        return chain, chain["spare"].data_ptr()
+
+    with torch.no_grad():
+        chain, pointer = spare_and_pointer()
+        reused = probabilities(scores, chain.pop("spare"))  # as the attention function passes it
+        assert reused.data_ptr() == pointer and torch.equal(reused, expected)
+
+        chain, pointer = spare_and_pointer()
+        held = chain["spare"]
+        assert probabilities(scores, chain.pop("spare")).data_ptr() != pointer  # the caller still holds it
+        assert not torch.equal(held, expected)
+
+        chain, pointer = spare_and_pointer()
+        view = chain["spare"][0]
+        assert probabilities(scores, chain.pop("spare")).data_ptr() != pointer  # a view shares its storage
+        assert not torch.equal(view, expected[0])
+
+        wrong_shape = {"spare": torch.randn(B, H, N, N + 1)}
+        assert torch.equal(probabilities(scores, wrong_shape.pop("spare")), expected)
+    chain, pointer = spare_and_pointer()
+    assert probabilities(scores, chain.pop("spare")).data_ptr() != pointer  # autograd may have saved it
+
+
+def test_inference_reuses_consumed_logits_without_changing_a_number(monkeypatch):
+    """Layers after the first write their probabilities into the previous layer's logits; the outputs and
+    attentions are bit-identical to allocating new maps."""
+    model = ea_hf.patch(BertModel(BertConfig(**TINY_BERT)), alpha=0.3, beta=0.4).eval()
+    inputs = {"input_ids": torch.randint(0, 100, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    inputs["attention_mask"][1, 6:] = 0
+    reuses = []
+    sole_storage_user = attention_module.sole_storage_user
+
+    def counting(tensor):
+        reuses.append(sole_storage_user(tensor))
+        return reuses[-1]
+
+    monkeypatch.setattr(attention_module, "sole_storage_user", counting)
+    with torch.no_grad():
+        reusing = model(**inputs, output_attentions=True)
+    assert reuses == [True] * (TINY_BERT["num_hidden_layers"] - 1)
+    monkeypatch.setattr(attention_module, "sole_storage_user", lambda tensor: False)
+    with torch.no_grad():
+        allocating = model(**inputs, output_attentions=True)
+    assert torch.equal(reusing.last_hidden_state, allocating.last_hidden_state)
+    for kept, fresh in zip(reusing.attentions, allocating.attentions, strict=True):
+        assert torch.equal(kept, fresh)
+    assert len({a.data_ptr() for a in reusing.attentions}) == len(reusing.attentions)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_with_padding_stays_finite(dtype):
+    """bf16/fp16 models with padded batches: no overflow, no NaN, forward and backward; close to fp32."""
+    torch.manual_seed(0)
+    config = BertConfig(**TINY_BERT)
+    model = ea_hf.patch(BertModel(config), alpha=0.4, beta=0.4)
+    inputs = {"input_ids": torch.randint(0, 100, (3, 13)), "attention_mask": torch.ones(3, 13, dtype=torch.long)}
+    inputs["attention_mask"][1, 9:] = 0
+    inputs["attention_mask"][2, 4:] = 0
+    reference = model.eval()(**inputs).last_hidden_state.detach()
+    half = model.to(dtype)
+    output = half(**inputs).last_hidden_state
+    output.float().pow(2).mean().backward()
+    assert torch.isfinite(output).all()
+    assert all(torch.isfinite(p.grad).all() for p in half.parameters() if p.grad is not None)
+    real = inputs["attention_mask"].bool()
+    assert (output.float() - reference)[real].abs().max() <= 0.1
+    # Autocast (fp32 weights, bf16 matmuls) goes the same way.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = model.float()(**inputs).last_hidden_state
+    assert torch.isfinite(autocast).all()
+    assert (autocast.float() - reference)[real].abs().max() <= 0.1

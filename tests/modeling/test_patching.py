@@ -1,0 +1,353 @@
+"""ea_hf.patch / unpatch / summary on a real checkpoint and on every supported architecture."""
+
+import threading
+
+import pytest
+import torch
+import transformers
+from testing import (
+    ALL_ARCHITECTURES,
+    METHODS,
+    NUM_HEADS,
+    NUM_LAYERS,
+    SENTENCES,
+    TEXT_ARCHITECTURES,
+    first_output,
+    max_abs_diff,
+    patched_model,
+    tiny_inputs,
+    tiny_model,
+)
+
+import ea_hf
+
+EXACT = 1e-5
+PADDING = 1e-4
+
+
+def state_snapshot(model):
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Exactness: alpha = beta = 0 reproduces the original model
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reference_attention", ["sdpa", "eager"])
+def test_exactness_on_pretrained_minilm(minilm_path, minilm_tokenizer, reference_attention):
+    model = transformers.AutoModel.from_pretrained(minilm_path, attn_implementation=reference_attention).eval()
+    batch = minilm_tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        reference = model(**batch).last_hidden_state
+        ea_hf.patch(model, alpha=0.0, beta=0.0)
+        patched = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].bool()
+    assert max_abs_diff(patched[mask], reference[mask]) <= EXACT
+    if reference_attention == "eager":
+        # Same arithmetic as transformers' eager path, padded positions included.
+        assert max_abs_diff(patched, reference) <= EXACT
+
+
+@pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
+def test_exactness_and_its_converse_on_every_architecture(model_type):
+    model = tiny_model(model_type)
+    inputs = tiny_inputs(model_type)
+    with torch.no_grad():
+        reference = first_output(model(**inputs))
+        exact = first_output(ea_hf.patch(model, alpha=0.0, beta=0.0)(**inputs))
+        evolved = first_output(ea_hf.patch(ea_hf.unpatch(model), alpha=0.4, beta=0.4)(**inputs))
+    assert max_abs_diff(exact, reference) <= EXACT
+    # With alpha, beta > 0 the model really computes something else (100x the fp32 noise above).
+    assert max_abs_diff(evolved, reference) > 1e-5
+
+
+def test_only_chosen_layers_evolve():
+    model = tiny_model("bert")
+    inputs = tiny_inputs("bert")
+    ea_hf.patch(model, alpha=0.3, beta=0.3, layers=[1, 2])
+    rows = ea_hf.summary(model).modules
+    assert [(m.layer, m.previous_layer) for m in rows] == [(1, None), (2, 1)]
+    assert not hasattr(model.encoder.layer[0].attention.self, "evolving_attention")
+    # Layer 0 stays plain: its attention probabilities equal those of the unpatched model.
+    reference = tiny_model("bert", attn_implementation="eager")
+    with torch.no_grad():
+        ours = model(**inputs, output_attentions=True).attentions
+        plain = reference(**inputs, output_attentions=True).attentions
+    assert max_abs_diff(ours[0], plain[0]) <= EXACT
+    assert max_abs_diff(ours[1], plain[1]) > 1e-4
+
+
+# --------------------------------------------------------------------------------------------------
+# Padding invariance: alone == in a padded batch
+# --------------------------------------------------------------------------------------------------
+
+
+def test_padding_invariance_on_pretrained_minilm(minilm, minilm_tokenizer):
+    ea_hf.patch(minilm, alpha=0.4, beta=0.4)
+    batch = minilm_tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    lengths = batch["attention_mask"].sum(dim=1)
+    assert lengths.min() < lengths.max() - 5, "the test needs real padding"
+    with torch.no_grad():
+        batched = minilm(**batch).last_hidden_state
+        for row, sentence in enumerate(SENTENCES):
+            alone = minilm(**minilm_tokenizer(sentence, return_tensors="pt")).last_hidden_state[0]
+            n = int(lengths[row])
+            assert alone.shape[0] == n
+            assert max_abs_diff(batched[row, :n], alone) <= PADDING
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("model_type", TEXT_ARCHITECTURES)
+def test_padding_invariance_on_every_text_architecture(model_type, method):
+    model = patched_model(model_type, METHODS[method])
+    inputs = tiny_inputs(model_type, batch=3, length=11)
+    lengths = inputs["attention_mask"].sum(dim=1)
+    with torch.no_grad():
+        batched = first_output(model(**inputs))
+        for row in range(3):
+            n = int(lengths[row])
+            alone = first_output(model(input_ids=inputs["input_ids"][row : row + 1, :n]))[0]
+            assert max_abs_diff(batched[row, :n], alone) <= PADDING
+
+
+def test_padding_content_cannot_leak():
+    """Whatever token ids sit under the padding, valid positions see the same outputs."""
+    model = ea_hf.patch(tiny_model("bert"), alpha=0.5, beta=0.9)
+    inputs = tiny_inputs("bert", batch=2, length=12)
+    other = dict(inputs)
+    pad = inputs["attention_mask"] == 0
+    other["input_ids"] = torch.where(pad, torch.randint(5, 99, pad.shape), inputs["input_ids"])
+    assert (other["input_ids"] != inputs["input_ids"]).any()
+    with torch.no_grad():
+        a = model(**inputs).last_hidden_state
+        b = model(**other).last_hidden_state
+    valid = inputs["attention_mask"].bool()
+    assert max_abs_diff(a[valid], b[valid]) <= 1e-6
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-call state
+# --------------------------------------------------------------------------------------------------
+
+
+def test_nothing_survives_between_calls():
+    model = ea_hf.patch(tiny_model("bert"), alpha=0.5, beta=0.5)
+    a, b = tiny_inputs("bert", seed=1), tiny_inputs("bert", seed=2)
+    with torch.no_grad():
+        first = model(**a).last_hidden_state
+        model(**b)
+        again = model(**a).last_hidden_state
+    assert torch.equal(first, again)
+    for module in model.modules():
+        assert not any(
+            isinstance(v, torch.Tensor) and v.dim() == 4 for k, v in vars(module).items() if k != "_parameters"
+        )
+
+
+def test_two_threads_match_serial_runs():
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = ea_hf.patch(tiny_model("bert"), alpha=0.5, beta=0.5)
+        inputs = [tiny_inputs("bert", batch=2, length=17, seed=s) for s in (1, 2)]
+        with torch.no_grad():
+            serial = [model(**x).last_hidden_state for x in inputs]
+        results = {}
+        barrier = threading.Barrier(2)
+
+        def run(index):
+            barrier.wait()
+            with torch.no_grad():
+                for _ in range(20):
+                    results[index] = model(**inputs[index]).last_hidden_state
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i in (0, 1):
+            assert torch.equal(results[i], serial[i])
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def test_train_eval_and_no_grad_modes_agree():
+    model = ea_hf.patch(tiny_model("bert", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), alpha=0.3)
+    inputs = tiny_inputs("bert")
+    with torch.no_grad():
+        eval_out = model.eval()(**inputs).last_hidden_state
+    train_out = model.train()(**inputs).last_hidden_state
+    assert train_out.requires_grad
+    assert max_abs_diff(train_out, eval_out) <= 1e-6
+    train_out.sum().backward()
+    evolution = model.encoder.layer[0].attention.self.evolving_attention
+    assert evolution.weight.grad is not None and evolution.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("model_type", ["bert", "vit"])
+def test_gradient_checkpointing_gives_the_same_gradients(model_type):
+    def gradients(checkpointing: bool):
+        model = ea_hf.patch(
+            tiny_model(model_type, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), alpha=0.4, beta=0.4
+        )
+        if checkpointing:
+            model.activation_checkpointing_enable()
+            assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        model.train()
+        first_output(model(**tiny_inputs(model_type))).pow(2).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = gradients(False), gradients(True)
+    assert plain.keys() == checkpointed.keys()
+    assert any("evolving_attention" in name for name in plain)
+    # The first layer's convolution only gets gradient through the chain to later layers.
+    first_conv = [n for n in plain if "evolving_attention.weight" in n][0]
+    assert plain[first_conv].abs().sum() > 0
+    for name in plain:
+        assert max_abs_diff(plain[name], checkpointed[name]) <= 1e-5, name
+
+
+def test_reentrant_checkpointing_is_refused():
+    model = ea_hf.patch(tiny_model("bert"))
+    with pytest.raises(ValueError, match="use_reentrant"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+
+
+def test_output_attentions_are_the_evolved_probabilities():
+    model = ea_hf.patch(tiny_model("bert"), alpha=0.5, beta=0.5)
+    inputs = tiny_inputs("bert")
+    chain_logits = []
+    # Record each layer's evolved logits as the evolution module returns them.
+    for layer in model.encoder.layer:
+        layer.attention.self.evolving_attention.register_forward_hook(lambda m, a, out: chain_logits.append(out))
+    with torch.no_grad():
+        attentions = model(**inputs, output_attentions=True).attentions
+    assert len(attentions) == NUM_LAYERS
+    allowed = inputs["attention_mask"].bool()[:, None, None, :]
+    for probs, logits in zip(attentions, chain_logits, strict=True):
+        expected = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min).softmax(-1)
+        assert probs.shape == (3, NUM_HEADS, 9, 9)
+        assert max_abs_diff(probs, expected) <= 1e-6
+        assert max_abs_diff(probs.sum(-1), torch.ones(())) <= 1e-5
+        assert probs.masked_select(~allowed.expand_as(probs)).abs().max() == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: clear errors, model untouched
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"alpha": 1.5}, r"alpha must be in \[0, 1\]"),
+        ({"alpha": -0.1}, r"alpha must be in \[0, 1\]"),
+        ({"beta": float("nan")}, r"beta must be in \[0, 1\]"),
+        ({"beta": "0.2"}, "beta must be a number"),
+        ({"kernel_size": 4}, "kernel_size must be a positive odd integer"),
+        ({"kernel_size": 0}, "kernel_size must be a positive odd integer"),
+        ({"kernel_size": -3}, "kernel_size must be a positive odd integer"),
+        ({"layers": [0, 3]}, r"layer indices \[3\] out of range .* has 3 layers \(0..2\)"),
+        ({"layers": [-1]}, "non-negative integers"),
+        ({"layers": []}, "at least one layer"),
+        ({"layers": [1, 1]}, "must not repeat"),
+        ({"init": "orthogonal"}, "init must be one of kaiming_uniform, xavier_uniform, normal, dirac"),
+    ],
+)
+def test_bad_settings_fail_before_touching_the_model(kwargs, message):
+    model = tiny_model("bert")
+    before, config_before = state_snapshot(model), model.config.to_dict()
+    with pytest.raises(ValueError, match=message):
+        ea_hf.patch(model, **kwargs)
+    assert type(model) is transformers.BertModel and type(model.config) is transformers.BertConfig
+    assert model.config.to_dict() == config_before
+    assert {m.config._attn_implementation for m in model.modules() if hasattr(m, "config")} == {"sdpa"}
+    after = state_snapshot(model)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert not ea_hf.is_patched(model)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4))
+    with pytest.raises(ValueError, match="does not support model_type 'gpt2'.*Supported: bart, bert, camembert, deit"):
+        ea_hf.patch(model)
+    assert not ea_hf.is_patched(model)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        ea_hf.patch(torch.nn.Linear(2, 2))
+
+
+def test_decoder_configuration_is_refused():
+    model = tiny_model("bert", is_decoder=True)
+    with pytest.raises(NotImplementedError, match="decoder"):
+        ea_hf.patch(model)
+    assert not ea_hf.is_patched(model) and type(model) is transformers.BertModel
+
+
+def test_patching_twice_is_refused():
+    model = ea_hf.patch(tiny_model("bert"))
+    before = state_snapshot(model)
+    with pytest.raises(ValueError, match="already patched"):
+        ea_hf.patch(model, alpha=0.1)
+    assert state_snapshot(model).keys() == before.keys()
+    assert model.config.evolving_attention["encoder"]["alpha"] == 0.2
+
+
+# --------------------------------------------------------------------------------------------------
+# unpatch and summary
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
+def test_unpatch_restores_the_original_model(model_type):
+    model = tiny_model(model_type)
+    inputs = tiny_inputs(model_type)
+    original_type, keys, config_before = type(model), set(model.state_dict()), model.config.to_dict()
+    with torch.no_grad():
+        reference = first_output(model(**inputs))
+    ea_hf.unpatch(ea_hf.patch(model, alpha=0.5, beta=0.5))
+    assert type(model) is original_type and type(model.config) is type(tiny_model(model_type).config)
+    assert set(model.state_dict()) == keys
+    assert model.config.to_dict() == config_before
+    assert {m.config._attn_implementation for m in model.modules() if hasattr(m, "config")} == {"sdpa"}
+    assert all(len(m._forward_pre_hooks) == 0 for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(first_output(model(**inputs)), reference)
+    with pytest.raises(ValueError, match="not patched"):
+        ea_hf.unpatch(model)
+
+
+def test_summary_counts_added_parameters(minilm):
+    total_before = sum(p.numel() for p in minilm.parameters())
+    ea_hf.patch(minilm, kernel_size=5, layers=[0, 2, 5])
+    report = ea_hf.summary(minilm)
+    per_layer = 12 * 12 * 5 * 5 + 12
+    assert report.added_parameters == 3 * per_layer == 10_836
+    assert report.total_parameters == total_before + report.added_parameters
+    assert [m.layer for m in report.modules] == [0, 2, 5]
+    assert [m.previous_layer for m in report.modules] == [None, 0, 2]
+    text = str(report)
+    assert "encoder.layer.2.attention.self.evolving_attention" in text
+    assert "10,836 added parameters" in text
+
+
+def test_init_schemes_are_deterministic_and_distinct():
+    def first_weight(init, seed):
+        torch.manual_seed(seed)
+        model = ea_hf.patch(tiny_model("bert"), init=init)
+        return model.encoder.layer[0].attention.self.evolving_attention
+
+    for init in ("kaiming_uniform", "xavier_uniform", "normal", "dirac"):
+        a, b = first_weight(init, 7), first_weight(init, 7)
+        assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+    dirac = first_weight("dirac", 0)
+    expected = torch.zeros(NUM_HEADS, NUM_HEADS, 3, 3)
+    expected[range(NUM_HEADS), range(NUM_HEADS), 1, 1] = 1.0
+    assert torch.equal(dirac.weight, expected) and torch.equal(dirac.bias, torch.zeros(NUM_HEADS))
+    normal = first_weight("normal", 0)
+    assert abs(normal.weight.std().item() - 0.02) < 0.005 and normal.bias.abs().max() == 0
+    kaiming = first_weight("kaiming_uniform", 0)
+    bound = 1 / (NUM_HEADS * 9) ** 0.5  # torch's Conv2d default: kaiming_uniform(a=sqrt(5)) -> U(-b, b)
+    assert kaiming.weight.abs().max() <= bound and kaiming.weight.abs().max() > 0.8 * bound

@@ -1,0 +1,163 @@
+"""The fused CPU kernels against the same steps written as torch operations, and their build and fallback."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ea_hf
+from ea_hf.ops import cpu as kernels
+
+needs_compiler = pytest.mark.skipif(kernels._compiler() is None, reason="no C++ compiler on this machine")
+
+
+def correlate_with_torch(
+    x, weight, bias, row_shift, *, lerp_end=None, lerp_weight=0.0, in_keep=None, relu=False, blend=None, blend_coef=0.0
+):
+    """What `kernels.correlate` computes, step by step: output row i reads rows i + row_shift + dy."""
+    a = x if lerp_end is None else torch.lerp(x, lerp_end, lerp_weight)
+    if in_keep is not None:
+        a = a * in_keep
+    rows, kernel_rows = x.shape[-2], weight.shape[-2]
+    padded = F.pad(a, (weight.shape[-1] // 2,) * 2 + (-row_shift, kernel_rows - 1 + row_shift))
+    out = F.conv2d(padded, weight, bias)[..., :rows, :]
+    if relu:
+        out = torch.relu(out)
+    saved = out > 0
+    if blend is not None:
+        mixed = blend if lerp_end is None else torch.lerp(blend, lerp_end, lerp_weight)
+        out = out + blend_coef * mixed
+    return out, saved
+
+
+@needs_compiler
+def test_the_kernel_builds_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("EA_HF_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_loaded", {})
+    assert kernels.cpu_kernel() is not None
+    built = list((tmp_path / "kernels").glob("evolve_cpu-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(kernels, "_loaded", {})
+    assert kernels.cpu_kernel() is not None
+    assert built[0].stat().st_mtime_ns == stamp  # loaded again, not rebuilt
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads", [3, 4, 12])  # 4 and 12 are specialised, 3 takes the generic code
+@pytest.mark.parametrize(
+    ("kernel_rows", "kernel_cols", "row_shift"), [(3, 3, -1), (2, 3, -1), (2, 3, 0), (1, 1, 0), (5, 5, -2)]
+)
+def test_correlate_matches_torch(heads, kernel_rows, kernel_cols, row_shift):
+    torch.manual_seed(0)
+    batch, rows, cols = 2, 9, 37  # 37 columns: a partial last vector block
+    x, end = (torch.randn(batch, heads, rows, cols) for _ in range(2))
+    weight, bias = torch.randn(heads, heads, kernel_rows, kernel_cols), torch.randn(heads)
+    keep = (torch.rand(batch, 1, rows, cols) > 0.2).float()
+    options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=x, blend_coef=0.6)
+    saved = torch.empty_like(x, dtype=torch.bool)
+    out = kernels.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
+    expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert torch.equal(saved, expected_saved)
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads", [3, 12])
+@pytest.mark.parametrize(("kernel_size", "causal"), [(3, False), (3, True), (5, False), (5, True), (1, False)])
+@pytest.mark.parametrize("with_previous", [True, False])
+def test_backward_matches_autograd(heads, kernel_size, causal, with_previous):
+    """kernels.backward against autograd through the torch formulation, in float64."""
+    torch.manual_seed(1)
+    batch, rows, cols, alpha, beta = 2, 8, 21, 0.25, 0.4
+    context = kernel_size // 2
+    kernel_rows = context + 1 if causal else kernel_size
+    scores, previous, upstream = (torch.randn(batch, heads, rows, cols, dtype=torch.float64) for _ in range(3))
+    keep = (torch.rand(batch, 1, rows, cols) > 0.2).double()
+    weight = torch.randn(heads, heads, kernel_rows, kernel_size, dtype=torch.float64) * 0.3
+    bias = torch.randn(heads, dtype=torch.float64) * 0.1
+    leaves = [t.clone().requires_grad_() for t in (scores, previous, weight, bias)]
+    s, p, w, b = leaves
+    a_in = torch.lerp(s, p, alpha) if with_previous else s
+    convolved, gate = correlate_with_torch(a_in, w, b, -context, in_keep=keep, relu=True)
+    ((convolved + (1 - beta) * a_in) * upstream).sum().backward()
+    grads = kernels.backward(
+        scores.float(),
+        previous.float() if with_previous else None,
+        alpha,
+        keep.float(),
+        upstream.float(),
+        gate,
+        weight.float(),
+        context,
+        beta,
+    )
+    expected = [s.grad, p.grad if with_previous else None, w.grad, b.grad]
+    for got, want in zip(grads, expected, strict=True):
+        if want is None:
+            assert got is None
+            continue
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_without_a_compiler_evolution_falls_back_to_torch(tmp_path, monkeypatch, caplog):
+    torch.manual_seed(0)
+    from transformers import BertConfig, BertModel
+
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37))
+    model = ea_hf.patch(model.eval(), alpha=0.3, beta=0.5)
+    inputs = {"input_ids": torch.randint(0, 100, (2, 11)), "attention_mask": torch.ones(2, 11, dtype=torch.long)}
+    inputs["attention_mask"][1, 7:] = 0
+    with torch.no_grad():
+        with_kernel = model(**inputs).last_hidden_state
+    monkeypatch.setenv("EA_HF_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: str(tmp_path / "broken-c++") if name else None)
+    (tmp_path / "broken-c++").write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 1\n")
+    (tmp_path / "broken-c++").chmod(0o755)
+    monkeypatch.setattr(kernels, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger="ea_hf.ops.cpu"):
+        assert kernels.cpu_kernel() is None
+    assert "building the CPU kernel failed" in caplog.text and "broken compiler" in caplog.text
+    with torch.no_grad():
+        without = model(**inputs).last_hidden_state
+    assert (with_kernel - without).abs().max() <= 1e-5
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setenv("EA_HF_KERNELS", "0")
+    assert kernels.cpu_kernel() is None  # switched off: not even a build is tried
+
+
+def test_kernel_declines_what_it_does_not_take():
+    weight = torch.zeros(4, 4, 3, 3)
+    maps = torch.zeros(1, 4, 5, 5)
+    assert not kernels.applicable(maps.double(), weight=weight)  # float32 only
+    assert not kernels.applicable(maps, keep=torch.ones(1, 4, 5, 5), weight=weight)  # a mask per head
+    assert not kernels.applicable(maps, weight=torch.zeros(4, 4, 9, 9))  # kernels taller than 8 rows
+    assert not kernels.applicable(torch.zeros(1, 65, 5, 5), weight=weight)  # more than 64 heads
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("batch", "heads", "rows", "kernel_rows", "row_shift"),
+    [(2, 12, 9, 3, -1), (3, 4, 5, 5, -2), (1, 3, 2, 3, -1), (2, 4, 7, 2, -1)],
+)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_in_place_output_equals_a_separate_one(batch, heads, rows, kernel_rows, row_shift, threads):
+    """Writing over the input (inference) gives bit-identical results, also where threads meet (rows a
+    neighbour has already overwritten are read from copies)."""
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, end = torch.randn(batch, heads, rows, 37), torch.randn(batch, heads, rows, 37)
+        weight, bias = torch.randn(heads, heads, kernel_rows, 3), torch.randn(heads)
+        keep = (torch.rand(batch, 1, rows, 37) > 0.2).float()
+        options = dict(row_shift=row_shift, lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend_coef=0.6)
+        separate = kernels.correlate(x, weight, bias, blend=x, **options)
+        overwritten = x.clone()
+        result = kernels.correlate(overwritten, weight, bias, blend=overwritten, in_place=True, **options)
+    finally:
+        torch.set_num_threads(before)
+    assert result.data_ptr() == overwritten.data_ptr()
+    assert torch.equal(result, separate)

@@ -1,0 +1,238 @@
+"""Helpers shared by the tests: tiny random models of every architecture and their inputs, comparison helpers
+and small GLUE-format samples. Fixtures live in conftest.py; this module is imported by name (``from testing
+import tiny_model``; the tests folder is on pytest's ``pythonpath``)."""
+
+import json
+
+import pandas as pd
+import torch
+import transformers
+
+import ea_hf
+from ea_hf.modeling.echo import EchoAttention
+from ea_hf.training.kinds.glue import GLUE_TASKS
+
+TEXT_ARCHITECTURES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert"]
+IMAGE_ARCHITECTURES = ["vit", "deit"]
+ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES
+SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian"]
+ALL_ARCHITECTURES = ARCHITECTURES + SEQ2SEQ_ARCHITECTURES
+NUM_LAYERS = 3
+NUM_HEADS = 4
+VOCAB_SIZE = 99
+IMAGE_SIZE = 16
+
+
+PAD, BOS, EOS = 1, 0, 2  # special token ids of the tiny seq2seq configs
+
+
+def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
+    """A small random config of an architecture: 3 layers (per stack), 4 heads, hidden size 32."""
+    common = dict(hidden_size=32, num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS, intermediate_size=37)
+    special = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS)
+    if model_type == "t5":
+        kwargs = dict(
+            special,
+            vocab_size=VOCAB_SIZE,
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=NUM_LAYERS,
+            num_heads=NUM_HEADS,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+        )
+    elif model_type in SEQ2SEQ_ARCHITECTURES:
+        # BART-family weights are drawn with std 0.02 by default, which makes every attention map nearly
+        # uniform; a larger std gives the tiny models attention worth evolving.
+        kwargs = dict(
+            special,
+            vocab_size=VOCAB_SIZE,
+            d_model=32,
+            encoder_layers=NUM_LAYERS,
+            decoder_layers=NUM_LAYERS,
+            encoder_attention_heads=NUM_HEADS,
+            decoder_attention_heads=NUM_HEADS,
+            encoder_ffn_dim=37,
+            decoder_ffn_dim=37,
+            max_position_embeddings=64,
+            init_std=0.2,
+        )
+    elif model_type == "distilbert":
+        kwargs = dict(dim=32, n_layers=NUM_LAYERS, n_heads=NUM_HEADS, hidden_dim=37, vocab_size=VOCAB_SIZE)
+    elif model_type in IMAGE_ARCHITECTURES:
+        kwargs = dict(common, image_size=IMAGE_SIZE, patch_size=4, num_channels=3)
+    else:
+        kwargs = dict(common, vocab_size=VOCAB_SIZE, max_position_embeddings=64)
+        if model_type == "electra":
+            kwargs["embedding_size"] = 16
+    kwargs.update(overrides)
+    return transformers.CONFIG_MAPPING[model_type](**kwargs)
+
+
+def tiny_model(model_type: str, auto_class=transformers.AutoModel, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return auto_class.from_config(tiny_config(model_type, **overrides)).eval()
+
+
+#: Settings of each evolution method (and kernel size) that change the model; see `patched_model`.
+METHODS = {
+    "conv": {"method": "conv", "alpha": 0.5, "beta": 0.5},
+    "residual": {"method": "residual", "alpha": 0.5},
+    "echo": {"method": "echo", "echoes": 2},
+    "echo-row": {"method": "echo", "echoes": 3, "echo_state": "row", "max_positions": 32},
+    "echo-column": {"method": "echo", "echoes": 1, "echo_state": "column", "max_positions": 32},
+    "conv-1x1": {"method": "conv", "alpha": 0.5, "beta": 0.5, "kernel_size": 1},
+    "conv-5x5": {"method": "conv", "alpha": 0.5, "beta": 0.5, "kernel_size": 5},
+}
+
+
+def patched_model(model_type: str, settings: dict, head=transformers.AutoModel, **overrides):
+    """A tiny model patched with ``settings``; echo state scales drawn non-zero so echo changes the model (as
+    patched, they are zero and the model computes what the original does)."""
+    model = ea_hf.patch(tiny_model(model_type, head, **overrides), **settings)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, EchoAttention):
+                module.state_scale.uniform_(0.5, 1.5)
+                module.gate_weight.normal_(0.0, 0.5)
+    return model.eval()
+
+
+def tiny_inputs(model_type: str, batch: int = 3, length: int = 9, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Inputs for a tiny model; text batches are right-padded to different lengths.
+
+    Seq2seq inputs end each source sequence with EOS (classification heads pool there) and add decoder inputs.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if model_type in IMAGE_ARCHITECTURES:
+        return {"pixel_values": torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)}
+    input_ids = torch.randint(5, VOCAB_SIZE, (batch, length), generator=generator)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(1, batch):
+        attention_mask[row, length - 2 * row :] = 0
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if model_type in SEQ2SEQ_ARCHITECTURES:
+        real = attention_mask.sum(-1)
+        input_ids[attention_mask == 0] = PAD
+        input_ids[torch.arange(batch), real - 1] = EOS
+        decoder_input_ids = torch.randint(5, VOCAB_SIZE, (batch, length - 2), generator=generator)
+        decoder_input_ids[:, 0] = BOS
+        inputs["decoder_input_ids"] = decoder_input_ids
+    return inputs
+
+
+def first_output(outputs) -> torch.Tensor:
+    """The first tensor of a model output (hidden states or logits)."""
+    return outputs[0]
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+SENTENCES = [
+    "Evolving attention links the attention maps of consecutive layers.",
+    "A short one.",
+    "Padding must never leak into valid positions through the convolution.",
+]
+
+
+# GLUE-format samples -------------------------------------------------------------------------------
+
+FORMATS = ["tsv", "csv", "json", "jsonl", "parquet"]
+LABELS = [0, 1, 1, 0, 1, 0, 0, 1]
+
+
+def sample_rows(task: str, n: int = 8, as_names: bool = False) -> list[dict]:
+    spec = GLUE_TASKS[task]
+    rows = []
+    for i in range(n):
+        row = {column: f"{column} number {i} says something" for column in spec.text_columns}
+        if spec.is_regression:
+            row["label"] = round(5.0 * i / (n - 1), 2)
+        else:
+            label = LABELS[i] if spec.num_labels == 2 else i % 3
+            row["label"] = spec.label_names[label] if as_names else label
+        row["idx"] = i
+        rows.append(row)
+    return rows
+
+
+def write(rows: list[dict], path) -> str:
+    frame = pd.DataFrame(rows)
+    suffix = path.suffix
+    if suffix == ".tsv":
+        frame.to_csv(path, sep="\t", index=False)
+    elif suffix == ".csv":
+        frame.to_csv(path, index=False)
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif suffix == ".jsonl":
+        frame.to_json(path, orient="records", lines=True)
+    else:
+        frame.to_parquet(path)
+    return str(path)
+
+
+#: The modeling files that save_pretrained copies beside an EA checkpoint (model_classes.py and every sibling
+#: it imports, transitively), for trust_remote_code.
+SAVED_MODELING_FILES = {
+    "model_classes.py",
+    "config_classes.py",
+    "architectures.py",
+    "attach.py",
+    "attention.py",
+    "chain.py",
+    "convolution.py",
+    "echo.py",
+    "evolution.py",
+    "history.py",
+    "masks.py",
+    "methods.py",
+    "settings.py",
+}
+
+
+# Small checkpoints and data files for end-to-end runs ------------------------------------------------------
+
+
+def tiny_checkpoint(model_type, tokenizer, directory, num_labels):
+    """A tiny random model of ``model_type`` that reads MiniLM's tokenizer, saved with it."""
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.sep_token_id, "num_labels": num_labels}
+    overrides = {"vocab_size": len(tokenizer), **special}
+    if model_type == "t5":  # the classification head pools at the last EOS ([SEP] here)
+        overrides["decoder_start_token_id"] = tokenizer.pad_token_id
+    if model_type == "roberta":
+        overrides |= {"type_vocab_size": 2, "max_position_embeddings": 160}
+    model = tiny_model(model_type, transformers.AutoModelForSequenceClassification, **overrides)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_ts(path, series, labels, regression=False):
+    """A UEA/UCR .ts file of series [T, C] of varying length."""
+    header = [
+        "@problemName synthetic",
+        "@timeStamps false",
+        "@missing false",
+        "@univariate false",
+        f"@dimensions {series[0].shape[1]}",
+        "@equalLength false",
+        "@targetLabel true" if regression else f"@classLabel true {' '.join(sorted(set(labels)))}",
+        "@data",
+    ]
+    rows = [
+        ":".join(",".join(f"{v:.6f}" for v in one[:, c]) for c in range(one.shape[1])) + f":{label}"
+        for one, label in zip(series, labels, strict=True)
+    ]
+    path.write_text("\n".join(header + rows) + "\n")
+    return str(path)
+
+
+def tiny_vit_checkpoint(directory):
+    """A tiny random ViT (16 px images, patch 4, 10 classes) with its image processor."""
+    tiny_model("vit", transformers.AutoModelForImageClassification, num_labels=10).save_pretrained(directory)
+    transformers.ViTImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(directory)
+    return directory
