@@ -238,9 +238,6 @@ class Recipe:
         return {**self.evolution().to_dict(), "decoder": self.ea.decoder, "cross": self.ea.cross}
 
 
-REQUIRED = {"name", "model.name_or_path"}
-
-
 # --------------------------------------------------------------------------------------------------
 # Overrides and type checking
 # --------------------------------------------------------------------------------------------------

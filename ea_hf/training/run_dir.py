@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from ..integrations.peft import ADAPTER_CONFIG
 from ..modeling.settings import EvolvingAttentionSettings
 from .recipe import Recipe, recipe_from_dict
 from .task_kind import get_task_kind
@@ -29,7 +30,6 @@ RECIPE_FILE = "recipe.yaml"
 EVAL_DIR = "eval"
 PRETRAINED_DIR = "pretrained"
 CONFIG_FILE = "config.json"
-ADAPTER_CONFIG = "adapter_config.json"
 
 #: ea_hf 0.1 wrote every kind's data fields and a ``pretrain`` section into each run's recipe.yaml; a kind's
 #: schema now has only its own. These keys are dropped where the run's kind does not have them.

@@ -62,7 +62,7 @@ def training_arguments(recipe: Recipe, run_dir: Path) -> transformers.TrainingAr
         # A float below 1 is a ratio of the total steps.
         warmup_steps=train.warmup_steps or train.warmup_ratio,
         lr_scheduler_type=train.lr_scheduler,
-        optim="sgd" if train.optimizer == "sgd" else "adamw_torch",  # radam: see prepare()
+        optim="sgd" if train.optimizer == "sgd" else "adamw_torch",  # radam: see optimizer_override
         optim_args=f"momentum={train.momentum}" if train.optimizer == "sgd" else None,
         weight_decay=train.weight_decay,
         adam_epsilon=train.adam_epsilon,
