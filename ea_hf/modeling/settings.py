@@ -126,6 +126,22 @@ class EvolvingAttentionSettings:
         return cls(alpha=alpha, beta=beta, method=method, **fields)
 
     @classmethod
+    def from_authors_code(cls, alpha: float, beta: float, **fields: Any) -> EvolvingAttentionSettings:
+        """Settings from the ``alpha`` and ``beta`` of the authors' released code (pkuyym/EvolvingAttention: the
+        TF EA-ResNet and the PyTorch EA-DC-Transformer), which names them the other way round from the TPAMI
+        paper's equations that ea_hf follows: there ``beta`` mixes in the previous layer's map
+        (``(1 - beta) * logits + beta * prev``) and ``alpha`` weighs the convolution branch
+        (``alpha * conv + (1 - alpha) * mixed``). So their ``beta`` is ea_hf's ``alpha`` and their ``alpha`` is
+        ea_hf's ``beta``.
+
+        Example:
+            >>> s = EvolvingAttentionSettings.from_authors_code(alpha=0.9, beta=0.1)  # their naming
+            >>> s.alpha, s.beta  # the paper's (and ea_hf's) naming
+            (0.1, 0.9)
+        """
+        return cls.for_method("conv", alpha=beta, beta=alpha, **fields)
+
+    @classmethod
     def from_arguments(cls, *args: Any, **fields: Any) -> EvolvingAttentionSettings:
         """Settings from arguments in field order (``alpha, beta, kernel_size, layers, init, ...``) and by
         name, as :func:`ea_hf.patch` takes them; ``None`` for a method-dependent field means its default.

@@ -6,11 +6,13 @@ import dataclasses
 import inspect
 
 import pytest
+import torch
 from testing import tiny_model
 
 import ea_hf
 from ea_hf.cli import add_settings_arguments, build_parser, settings_from_arguments
 from ea_hf.hub.cards import settings_table
+from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.settings import METHOD_DEPENDENT, EvolvingAttentionSettings
 from ea_hf.training.recipe import EASection, ea_section_class, recipe_from_dict
 
@@ -98,3 +100,20 @@ def test_recipes_merge_the_decoder_and_cross_settings_as_patch_does():
     patched = ea_hf.patch(tiny_model("t5"), **recipe.ea_settings())
     assert set(patched.config.evolving_attention) == {"encoder", "cross"}
     assert patched.config.evolving_attention["cross"]["beta"] == 0.5
+
+
+def test_settings_from_the_authors_code_swap_alpha_and_beta_into_the_papers_naming():
+    """The authors' code mixes the previous map with *beta* and weighs the convolution with *alpha*; written
+    here from their formula (with ReLU, as in the paper, where their PyTorch code has LeakyReLU)."""
+    their_alpha, their_beta = 0.7, 0.25
+    settings = EvolvingAttentionSettings.from_authors_code(alpha=their_alpha, beta=their_beta, kernel_size=3)
+    assert (settings.alpha, settings.beta, settings.kernel_size) == (their_beta, their_alpha, 3)
+    torch.manual_seed(0)
+    layer = AttentionMapEvolution(2, alpha=settings.alpha, beta=settings.beta, kernel_size=3, position=1, previous=0)
+    logits, previous = torch.randn(1, 2, 5, 5, dtype=torch.float64), torch.randn(1, 2, 5, 5, dtype=torch.float64)
+    layer = layer.double()
+    mixed = (1 - their_beta) * logits + their_beta * previous  # their att_matrix
+    convolved = torch.relu(torch.nn.functional.conv2d(mixed, layer.weight, layer.bias, padding=1))
+    theirs = their_alpha * convolved + (1 - their_alpha) * mixed
+    ours = layer.reference(logits, None, {("encoder", 0): previous})
+    assert (ours - theirs).abs().max().item() <= 1e-12
