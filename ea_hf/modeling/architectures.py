@@ -44,6 +44,9 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "camembert": ArchitectureSpec(("CamembertSelfAttention",)),
     "electra": ArchitectureSpec(("ElectraSelfAttention",)),
     "distilbert": ArchitectureSpec(("DistilBertSelfAttention",), num_heads_attribute="n_heads"),
+    # Local (sliding-window) and global layers form one chain; a local layer's mask removes the entries outside
+    # its window, so its convolution never reads them (see masks.py).
+    "modernbert": ArchitectureSpec(("ModernBertAttention",), num_heads_attribute="config.num_attention_heads"),
     "vit": ArchitectureSpec(("ViTAttention",)),
     "deit": ArchitectureSpec(("DeiTAttention",)),
     "t5": ArchitectureSpec(("T5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),

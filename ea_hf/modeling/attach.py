@@ -8,6 +8,7 @@ transformers and sibling files (single-dot relative imports).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping
 
 from torch import nn
@@ -133,10 +134,10 @@ def attach_evolution(
             if chosen.layers is not None and site.layer not in chosen.layers:
                 continue
             reference = next(site.module.parameters())
-            num_heads = getattr(site.module, spec.num_heads_attribute)
+            num_heads = operator.attrgetter(spec.num_heads_attribute)(site.module)
             where = {"role": site.role, "position": site.layer, "previous": previous}
             where |= {"device": reference.device, "dtype": reference.dtype}
-            head_dim = query_projection(site.module).out_features // num_heads
+            head_dim = getattr(site.module, "head_dim", None) or query_projection(site.module).out_features // num_heads
             evolution = EVOLUTION_METHODS[chosen.method].from_settings(chosen, num_heads, head_dim, **where)
             setattr(site.module, MODULE_ATTRIBUTE, evolution)
             if evolution.causal:

@@ -200,6 +200,7 @@ def test_checkpoints_load_without_ea_hf_through_trust_remote_code(tmp_path):
         ("bert", "AutoModelForSequenceClassification"),
         ("vit", "AutoModelForImageClassification"),
         ("distilbert", "AutoModel"),
+        ("modernbert", "AutoModelForMaskedLM"),
         ("t5", "AutoModelForSeq2SeqLM"),
         ("marian", "AutoModelForSeq2SeqLM"),
     ]:

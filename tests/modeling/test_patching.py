@@ -12,6 +12,7 @@ from testing import (
     NUM_LAYERS,
     SENTENCES,
     TEXT_ARCHITECTURES,
+    defined,
     first_output,
     max_abs_diff,
     patched_model,
@@ -20,6 +21,7 @@ from testing import (
 )
 
 import ea_hf
+from ea_hf.modeling.masks import convolution_mask
 
 EXACT = 1e-5
 PADDING = 1e-4
@@ -57,7 +59,7 @@ def test_exactness_and_its_converse_on_every_architecture(model_type):
         reference = first_output(model(**inputs))
         exact = first_output(ea_hf.patch(model, alpha=0.0, beta=0.0)(**inputs))
         evolved = first_output(ea_hf.patch(ea_hf.unpatch(model), alpha=0.4, beta=0.4)(**inputs))
-    assert max_abs_diff(exact, reference) <= EXACT
+    assert max_abs_diff(*(defined(model_type, inputs, out) for out in (exact, reference))) <= EXACT
     # With alpha, beta > 0 the model really computes something else (100x the fp32 noise above).
     assert max_abs_diff(evolved, reference) > 1e-5
 
@@ -351,3 +353,32 @@ def test_init_schemes_are_deterministic_and_distinct():
     kaiming = first_weight("kaiming_uniform", 0)
     bound = 1 / (NUM_HEADS * 9) ** 0.5  # torch's Conv2d default: kaiming_uniform(a=sqrt(5)) -> U(-b, b)
     assert kaiming.weight.abs().max() <= bound and kaiming.weight.abs().max() > 0.8 * bound
+
+
+def test_modernberts_local_layers_never_convolve_entries_outside_their_window():
+    """The mask transformers hands a local (sliding-window) layer removes the entries outside the window, so the
+    evolution zeroes them before the convolution: changing them leaves every entry inside the window, and the
+    previous layer's logits the chain passes on there, bit-identical. Local and global layers form one chain."""
+    model = patched_model("modernbert", METHODS["conv"])
+    local = model.layers[1].attn  # layer_types: full, sliding (2 tokens each side), full
+    captured = {}
+    local.register_forward_pre_hook(lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True)
+    inputs = tiny_inputs("modernbert", batch=2, length=11)
+    with torch.no_grad():
+        model(**inputs)
+    allowed = captured["attention_mask"]
+    assert allowed.dtype == torch.bool
+    rows, columns = torch.meshgrid(torch.arange(11), torch.arange(11), indexing="ij")
+    assert not allowed[..., (rows - columns).abs() > 2].any()  # the window is in the mask
+    assert allowed[0, 0][(rows - columns).abs() <= 2].all()  # the first example has no padding
+    evolution = local.evolving_attention
+    assert evolution.previous == 0 and model.layers[2].attn.evolving_attention.previous == 1
+    conv_mask = convolution_mask("encoder", allowed, 11, 0, {})
+    scores = torch.randn(2, NUM_HEADS, 11, 11, generator=torch.Generator().manual_seed(3))
+    previous = torch.randn(2, NUM_HEADS, 11, 11, generator=torch.Generator().manual_seed(4))
+    outside = torch.randn(scores.shape, generator=torch.Generator().manual_seed(5)) * ~conv_mask
+    with torch.no_grad():
+        one = evolution(scores.clone(), conv_mask, {("encoder", 0): previous})
+        other = evolution((scores + outside).clone(), conv_mask, {("encoder", 0): previous + outside})
+    assert outside.abs().sum() > 0
+    assert torch.equal(one[conv_mask.expand_as(one)], other[conv_mask.expand_as(other)])
