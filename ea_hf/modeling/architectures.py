@@ -11,8 +11,10 @@ transformers and sibling files (single-dot relative imports).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
+import transformers
 from torch import nn
 
 
@@ -27,11 +29,15 @@ class ArchitectureSpec:
         cross_attention: attribute names under which its layers hold encoder-decoder attention modules.
             Other attention modules are decoder self-attention if their ``is_causal`` is true, else encoder
             self-attention.
+        since: the oldest transformers release whose version of the architecture ea_hf supports (its
+            attention goes through ``AttentionInterface`` with the full logits), when newer than the oldest
+            release ea_hf supports at all; ``patch`` refuses older ones and names this release.
     """
 
     attention: tuple[str, ...]
     num_heads_attribute: str = "num_attention_heads"
     cross_attention: tuple[str, ...] = ()
+    since: str | None = None
 
 
 _BART_FAMILY: dict[str, Any] = {"num_heads_attribute": "num_heads", "cross_attention": ("encoder_attn",)}
@@ -66,8 +72,21 @@ def supported_model_types() -> list[str]:
     return sorted(ARCHITECTURES)
 
 
+def release(version: str) -> tuple[int, ...]:
+    """A transformers version as numbers to compare (``"5.10.4"`` -> ``(5, 10, 4)``; suffixes such as
+    ``.dev0`` are dropped).
+
+    Example:
+        >>> release("5.9.0") < release("5.10.0.dev0")
+        True
+    """
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
 def architecture_of(model: nn.Module) -> ArchitectureSpec:
-    """The :data:`ARCHITECTURES` entry of a model; ValueError naming the supported ones if it has none."""
+    """The :data:`ARCHITECTURES` entry of a model; ValueError naming the supported ones if it has none, and
+    NotImplementedError naming the release to upgrade to if the installed transformers is older than the
+    entry's ``since``."""
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"Expected a transformers PreTrainedModel, got {type(model).__name__}")
@@ -77,6 +96,12 @@ def architecture_of(model: nn.Module) -> ArchitectureSpec:
         raise ValueError(
             f"Evolving attention does not support model_type {model_type!r} ({type(model).__name__}). "
             f"Supported: {', '.join(supported_model_types())}."
+        )
+    if spec.since is not None and release(transformers.__version__) < release(spec.since):
+        raise NotImplementedError(
+            f"Evolving attention supports {model_type} from transformers {spec.since} on (its attention goes "
+            f"through AttentionInterface there); transformers {transformers.__version__} is installed: "
+            f'pip install "transformers>={spec.since}"'
         )
     return spec
 

@@ -1,5 +1,6 @@
 """ea_hf.patch / unpatch / summary on a real checkpoint and on every supported architecture."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -21,6 +22,7 @@ from testing import (
 )
 
 import ea_hf
+from ea_hf.modeling.architectures import ARCHITECTURES
 from ea_hf.modeling.masks import convolution_mask
 
 EXACT = 1e-5
@@ -382,3 +384,13 @@ def test_modernberts_local_layers_never_convolve_entries_outside_their_window():
         other = evolution((scores + outside).clone(), conv_mask, {("encoder", 0): previous + outside})
     assert outside.abs().sum() > 0
     assert torch.equal(one[conv_mask.expand_as(one)], other[conv_mask.expand_as(other)])
+
+
+def test_a_family_newer_than_the_installed_transformers_is_refused_naming_the_release(monkeypatch):
+    monkeypatch.setitem(ARCHITECTURES, "bert", dataclasses.replace(ARCHITECTURES["bert"], since="5.99.0"))
+    model = tiny_model("bert")
+    with pytest.raises(NotImplementedError, match=r"supports bert from transformers 5\.99\.0 on .* is installed"):
+        ea_hf.patch(model)
+    assert not ea_hf.is_patched(model) and type(model).__name__ == "BertModel"
+    monkeypatch.setitem(ARCHITECTURES, "bert", dataclasses.replace(ARCHITECTURES["bert"], since="5.0.0"))
+    assert ea_hf.is_patched(ea_hf.patch(model))
