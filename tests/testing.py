@@ -146,6 +146,15 @@ def defined(model_type: str, inputs: dict[str, torch.Tensor], output: torch.Tens
     return output[inputs["attention_mask"].bool()]
 
 
+def enable_checkpointing(model, **checkpointing_kwargs) -> None:
+    """Gradient (activation) checkpointing, by the name the installed transformers gives it (5.23 renamed
+    ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing_kwargs or None)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs or None)
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 

@@ -72,8 +72,9 @@ class PatchSummary:
 
 def _register_output_capture(model: PreTrainedModel) -> None:
     # transformers records `output_attentions` & co. per model class, registered in PreTrainedModel.__init__;
-    # a class swapped in afterwards needs the same entry.
-    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+    # a class swapped in afterwards needs the same entry. The registry is keyed by the class's name: a plain
+    # dict before transformers 5.23, a dict that derives the key from the model since.
+    dict.__setitem__(_CAN_RECORD_REGISTRY, str(model.__class__), model._can_record_outputs)
 
 
 def patch(

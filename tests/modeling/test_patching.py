@@ -14,6 +14,7 @@ from testing import (
     SENTENCES,
     TEXT_ARCHITECTURES,
     defined,
+    enable_checkpointing,
     first_output,
     max_abs_diff,
     patched_model,
@@ -197,7 +198,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_type):
             tiny_model(model_type, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), alpha=0.4, beta=0.4
         )
         if checkpointing:
-            model.activation_checkpointing_enable()
+            enable_checkpointing(model)
             assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
         model.train()
         first_output(model(**tiny_inputs(model_type))).pow(2).sum().backward()
@@ -216,7 +217,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_type):
 def test_reentrant_checkpointing_is_refused():
     model = ea_hf.patch(tiny_model("bert"))
     with pytest.raises(ValueError, match="use_reentrant"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        enable_checkpointing(model, use_reentrant=True)
 
 
 def test_output_attentions_are_the_evolved_probabilities():

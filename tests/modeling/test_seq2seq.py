@@ -3,7 +3,16 @@
 import pytest
 import torch
 import transformers
-from testing import NUM_HEADS, NUM_LAYERS, SEQ2SEQ_ARCHITECTURES, VOCAB_SIZE, max_abs_diff, tiny_inputs, tiny_model
+from testing import (
+    NUM_HEADS,
+    NUM_LAYERS,
+    SEQ2SEQ_ARCHITECTURES,
+    VOCAB_SIZE,
+    enable_checkpointing,
+    max_abs_diff,
+    tiny_inputs,
+    tiny_model,
+)
 
 import ea_hf
 from ea_hf.modeling.history import CACHE_ATTRIBUTE, ConvolutionHistory
@@ -319,7 +328,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_type):
     def gradients(checkpointing: bool):
         model = ea_hf.patch(seq2seq_lm(model_type), **EVOLVED)
         if checkpointing:
-            model.activation_checkpointing_enable()
+            enable_checkpointing(model)
         model.train()
         model(**inputs, labels=labels).loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
