@@ -28,7 +28,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from safetensors import safe_open
 
 from ..modeling.patching import summary
-from ..modeling.settings import EvolvingAttentionSettings, unused_fields
+from ..modeling.settings import CONFIG_ATTRIBUTE, EvolvingAttentionSettings, unused_fields
 from ..resources import shipped_dir
 
 CARD_TEMPLATE = shipped_dir("model_cards") / "model_card.md"
@@ -173,13 +173,19 @@ def auto_class_of(config: Mapping[str, Any]) -> str:
     return "AutoModel"
 
 
+def stored_settings(config: Any) -> dict[str, Any]:
+    """The per-role settings a config object holds (``config.evolving_attention``; EA-DC-Transformer's config
+    derives them from its own fields), empty for a plain model."""
+    return dict(getattr(config, CONFIG_ATTRIBUTE, None) or {})
+
+
 def model_card(model: Any, repo_id: str) -> ModelCard:
     """The model card of an EA model in memory (what its ``push_to_hub`` uploads)."""
     config = model.config.to_dict()
     config["architectures"] = [type(model).__name__]  # the config only records it when saved
     return render_card(
         repo_id=repo_id,
-        settings=config.get("evolving_attention") or {},
+        settings=stored_settings(model.config),
         architecture=type(model).__name__,
         auto_class=auto_class_of(config),
         added_parameters=summary(model).added_parameters,

@@ -4,15 +4,14 @@ card (``ea-hf push``). What the card says about the task comes from the run's ta
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import transformers
 from huggingface_hub import CommitInfo, ModelCard
 
 from ..training.models import evolution_settings
-from ..training.run_dir import ADAPTER_CONFIG, CONFIG_FILE, check_finished, read_metrics, read_run_recipe
-from .cards import TaskResults, auto_class_of, evolution_parameters_in, render_card
+from ..training.run_dir import ADAPTER_CONFIG, check_finished, read_metrics, read_run_recipe
+from .cards import TaskResults, auto_class_of, evolution_parameters_in, render_card, stored_settings
 from .upload import publishable_files, upload
 
 
@@ -36,14 +35,12 @@ def run_card(run_dir: str | Path, repo_id: str | None = None) -> ModelCard:
             adapter=True,
             **common,
         )
-    config = json.loads((run_dir / CONFIG_FILE).read_text())
-    # The config object, not the JSON: models whose config holds its EA settings elsewhere (EA-DC-Transformer)
-    # give them as `evolving_attention` too.
-    settings = getattr(transformers.AutoConfig.from_pretrained(run_dir), "evolving_attention", None) or {}
+    config = transformers.AutoConfig.from_pretrained(run_dir)
+    saved = config.to_dict()
     return render_card(
-        settings=settings,
-        architecture=(config.get("architectures") or [config.get("model_type", "")])[0],
-        auto_class=auto_class_of(config),
+        settings=stored_settings(config),
+        architecture=(saved.get("architectures") or [saved.get("model_type", "")])[0],
+        auto_class=auto_class_of(saved),
         **common,
     )
 
