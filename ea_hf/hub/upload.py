@@ -30,7 +30,6 @@ class HubError(OSError):
     """An upload to the Hub that failed; the message says why. Local files are never changed."""
 
 
-
 def publishable_files(folder: Path) -> dict[str, Path]:
     """The files of a run (or save) directory that make up the published model, by path in the repository."""
     files = {}

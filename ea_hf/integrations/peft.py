@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from ..modeling.attach import find_attention_sites, is_patched
 from ..modeling.attention import MODULE_ATTRIBUTE
@@ -50,12 +51,13 @@ def _import_peft():
 
 
 def attention_projections(model: nn.Module) -> list[str]:
-    """Full names of the linear layers inside the model's attention modules (query, key, value, output)."""
+    """Full names of the linear layers inside the model's attention modules (query, key, value, output; GPT-2's
+    are transformers ``Conv1D`` layers, linear layers with the weight transposed)."""
     return [
         f"{site.name}.{name}"
         for site in find_attention_sites(model)
         for name, module in site.module.named_modules()
-        if isinstance(module, nn.Linear)
+        if isinstance(module, (nn.Linear, Conv1D))
     ]
 
 
@@ -85,12 +87,17 @@ def lora_config(
         if isinstance(getattr(model, name, None), nn.Module)
         and not (task_type == "SEQ_CLS" and name in _PEFT_SEQ_CLS_HEADS)
     ]
+    if target_modules is None:
+        target_modules = attention_projections(model)
+    # peft must know that Conv1D weights are stored transposed (it would otherwise guess so, with a warning).
+    modules = dict(model.named_modules())
+    kwargs.setdefault("fan_in_fan_out", any(isinstance(modules.get(name), Conv1D) for name in target_modules))
     return peft.LoraConfig(
         task_type=task_type,
         r=r,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
-        target_modules=target_modules if target_modules is not None else attention_projections(model),
+        target_modules=target_modules,
         modules_to_save=modules_to_save,
         **kwargs,
     )

@@ -40,6 +40,7 @@ class ArchitectureSpec:
     since: str | None = None
 
 
+_FROM_CONFIG = "config.num_attention_heads"
 _BART_FAMILY: dict[str, Any] = {"num_heads_attribute": "num_heads", "cross_attention": ("encoder_attn",)}
 
 #: Supported architectures, by transformers ``model_type``. All share the attention-interface path.
@@ -52,13 +53,30 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "distilbert": ArchitectureSpec(("DistilBertSelfAttention",), num_heads_attribute="n_heads"),
     # Local (sliding-window) and global layers form one chain; a local layer's mask removes the entries outside
     # its window, so its convolution never reads them (see masks.py).
-    "modernbert": ArchitectureSpec(("ModernBertAttention",), num_heads_attribute="config.num_attention_heads"),
+    "modernbert": ArchitectureSpec(("ModernBertAttention",), num_heads_attribute=_FROM_CONFIG),
     "vit": ArchitectureSpec(("ViTAttention",)),
     "deit": ArchitectureSpec(("DeiTAttention",)),
     "t5": ArchitectureSpec(("T5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
     "bart": ArchitectureSpec(("BartAttention",), **_BART_FAMILY),
     "mbart": ArchitectureSpec(("MBartAttention",), **_BART_FAMILY),
     "marian": ArchitectureSpec(("MarianAttention",), **_BART_FAMILY),
+    # Decoder-only language models: one causal chain. Grouped-query attention still has a map per query head,
+    # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma, Phi-3)
+    # mask the entries outside their window, which the convolution then never reads; Gemma 2's soft-capping
+    # applies to S before the evolution (see attention.py).
+    "gpt2": ArchitectureSpec(("GPT2Attention",), num_heads_attribute="num_heads", cross_attention=("crossattention",)),
+    **{
+        model_type: ArchitectureSpec((f"{name}Attention",), num_heads_attribute=_FROM_CONFIG)
+        for model_type, name in {
+            "llama": "Llama",
+            "mistral": "Mistral",
+            "qwen2": "Qwen2",
+            "qwen3": "Qwen3",
+            "gemma2": "Gemma2",
+            "gemma3_text": "Gemma3",
+            "phi3": "Phi3",
+        }.items()
+    },
 }
 
 
@@ -104,5 +122,3 @@ def architecture_of(model: nn.Module) -> ArchitectureSpec:
             f'pip install "transformers>={spec.since}"'
         )
     return spec
-
-

@@ -30,14 +30,21 @@ class AttentionSite:
     stack_name: str
     layer: int
     role: str
+    #: The layer's attention type (``config.layer_types``: full or sliding-window) where it splits the chain.
+    chain: str | None = None
 
 
 def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
     """Every attention module of a supported model, with its stack, layer index and role.
 
     An attention module at ``<stack>.<list>.<i>.<...>`` is layer ``i`` of ``<stack>``.
+
+    Decoder self-attention layers of different attention types (``config.layer_types``: Gemma, Qwen) form
+    separate chains: during cached decoding a sliding-window layer's map covers only the keys its cache still
+    holds, so it cannot feed a full-attention layer the map that layer would get in one full pass.
     """
     spec = architecture_of(model)
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None)
     sites = []
     for name, module in model.named_modules():
         if type(module).__name__ not in spec.attention:
@@ -54,7 +61,9 @@ def find_attention_sites(model: nn.Module) -> list[AttentionSite]:
             role = "decoder"
         else:
             role = "encoder"
-        sites.append(AttentionSite(name, module, stack_name, int(parts[index]), role))
+        layer = int(parts[index])
+        chain = layer_types[layer] if role == "decoder" and layer_types and layer < len(layer_types) else None
+        sites.append(AttentionSite(name, module, stack_name, layer, role, chain))
     if not sites:
         raise ValueError(f"Found no attention modules ({', '.join(spec.attention)}) in {type(model).__name__}")
     return sites
@@ -76,17 +85,10 @@ def plan_evolution(
     """Check that ``settings`` fit ``model`` and return, per layer stack, its settings and sites in layer order,
     without touching the model.
 
-    Raises ValueError (or NotImplementedError for decoders) naming every problem at once.
+    Raises ValueError naming every problem at once.
     """
     sites = find_attention_sites(model)
     problems = []
-    if not any(site.role == "encoder" for site in sites):
-        decoder = next(site.name for site in sites if site.role != "encoder")
-        raise NotImplementedError(
-            f"{type(model).__name__} is a decoder-only model ({decoder}, ...); evolving attention supports "
-            "encoder and encoder-decoder models. Use an encoder configuration (is_decoder=False) or a "
-            "sequence-to-sequence model."
-        )
     if not settings:
         problems.append("no attention role is left to patch")
     unknown_roles = sorted(set(settings) - {s.role for s in sites})
@@ -129,20 +131,20 @@ def attach_evolution(
         plan = plan_evolution(model, settings)
     spec = architecture_of(model)
     for chosen, stack_sites in plan:
-        previous = None
+        previous: dict[str | None, int] = {}  # the last evolving layer of each chain in this stack
         for site in stack_sites:
             if chosen.layers is not None and site.layer not in chosen.layers:
                 continue
             reference = next(site.module.parameters())
             num_heads = operator.attrgetter(spec.num_heads_attribute)(site.module)
-            where = {"role": site.role, "position": site.layer, "previous": previous}
+            where = {"role": site.role, "position": site.layer, "previous": previous.get(site.chain)}
             where |= {"device": reference.device, "dtype": reference.dtype}
             head_dim = getattr(site.module, "head_dim", None) or query_projection(site.module).out_features // num_heads
             evolution = EVOLUTION_METHODS[chosen.method].from_settings(chosen, num_heads, head_dim, **where)
             setattr(site.module, MODULE_ATTRIBUTE, evolution)
             if evolution.causal:
                 site.module.register_forward_pre_hook(pass_cache, with_kwargs=True)
-            previous = site.layer
+            previous[site.chain] = site.layer
         stack = model.get_submodule(stack_sites[0].stack_name)
         if not any(hook is start_chain for hook in stack._forward_pre_hooks.values()):
             stack.register_forward_pre_hook(start_chain, with_kwargs=True)

@@ -41,15 +41,26 @@ def evolving_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     position_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers attention function (``attn_implementation="evolving_attention"``).
 
     Attention modules without an :class:`AttentionMapEvolution` (layers or attention roles left out of the patch) get
     plain eager attention, so a whole model can use this one implementation. ``position_bias`` (T5's relative
-    position bias) is part of the logits S that evolve. Returns the output [B, Q, H, D] and the (evolved)
-    attention probabilities [B, H, Q, K].
+    position bias) is part of the logits S that evolve. Grouped-query attention (fewer key/value heads than
+    query heads) repeats the keys and values per query head, as eager attention does: the maps, and so the
+    convolution's channels, are per query head.
+
+    ``softcap`` (Gemma 2's logit soft-capping, ``tanh(S / cap) * cap``) applies to S before the evolution:
+    S is then exactly the pretrained layer's logits, the maps passed between layers stay in the capped range,
+    and alpha = beta = 0 reproduces the model. The evolved logits themselves are not capped again (the
+    convolution branch may leave the range; its weights are trained with the model). Returns the output
+    [B, Q, H, D] and the (evolved) attention probabilities [B, H, Q, K].
     """
+    if key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     if scaling is None:
         scaling = query.size(-1) ** -0.5
     if math.frexp(scaling)[0] == 0.5:
@@ -60,6 +71,8 @@ def evolving_attention_forward(
         scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)
     if position_bias is not None:
         scores = scores + position_bias
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     allowed, additive = split_attention_mask(attention_mask)
     evolution = getattr(module, MODULE_ATTRIBUTE, None)
     if evolution is not None:
@@ -126,7 +139,6 @@ def sole_storage_user(tensor: torch.Tensor) -> bool:
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     # untyped_storage() holds one more reference while it is being counted.
     return use_count is not None and tensor._base is None and use_count(tensor.untyped_storage()._cdata) == 2
-
 
 
 def pass_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:

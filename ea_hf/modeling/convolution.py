@@ -174,9 +174,9 @@ def evolve_step(
     if previous is not None:
         attention_in = torch.lerp(scores, previous, alpha) if for_backward else scores.lerp_(previous, alpha)
     conv_input = attention_in if keep is None else attention_in * keep
-    rows_before = 0
+    rows_before = columns_before = 0
     if history is not None:
-        conv_input, rows_before = history.extend(conv_input, context_rows)
+        conv_input, rows_before, columns_before = history.extend(conv_input, context_rows)
     # Padding `context_rows` on both sides: a causal kernel (its last row at the centre) then produces
     # `context_rows` extra rows at the bottom, and output row i reads input rows i - c .. i. Autocast off:
     # it would convolve in half precision.
@@ -184,7 +184,8 @@ def evolve_step(
         padding = (context_rows, scaled_weight.shape[-1] // 2)
         convolved = F.conv2d(conv_input, scaled_weight, scaled_bias, padding=padding)
     if causal:
-        convolved = convolved[..., rows_before : rows_before + scores.shape[-2], :]
+        rows, columns = scores.shape[-2:]
+        convolved = convolved[..., rows_before : rows_before + rows, columns_before : columns_before + columns]
     convolved = convolved.relu_()
     if for_backward:
         return torch.add(convolved, attention_in, alpha=blend), convolved
@@ -295,4 +296,3 @@ def convolution_weight_grad(
                 input_rows = conv_input[b, :, in_rows, in_cols].transpose(0, 1)  # [rows, H_in, cols], a view
                 grad_weight[:, :, dy, dx] += torch.bmm(grad_rows, input_rows.transpose(1, 2)).sum(0)
     return grad_weight
-

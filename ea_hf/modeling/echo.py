@@ -144,5 +144,3 @@ class EchoAttention(AttentionMapEvolution):
             logits = logits + echo
             previous_gate = gates[step]
         return logits
-
-

@@ -161,8 +161,9 @@ class AttentionMapEvolution(nn.Module):
     def key(self) -> tuple[str, int]:
         return (self.role, self.position)
 
-    def convolve(self, conv_input: torch.Tensor, rows_before: int = 0) -> torch.Tensor:
-        """ReLU(Conv(A_in)) for the rows of ``conv_input`` after its first ``rows_before`` (earlier, cached) rows.
+    def convolve(self, conv_input: torch.Tensor, rows_before: int = 0, columns_before: int = 0) -> torch.Tensor:
+        """ReLU(Conv(A_in)) for the rows of ``conv_input`` after its first ``rows_before`` (earlier, cached) rows
+        and the columns after its first ``columns_before`` (keys that a sliding window's cache has dropped).
 
         ``conv_input`` must already have its masked entries zeroed; outside the map the convolution sees zeros.
         This is the plain formulation; :meth:`forward` computes the same through :class:`EvolveConvolution`.
@@ -173,7 +174,7 @@ class AttentionMapEvolution(nn.Module):
         # Zero rows above the first one stand for the rows that do not exist yet (or are not cached);
         # with the kernel's bottom row at the centre, output row i reads input rows i - c .. i.
         padded = F.pad(conv_input, (c, c, c - rows_before, 0))
-        return F.relu(F.conv2d(padded, self.weight, self.bias))
+        return F.relu(F.conv2d(padded, self.weight, self.bias))[..., columns_before:]
 
     def previous_logits(self, chain: dict[Any, Any] | None) -> torch.Tensor | None:
         """A_logit of the previous layer of this chain (``None`` for the first layer or when alpha is 0)."""
@@ -211,10 +212,10 @@ class AttentionMapEvolution(nn.Module):
         logits = attention_in
         if self.beta != 0.0:
             conv_input = attention_in if conv_mask is None else attention_in.masked_fill(~conv_mask, 0.0)
-            rows_before = 0
+            rows_before = columns_before = 0
             if history is not None:
-                conv_input, rows_before = history.extend(conv_input, self.context_rows)
-            convolved = self.convolve(conv_input, rows_before)
+                conv_input, rows_before, columns_before = history.extend(conv_input, self.context_rows)
+            convolved = self.convolve(conv_input, rows_before, columns_before)
             logits = self.beta * convolved + (1.0 - self.beta) * attention_in
         chain[self.key] = logits
         return logits
@@ -268,4 +269,3 @@ class AttentionMapEvolution(nn.Module):
             chain[SPARE_KEY] = previous
         chain[self.key] = logits
         return logits
-

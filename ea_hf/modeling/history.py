@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .masks import first_key_position
+
 #: Attribute of a transformers ``Cache`` object under which the convolution histories of its model are kept.
 CACHE_ATTRIBUTE = "evolving_attention_histories"
 
@@ -31,24 +33,42 @@ class ConvolutionHistory:
 
     rows: torch.Tensor | None = None
     seen: int = 0
+    #: Sequence position of the first key (column) of ``rows``.
+    first_key: int = 0
+    #: Whether the keys are the decoded sequence itself (self-attention, whose sliding-window caches drop old
+    #: keys) rather than a fixed source (cross attention).
+    self_attention: bool = True
 
-    def extend(self, new_rows: torch.Tensor, keep: int) -> tuple[torch.Tensor, int]:
-        """Return (earlier rows + ``new_rows``, number of earlier rows) and remember the last ``keep`` rows."""
+    def extend(self, new_rows: torch.Tensor, keep: int) -> tuple[torch.Tensor, int, int]:
+        """Return (earlier rows + ``new_rows``, number of earlier rows, number of columns before the first key
+        of ``new_rows``) and remember the last ``keep`` rows.
+
+        Columns are aligned by sequence position: a sliding-window layer's cache drops its oldest keys, so the
+        new rows may start at a later key than the kept ones. The earlier rows keep the columns a convolution
+        of ``keep`` columns either side may still read; where one side has no entry the other's key is masked
+        (a later key for an earlier row, a key outside the window for a new row), which the convolution reads
+        as zero, as it would in one full pass.
+        """
+        query_length, key_length = new_rows.shape[-2:]
+        first_key = first_key_position(query_length, key_length, self.seen) if self.self_attention else 0
         earlier = self.rows
         if earlier is None:
-            full = new_rows
+            full, left = new_rows, first_key
         else:
             if earlier.shape[0] != new_rows.shape[0]:
                 raise RuntimeError(
                     f"Evolving attention cache holds rows for batch size {earlier.shape[0]}, but the step has "
                     f"batch size {new_rows.shape[0]}; the KV cache was resized outside generate()."
                 )
-            # Keys added since then are later tokens, masked (zero) in the earlier rows.
-            earlier = F.pad(earlier, (0, new_rows.shape[-1] - earlier.shape[-1]))
-            full = torch.cat([earlier, new_rows], dim=-2)
-        self.rows = full[..., full.shape[-2] - min(keep, full.shape[-2]) :, :]
-        self.seen += new_rows.shape[-2]
-        return full, 0 if earlier is None else earlier.shape[-2]
+            left = min(self.first_key, first_key)
+            right = first_key + key_length - (self.first_key + earlier.shape[-1])
+            earlier = F.pad(earlier, (self.first_key - left, right))
+            full = torch.cat([earlier, F.pad(new_rows, (first_key - left, 0))], dim=-2)
+        kept_from = max(left, first_key - keep)
+        self.rows = full[..., full.shape[-2] - min(keep, full.shape[-2]) :, kept_from - left :]
+        self.first_key = kept_from
+        self.seen += query_length
+        return full, 0 if earlier is None else earlier.shape[-2], first_key - left
 
 
 def convolution_history(cache: Any, key: tuple[str, int], past: int) -> ConvolutionHistory:
@@ -59,7 +79,7 @@ def convolution_history(cache: Any, key: tuple[str, int], past: int) -> Convolut
     histories = cache.__dict__.setdefault(CACHE_ATTRIBUTE, {})
     history = histories.get(key)
     if past <= 0:
-        history = histories[key] = ConvolutionHistory()
+        history = histories[key] = ConvolutionHistory(self_attention=key[0] != "cross")
     elif history is None or history.seen != past:
         seen = 0 if history is None else history.seen
         raise RuntimeError(
@@ -75,5 +95,3 @@ def reorder_convolution_histories(cache: Any, beam_idx: torch.LongTensor) -> Non
     for history in cache.__dict__.get(CACHE_ATTRIBUTE, {}).values():
         if history.rows is not None:
             history.rows = history.rows.index_select(0, beam_idx.to(history.rows.device))
-
-

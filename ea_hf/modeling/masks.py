@@ -29,19 +29,35 @@ def split_attention_mask(
     return attention_mask > MASKED_LOGIT_THRESHOLD, attention_mask
 
 
+def first_key_position(query_length: int, key_length: int, past: int) -> int:
+    """The position in the sequence of the first key of a self-attention map.
+
+    Every KV cache hands attention the keys in order, ending with the newest query's: all of them (dynamic
+    caches), a static buffer whose unfilled tail the mask removes (static caches, first key 0), or only the
+    last ones (sliding-window layers once their window is full).
+
+    Example:
+        >>> first_key_position(1, 4, past=9)  # a 4-token window after 9 cached tokens: keys 6..9
+        6
+    """
+    return max(0, past + query_length - key_length)
+
+
 def real_query_rows(allowed: torch.Tensor, query_length: int, past: int = 0) -> torch.Tensor:
     """[B, 1 or H, Q, 1]: True for query rows of real (non-padding) tokens in self-attention.
 
-    Queries and keys are the same tokens, query row i being key ``past + i``; a token is real exactly when it
-    may attend to itself.
+    Queries and keys are the same tokens, query row i being the key at sequence position ``past + i``; a token
+    is real exactly when it may attend to itself.
     """
-    allowed = allowed.expand(*allowed.shape[:-2], query_length, allowed.shape[-1])
-    if allowed.shape[-1] < past + query_length:
+    key_length = allowed.shape[-1]
+    allowed = allowed.expand(*allowed.shape[:-2], query_length, key_length)
+    if key_length < query_length:
         raise NotImplementedError(
             "Evolving self-attention needs every query among the keys; "
-            f"got {query_length} queries after {past} cached tokens over {allowed.shape[-1]} keys."
+            f"got {query_length} queries after {past} cached tokens over {key_length} keys."
         )
-    return torch.diagonal(allowed, offset=past, dim1=-2, dim2=-1).unsqueeze(-1)
+    offset = past - first_key_position(query_length, key_length, past)
+    return torch.diagonal(allowed, offset=offset, dim1=-2, dim2=-1).unsqueeze(-1)
 
 
 def self_attention_conv_mask(allowed: torch.Tensor | None, query_length: int, past: int = 0) -> torch.Tensor | None:
@@ -70,7 +86,6 @@ def convolution_mask(
     return allowed & rows
 
 
-
 def evolving_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """Mask function for ``evolving_attention``: sdpa's boolean mask, never skipped for causal models.
 
@@ -80,4 +95,3 @@ def evolving_attention_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """
     kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
-

@@ -64,7 +64,9 @@ def auto_class_names(model_type: str) -> dict[str, str]:
         class_name = auto_class._model_mapping._model_mapping.get(model_type)
         if isinstance(class_name, (list, tuple)):  # several candidates (e.g. DeiT with/without teacher)
             class_name = class_name[0] if class_name else None
-        if isinstance(class_name, str):
+        # Some Auto classes map a model_type to a class of another architecture built on its config
+        # (AutoModelForDecision: qwen2 -> JevForDecision); only the architecture's own classes have EA twins.
+        if isinstance(class_name, str) and getattr(transformers, class_name).config_class.model_type == model_type:
             names[auto_name] = class_name
     return names
 
@@ -113,6 +115,15 @@ class EvolvingAttentionModelMixin:
             past_key_values.reorder_cache(beam_idx)
         reorder_convolution_histories(past_key_values, beam_idx)
         return past_key_values
+
+    def _assisted_decoding(self, *args: Any, **kwargs: Any) -> Any:
+        # Assisted (speculative) decoding crops the KV cache back to the accepted tokens; the convolution rows
+        # kept on it would then belong to rejected tokens.
+        raise ValueError(
+            f"{type(self).__name__} does not support assisted decoding (assistant_model, prompt_lookup_num_tokens): "
+            "it crops the KV cache, and evolving attention keeps convolution rows on the cache that cannot be "
+            "cropped with it. Generate without an assistant."
+        )
 
     def push_to_hub(self, repo_id: str, **kwargs: Any) -> Any:
         """Upload the model with its evolving attention model card, and the tokenizer or image processor of

@@ -158,7 +158,8 @@ class EvolvingAttentionSettings:
         unknown = sorted(set(fields) - set(names))
         if twice or unknown:
             raise TypeError(
-                f"evolving-attention settings given twice: {twice}" if twice
+                f"evolving-attention settings given twice: {twice}"
+                if twice
                 else f"unknown evolving-attention setting(s) {unknown}; expected a subset of {names}"
             )
         given |= fields
@@ -240,18 +241,24 @@ class EvolvingAttentionSettings:
 def default_settings(
     roles: list[str] | tuple[str, ...], encoder: EvolvingAttentionSettings | None = None
 ) -> dict[str, EvolvingAttentionSettings]:
-    """The papers' defaults for the attention ``roles`` of a model, derived from the encoder's settings.
+    """The papers' defaults for the attention ``roles`` of a model, derived from the settings of its first chain
+    (``encoder``: patch's own arguments).
 
-    On machine translation the papers use the residual (skip) connection only in the encoder, so the decoder
-    and cross chains start with alpha = 0 and otherwise share the encoder's beta, kernel and init (all layers).
+    The first chain is the encoder's, or in a decoder-only model (no encoder role) the decoder's, and takes the
+    settings as given. On machine translation the papers use the residual (skip) connection only in the
+    encoder, so the decoder and cross chains of an encoder-decoder model start with alpha = 0 and otherwise
+    share the encoder's beta, kernel and init (all layers).
 
     Example:
         >>> default_settings(["encoder", "cross"])["cross"].alpha
         0.0
+        >>> default_settings(["decoder"], EvolvingAttentionSettings(alpha=0.3))["decoder"].alpha
+        0.3
     """
     encoder = encoder or EvolvingAttentionSettings()
+    first = next((role for role in ATTENTION_ROLES if role in roles), None)
     return {
-        role: encoder if role == "encoder" else dataclasses.replace(encoder, alpha=0.0, layers=None)
+        role: encoder if role == first else dataclasses.replace(encoder, alpha=0.0, layers=None)
         for role in ATTENTION_ROLES
         if role in roles
     }
@@ -316,5 +323,3 @@ def settings_from_config(config: PreTrainedConfig) -> dict[str, EvolvingAttentio
             f"config.{CONFIG_ATTRIBUTE} names unknown attention role(s) {unknown}; known: {list(ATTENTION_ROLES)}"
         )
     return {role: EvolvingAttentionSettings.from_dict(value) for role, value in stored.items()}
-
-

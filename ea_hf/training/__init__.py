@@ -14,16 +14,13 @@ __all__ = [
     "RecipeError",
     "TaskKind",
     "compare_runs",
-
     "expand_sweep",
     "get_task_kind",
     "list_recipes",
     "load_recipe",
-
     "read_metrics",
     "read_run_recipe",
     "recipe_from_dict",
     "register_task_kind",
-
     "task_kinds",
 ]

@@ -30,7 +30,11 @@ EXPECTED = {
     "glue": ("text-classification", "text-classification", "GLUE SST-2", ("accuracy",), None),
     "image": ("image-classification", "image-classification", "imagefolder", ("accuracy", "top5_accuracy"), None),
     "timeseries-classification": (
-        None, "time-series-classification", "UEA/UCR JapaneseVowels", ("accuracy",), None
+        None,
+        "time-series-classification",
+        "UEA/UCR JapaneseVowels",
+        ("accuracy",),
+        None,
     ),  # fmt: skip
     "timeseries-regression": (None, "time-series-regression", "local .ts files", ("rmse",), None),
 }
@@ -53,17 +57,28 @@ def runs(tmp_path_factory, digits_folders) -> dict[str, Path]:
         "glue": load_recipe("quickstart", ["data.max_train_samples=32", "data.max_eval_samples=16", *QUICK]),
         "image": load_recipe(
             "vision/ea-vit-base-imagenet",
-            [f"model.name_or_path={tiny_vit_checkpoint(root / 'vit')}", "data.source=local",
-             f"data.files={digits_folders}", "data.image_size=16", "data.max_train_samples=32",
-             "data.max_eval_samples=32", "train.gradient_accumulation_steps=1", *QUICK],
+            [
+                f"model.name_or_path={tiny_vit_checkpoint(root / 'vit')}",
+                "data.source=local",
+                f"data.files={digits_folders}",
+                "data.image_size=16",
+                "data.max_train_samples=32",
+                "data.max_eval_samples=32",
+                "train.gradient_accumulation_steps=1",
+                *QUICK,
+            ],
         ),  # fmt: skip
         "timeseries-classification": load_recipe(
             "timeseries/japanese-vowels",
             ["sweep=null", "variants=null", "pretrain.epochs=0", *TINY_SERIES_MODEL, *QUICK],
         ),
         "timeseries-regression": recipe_from_dict(
-            {"name": "series-regression", "kind": "timeseries", "model": {"config": {"hidden_size": 16}},
-             "data": {"task": "regression", "source": "local", "files": series_files(root)}},
+            {
+                "name": "series-regression",
+                "kind": "timeseries",
+                "model": {"config": {"hidden_size": 16}},
+                "data": {"task": "regression", "source": "local", "files": series_files(root)},
+            },
             [*TINY_SERIES_MODEL, *QUICK],
         ),  # fmt: skip
     }

@@ -284,8 +284,11 @@ def test_query_rows_are_located_among_cached_keys():
     allowed[..., 2] = False
     assert torch.equal(self_attention_conv_mask(allowed, 1, past=5), allowed)  # a real query keeps its row
     assert not self_attention_conv_mask(allowed, 1, past=2).any()  # a padding query reads nothing
-    with pytest.raises(NotImplementedError, match="queries after 6 cached tokens"):
-        self_attention_conv_mask(allowed, 1, past=6)
+    # A sliding-window cache that holds fewer keys than tokens seen: the query is the last key.
+    assert torch.equal(self_attention_conv_mask(allowed, 1, past=6), allowed)
+    assert not self_attention_conv_mask(allowed[..., :3], 1, past=9).any()
+    with pytest.raises(NotImplementedError, match="got 2 queries after 6 cached tokens over 1 keys"):
+        self_attention_conv_mask(allowed[..., :1], 2, past=6)
 
 
 @pytest.fixture(params=["kernel", "torch"])

@@ -13,9 +13,12 @@ import transformers
 from safetensors.torch import load_file
 from testing import (
     ALL_ARCHITECTURES,
+    DECODER_ONLY_ARCHITECTURES,
+    PAD,
     SAVED_MODELING_FILES,
     SEQ2SEQ_ARCHITECTURES,
     first_output,
+    left_padded_inputs,
     max_abs_diff,
     tiny_config,
     tiny_inputs,
@@ -27,15 +30,9 @@ from ea_hf.modeling.model_classes import auto_class_names
 
 SETTINGS = {"alpha": 0.4, "beta": 0.3, "kernel_size": 3, "layers": [0, 2], "init": "xavier_uniform"}
 
-# Every head, the causal-LM ones of encoder architectures included: with is_decoder=False (the tiny configs'
-# default) their attention is bidirectional. Decoder-only models (BartForCausalLM & co.) are refused by
-# ea_hf.patch (tests/test_seq2seq.py).
-HEAD_CASES = [
-    (model_type, head)
-    for model_type in ALL_ARCHITECTURES
-    for head in auto_class_names(model_type)
-    if not (model_type in SEQ2SEQ_ARCHITECTURES and head == "AutoModelForCausalLM")
-]
+# Every head, the causal-LM ones included: for encoder architectures with is_decoder=False (the tiny configs'
+# default) their attention is bidirectional; for the BART family (BartForCausalLM & co.) it is the decoder alone.
+HEAD_CASES = [(model_type, head) for model_type in ALL_ARCHITECTURES for head in auto_class_names(model_type)]
 # Seq2seq heads that read the source only (or derive the decoder inputs from it).
 SOURCE_ONLY_HEADS = {
     "AutoModelForSequenceClassification",
@@ -58,7 +55,7 @@ def test_every_head_saves_and_loads_through_its_auto_class(model_type, head, tmp
     base_class = getattr(transformers, auto_class_names(model_type)[head])
     model = ea_hf.patch(base_class(tiny_config(model_type)).eval(), **SETTINGS)
     inputs = tiny_inputs(model_type, batch=2)
-    if head in SOURCE_ONLY_HEADS:
+    if head in SOURCE_ONLY_HEADS or head == "AutoModelForCausalLM":
         inputs.pop("decoder_input_ids", None)
     if head == "AutoModelForMultipleChoice":  # [batch, choices, length]
         inputs = {name: value[:, None].repeat(1, 2, 1) for name, value in inputs.items()}
@@ -87,7 +84,8 @@ def test_config_json_carries_every_setting_and_safetensors_weights(model_type, t
 
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == f"ea-{model_type}"
-    expected = {"encoder": {**SETTINGS, "method": "conv"}}
+    first_role = "decoder" if model_type in DECODER_ONLY_ARCHITECTURES else "encoder"
+    expected = {first_role: {**SETTINGS, "method": "conv"}}
     if model_type in SEQ2SEQ_ARCHITECTURES:  # the papers' defaults: no skip connection, every layer
         expected |= {kind: {**expected["encoder"], "alpha": 0.0, "layers": None} for kind in ("decoder", "cross")}
     assert config["evolving_attention"] == expected
@@ -101,7 +99,8 @@ def test_config_json_carries_every_setting_and_safetensors_weights(model_type, t
     decoder_layers = 2 * 3 if model_type in SEQ2SEQ_ARCHITECTURES else 0
     assert len(evolution_keys) == 2 * (2 + decoder_layers)
     # Causal kernels keep the rows at and above the centre.
-    shapes = {(4, 4, 3, 3), (4,)} | ({(4, 4, 2, 3)} if decoder_layers else set())
+    shapes = {(4,)} | ({(4, 4, 2, 3)} if decoder_layers or first_role == "decoder" else set())
+    shapes |= set() if first_role == "decoder" else {(4, 4, 3, 3)}
     assert {tuple(weights[k].shape) for k in evolution_keys} == shapes
 
 
@@ -188,14 +187,16 @@ REMOTE_SCRIPT = textwrap.dedent(
         model = getattr(transformers, head).from_pretrained(path, trust_remote_code=True).eval()
         with torch.no_grad():
             output = model(**inputs)[0]
+            generated = model.generate(**inputs, max_new_tokens=5, do_sample=False) if "CausalLM" in head else None
         results[path] = {"class": type(model).__module__ + "." + type(model).__name__, "output": output.tolist()}
+        results[path]["generated"] = None if generated is None else generated.tolist()
     print(json.dumps(results))
     """
 )
 
 
 def test_checkpoints_load_without_ea_hf_through_trust_remote_code(tmp_path):
-    cases, expected = [], {}
+    cases, expected, generated = [], {}, {}
     for model_type, head in [
         ("bert", "AutoModelForSequenceClassification"),
         ("vit", "AutoModelForImageClassification"),
@@ -203,14 +204,22 @@ def test_checkpoints_load_without_ea_hf_through_trust_remote_code(tmp_path):
         ("modernbert", "AutoModelForMaskedLM"),
         ("t5", "AutoModelForSeq2SeqLM"),
         ("marian", "AutoModelForSeq2SeqLM"),
+        ("llama", "AutoModelForCausalLM"),
+        ("gemma2", "AutoModelForCausalLM"),
+        ("gpt2", "AutoModelForCausalLM"),
     ]:
         path = tmp_path / model_type
         model = ea_hf.patch(tiny_model(model_type, getattr(transformers, head)), alpha=0.4, beta=0.4)
+        if head == "AutoModelForCausalLM":
+            model.generation_config.pad_token_id = PAD
         model.save_pretrained(path)
-        inputs = tiny_inputs(model_type, batch=2)
+        decoder_only = model_type in DECODER_ONLY_ARCHITECTURES
+        inputs = left_padded_inputs(batch=2) if decoder_only else tiny_inputs(model_type, batch=2)
         torch.save(inputs, path / "inputs.pt")
         with torch.no_grad():
             expected[str(path)] = first_output(model(**inputs))
+            if head == "AutoModelForCausalLM":  # cached generation too, kept rows included
+                generated[str(path)] = model.generate(**inputs, max_new_tokens=5, do_sample=False).tolist()
         cases.append((str(path), head, str(path / "inputs.pt")))
     env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     run = subprocess.run(
@@ -227,3 +236,5 @@ def test_checkpoints_load_without_ea_hf_through_trust_remote_code(tmp_path):
         assert result["class"].startswith("transformers_modules.") and ".model_classes.EA" in result["class"]
         # Float rounding only: the copy without ea_hf evolves with torch operations, not the CPU kernel.
         assert (torch.tensor(result["output"]) - expected[path]).abs().max() <= 1e-5
+        assert result["generated"] == generated.get(path)
+    assert len(generated) == 3

@@ -4,11 +4,15 @@ import pytest
 import torch
 import transformers
 from testing import (
+    GENERATION_MODES,
     NUM_HEADS,
     NUM_LAYERS,
     SEQ2SEQ_ARCHITECTURES,
     VOCAB_SIZE,
-    enable_checkpointing,
+    cached_and_uncached_generation,
+    checkpointing_changes_no_gradient,
+    generate,
+    generation_gap,
     max_abs_diff,
     tiny_inputs,
     tiny_model,
@@ -96,14 +100,6 @@ def test_decoder_settings_on_an_encoder_model_are_an_error():
         ea_hf.patch(tiny_model("bert"), decoder={"alpha": 0.1})
     encoder_only = transformers.T5EncoderModel(tiny_model("t5").config)
     assert set(ea_hf.patch(encoder_only).config.evolving_attention) == {"encoder"}
-
-
-@pytest.mark.parametrize("model_type", ["bart", "marian"])
-def test_decoder_only_models_are_refused_clearly(model_type):
-    model = tiny_model(model_type, transformers.AutoModelForCausalLM)
-    with pytest.raises(NotImplementedError, match="decoder-only model"):
-        ea_hf.patch(model)
-    assert not ea_hf.is_patched(model)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,36 +195,6 @@ def test_source_padding_changes_nothing(model_type):
 # --------------------------------------------------------------------------------------------------
 
 
-def generate(model, inputs, **kwargs):
-    return model.generate(
-        input_ids=inputs["input_ids"],
-        attention_mask=inputs["attention_mask"],
-        max_new_tokens=8,
-        min_new_tokens=8,
-        no_repeat_ngram_size=1,  # tiny random models like to repeat one token; make every step differ
-        do_sample=False,
-        output_logits=True,
-        output_scores=True,
-        return_dict_in_generate=True,
-        **kwargs,
-    )
-
-
-def generation_gap(a, b) -> float:
-    """Largest difference between the raw logits of two generations; inf if the tokens differ."""
-    if not torch.equal(a.sequences, b.sequences):
-        return float("inf")
-    return max(max_abs_diff(x, y) for x, y in zip(a.logits, b.logits, strict=True))
-
-
-GENERATION_MODES = {
-    "greedy": {"num_beams": 1},
-    "beam": {"num_beams": 3},
-    "greedy-static-cache": {"num_beams": 1, "cache_implementation": "static"},
-    "beam-static-cache": {"num_beams": 3, "cache_implementation": "static"},
-}
-
-
 @pytest.mark.parametrize("mode", GENERATION_MODES)
 @pytest.mark.parametrize("model_type", SEQ2SEQ_ARCHITECTURES)
 def test_generation_with_the_cache_equals_generation_without(model_type, mode):
@@ -236,13 +202,7 @@ def test_generation_with_the_cache_equals_generation_without(model_type, mode):
     inputs = tiny_inputs(model_type)
     settings = GENERATION_MODES[mode]
     with torch.no_grad():
-        cached = generate(model, inputs, use_cache=True, **settings)
-        uncached = generate(model, inputs, use_cache=False, num_beams=settings["num_beams"])
-    assert generation_gap(cached, uncached) <= 1e-5
-    for cached_scores, uncached_scores in zip(cached.scores, uncached.scores, strict=True):
-        torch.testing.assert_close(cached_scores, uncached_scores, atol=1e-5, rtol=0)  # -inf where banned
-    if settings["num_beams"] > 1:
-        torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, atol=1e-5, rtol=0)
+        cached = cached_and_uncached_generation(model, inputs, **settings)
     histories = cached.past_key_values.__dict__[CACHE_ATTRIBUTE]
     assert sorted(histories) == sorted((kind, i) for kind in ("decoder", "cross") for i in range(NUM_LAYERS))
     assert {h.seen for h in histories.values()} == {cached.sequences.shape[1] - 1}
@@ -324,19 +284,8 @@ def test_a_cache_the_evolution_did_not_fill_is_refused():
 def test_gradient_checkpointing_gives_the_same_gradients(model_type):
     inputs = tiny_inputs(model_type)
     labels = inputs["decoder_input_ids"].roll(-1, dims=1)
-
-    def gradients(checkpointing: bool):
-        model = ea_hf.patch(seq2seq_lm(model_type), **EVOLVED)
-        if checkpointing:
-            enable_checkpointing(model)
-        model.train()
-        model(**inputs, labels=labels).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    plain, checkpointed = gradients(False), gradients(True)
-    assert plain.keys() == checkpointed.keys()
+    make_model = lambda: ea_hf.patch(seq2seq_lm(model_type), **EVOLVED)  # noqa: E731
+    plain = checkpointing_changes_no_gradient(make_model, **inputs, labels=labels)
     evolution = [n for n in plain if "evolving_attention" in n]
     assert len(evolution) == 2 * 3 * NUM_LAYERS  # weight and bias of every encoder, decoder and cross layer
     assert all(plain[n].abs().sum() > 0 for n in evolution)
-    for name in plain:
-        assert max_abs_diff(plain[name], checkpointed[name]) <= 1e-5, name

@@ -323,5 +323,3 @@ def pretrain_series(recipe: Recipe, run_dir: Path, args: transformers.TrainingAr
     finetune = copy.deepcopy(recipe)
     finetune.model.name_or_path = str(run_dir / PRETRAINED_DIR)
     return finetune
-
-
