@@ -329,15 +329,18 @@ SAVED_MODELING_FILES = {
 # Small checkpoints and data files for end-to-end runs ------------------------------------------------------
 
 
-def tiny_checkpoint(model_type, tokenizer, directory, num_labels):
-    """A tiny random model of ``model_type`` that reads MiniLM's tokenizer, saved with it."""
+def tiny_checkpoint(
+    model_type, tokenizer, directory, num_labels=2, head=transformers.AutoModelForSequenceClassification
+):
+    """A tiny random model of ``model_type`` (with ``head``) that reads MiniLM's tokenizer, saved with it."""
     special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.sep_token_id, "num_labels": num_labels}
+    special |= {"bos_token_id": tokenizer.cls_token_id}
     overrides = {"vocab_size": len(tokenizer), **special}
     if model_type == "t5":  # the classification head pools at the last EOS ([SEP] here)
         overrides["decoder_start_token_id"] = tokenizer.pad_token_id
     if model_type == "roberta":
         overrides |= {"type_vocab_size": 2, "max_position_embeddings": 160}
-    model = tiny_model(model_type, transformers.AutoModelForSequenceClassification, **overrides)
+    model = tiny_model(model_type, head, **overrides)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

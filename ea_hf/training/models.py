@@ -65,12 +65,7 @@ def load_model(
     if built is not None:
         return built
     model_path = resolve_model_path(recipe.model.name_or_path)
-    config_kwargs: dict[str, Any] = {"num_labels": 1 if label_names is None else len(label_names)}
-    if label_names is None:
-        config_kwargs["problem_type"] = "regression"
-    else:
-        config_kwargs["id2label"] = dict(enumerate(label_names))
-        config_kwargs["label2id"] = {name: i for i, name in enumerate(label_names)}
+    config_kwargs = dict(kind.model_config(recipe, label_names))
     common = {"revision": recipe.model.revision, "trust_remote_code": recipe.model.trust_remote_code}
     if recipe.model.dropout is not None:
         config = transformers.AutoConfig.from_pretrained(model_path, **common)
@@ -87,6 +82,12 @@ def load_model(
             f"{recipe.model.name_or_path} has weights (usually a task head) of another size than this task "
             "needs; set model.ignore_mismatched_sizes=true to start them afresh"
         ) from error
+    return adapt_model(recipe, model, adapter_dir), processor
+
+
+def adapt_model(recipe: Recipe, model: nn.Module, adapter_dir: Path | None = None) -> nn.Module:
+    """The recipe's changes to a loaded model: evolving attention (unless ``ea.enabled`` is false), then a new
+    LoRA adapter, or the trained one in ``adapter_dir``."""
     if recipe.ea.enabled:
         patch(model, **recipe.ea_settings())
     if recipe.peft.method == "lora":
@@ -102,10 +103,10 @@ def load_model(
                 lora_alpha=lora.lora_alpha,
                 lora_dropout=lora.dropout,
                 target_modules=lora.target_modules,
-                task_type=kind.peft_task_type,
+                task_type=recipe.task_kind.peft_task_type,
             )
             model = peft.get_peft_model(model, config)
-    return model, processor
+    return model
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

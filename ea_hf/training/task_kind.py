@@ -3,14 +3,14 @@
 A task kind owns everything that differs between tasks: its recipe schema (the ``data`` section and any
 sections of its own), its checks, data loading, preprocessing and collation, its model head, its metrics, and
 what a model card says about it. The runner, the run-directory tools and the Hub publishing code ask the kind
-and never test which kind a recipe has. The built-in kinds (``glue``, ``image``, ``timeseries``) are registered
-in ``ea_hf/training/kinds/__init__.py``; adding one is a new file there and one line in that list (see the
-README, "Architecture").
+and never test which kind a recipe has. The built-in kinds (``glue``, ``image``, ``timeseries``,
+``causal_lm``) are registered in ``ea_hf/training/kinds/__init__.py``; adding one is a new file there and one
+line in that list (see the README, "Architecture").
 
 Example:
     >>> import ea_hf.training  # registers the built-in kinds
     >>> sorted(task_kinds())
-    ['glue', 'image', 'timeseries']
+    ['causal_lm', 'glue', 'image', 'timeseries']
     >>> get_task_kind("glue").auto_class
     'AutoModelForSequenceClassification'
 """
@@ -51,6 +51,9 @@ class Preprocessed:
     splits: dict[str, Any]
     collator: Callable[[list[Any]], dict[str, Any]] | None
     compute_metrics: Callable[[Any], dict[str, float]] | None
+    #: Trainer's ``preprocess_logits_for_metrics``: reduces each evaluation batch's logits before they are
+    #: gathered (a language model's logits would fill the memory).
+    preprocess_logits: Callable[[Any, Any], Any] | None = None
 
 
 class TaskKind:
@@ -92,6 +95,14 @@ class TaskKind:
     def card_info(self, recipe: Recipe) -> CardInfo:
         """What the model card says about the task. *Required*."""
         raise NotImplementedError
+
+    def model_config(self, recipe: Recipe, label_names: tuple[str, ...] | None) -> dict[str, Any]:
+        """Config overrides the head is loaded with: the task's labels (``label_names`` None: a regression head
+        with one output)."""
+        if label_names is None:
+            return {"num_labels": 1, "problem_type": "regression"}
+        names = dict(enumerate(label_names))
+        return {"num_labels": len(label_names), "id2label": names, "label2id": {n: i for i, n in names.items()}}
 
     # -- running ---------------------------------------------------------------------------------------------
 

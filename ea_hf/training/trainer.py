@@ -130,6 +130,7 @@ def prepare(
         processing_class=processor,
         data_collator=prepared.collator,
         compute_metrics=prepared.compute_metrics,
+        preprocess_logits_for_metrics=prepared.preprocess_logits,
         ea_learning_rate=recipe.ea.learning_rate,
         callbacks=callbacks,
         optimizer_cls_and_kwargs=optimizer_override(recipe),

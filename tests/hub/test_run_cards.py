@@ -37,6 +37,13 @@ EXPECTED = {
         None,
     ),  # fmt: skip
     "timeseries-regression": (None, "time-series-regression", "local .ts files", ("rmse",), None),
+    "causal_lm": (
+        "text-generation",
+        "text-generation",
+        "Python documentation topics (pydoc_data)",
+        ("perplexity", "token_loss"),
+        None,
+    ),  # fmt: skip
 }
 
 
@@ -81,6 +88,11 @@ def runs(tmp_path_factory, digits_folders) -> dict[str, Path]:
             },
             [*TINY_SERIES_MODEL, *QUICK],
         ),  # fmt: skip
+        "causal_lm": load_recipe(
+            "causal_lm/quickstart",
+            ["model.config.hidden_size=32", "model.config.intermediate_size=48", "data.block_size=32"]
+            + ["data.max_train_samples=4", "data.max_eval_samples=2", *QUICK],
+        ),
     }
     paths = {}
     for name, recipe in recipes.items():
@@ -106,7 +118,8 @@ def test_every_kind_of_run_gets_its_card_and_is_pushed_with_it(kind, runs, hub, 
         assert f"| {dataset} | {split} | {name} | {metrics[split][name]:.4f} |" in card.text
     config = transformers.AutoConfig.from_pretrained(run_dir)
     settings = read_run_recipe(run_dir).evolution()
-    assert config.evolving_attention["encoder"]["alpha"] == settings.alpha  # EA-DC-Transformer's too
+    # The first chain: the encoder's, a decoder-only model's decoder; EA-DC-Transformer's too.
+    assert next(iter(config.evolving_attention.values()))["alpha"] == settings.alpha
     columns, rows = settings_table(config.evolving_attention)
     assert "| " + " | ".join(rows[0]) + " |" in card.text
 

@@ -36,11 +36,13 @@ def kind_branches() -> list[str]:
 def test_no_kind_is_named_outside_the_registry():
     # The recipe's default kind is the one name the schema itself holds.
     assert kind_branches() == ["training/recipe.py: 'glue'"]
-    assert sorted(task_kinds()) == ["glue", "image", "timeseries"]
+    assert sorted(task_kinds()) == ["causal_lm", "glue", "image", "timeseries"]
 
 
 def test_an_unknown_kind_is_refused_with_a_suggestion():
-    with pytest.raises(RecipeError, match=r"kind: unknown kind 'imgae' \(did you mean 'image'\?\); one of glue, "):
+    with pytest.raises(
+        RecipeError, match=r"kind: unknown kind 'imgae' \(did you mean 'image'\?\); one of causal_lm, glue, "
+    ):
         recipe_from_dict({"name": "x", "kind": "imgae", "model": {"name_or_path": "m"}})
     with pytest.raises(ValueError, match="has no name"):
         register_task_kind(GlueKind.__new__(type("Nameless", (GlueKind,), {"name": ""})))

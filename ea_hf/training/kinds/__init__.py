@@ -6,11 +6,12 @@ to ``BUILTIN_KINDS``.
 """
 
 from ..task_kind import register_task_kind
+from .causal_lm import CausalLMKind
 from .glue import GlueKind
 from .image import ImageKind
 from .timeseries import TimeSeriesKind
 
-BUILTIN_KINDS = (GlueKind(), ImageKind(), TimeSeriesKind())
+BUILTIN_KINDS = (GlueKind(), ImageKind(), TimeSeriesKind(), CausalLMKind())
 
 for _kind in BUILTIN_KINDS:
     register_task_kind(_kind)

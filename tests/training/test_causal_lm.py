@@ -1,0 +1,154 @@
+"""Task kind ``causal_lm``: text sources, token blocks, perplexity, and short runs (EA and baseline, LoRA on a
+pretrained checkpoint, two processes)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from testing import tiny_checkpoint
+
+import ea_hf
+from ea_hf.cli import main
+from ea_hf.training.kinds.causal_lm import (
+    HOLD_OUT_EVERY,
+    CausalLMData,
+    load_text_data,
+    perplexity_fn,
+    python_docs,
+    token_blocks,
+    token_losses,
+)
+from ea_hf.training.recipe import RecipeError, load_recipe
+from ea_hf.training.run_dir import read_metrics
+from ea_hf.training.trainer import evaluate_run, prepare, run_recipe
+
+#: The quickstart made tiny: one small layer, short blocks, a few steps.
+TINY = ["model.config.hidden_size=32", "model.config.intermediate_size=48", "model.config.num_hidden_layers=1"]
+TINY += ["data.block_size=32", "data.max_train_samples=64", "data.max_eval_samples=16", "train.max_steps=4"]
+TINY += ["train.eval_strategy=no", "train.logging_steps=1"]
+
+
+def tiny_quickstart(run_dir, *overrides):
+    return load_recipe("causal_lm/quickstart", [*TINY, f"output_dir={run_dir}", *overrides])
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------
+
+
+def test_python_docs_is_real_prose_split_deterministically():
+    docs = python_docs()
+    assert sum(map(len, docs["train"])) + sum(map(len, docs["validation"])) > 300_000
+    assert len(docs["validation"]) == math.ceil((len(docs["train"]) + len(docs["validation"])) / HOLD_OUT_EVERY)
+    assert not set(docs["train"]) & set(docs["validation"])
+    assert any("The " in doc and "statement" in doc for doc in docs["train"])
+    assert python_docs() == docs
+
+
+def test_local_text_and_jsonl_files_and_a_carved_validation_split(tmp_path):
+    (tmp_path / "train.txt").write_text("\n".join(f"line number {i}" for i in range(20)) + "\n")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"body": f"doc {i}", "x": i}) + "\n" for i in range(5)))
+    text = load_text_data(CausalLMData(source="local", files={"train": str(tmp_path / "train.txt")}))
+    assert len(text["train"]) == 18 and len(text["validation"]) == 2  # every tenth line held out
+    assert text["validation"]["text"] == ["line number 0", "line number 10"]
+    jsonl = CausalLMData(source="local", files={"train": str(tmp_path / "train.jsonl")}, text_column="body")
+    assert load_text_data(jsonl)["train"].column_names == ["text"]
+    with pytest.raises(ValueError, match="no text column 'text'.*set data.text_column"):
+        load_text_data(CausalLMData(source="local", files={"train": str(tmp_path / "train.jsonl")}))
+
+
+def test_documents_become_blocks_joined_by_the_end_of_sequence_token(minilm_tokenizer):
+    import datasets
+
+    docs = ["one two three", "four five", "six seven eight nine"]
+    blocks = token_blocks(datasets.Dataset.from_dict({"text": docs}), minilm_tokenizer, block_size=4)
+    separator = minilm_tokenizer.sep_token_id  # the BERT tokenizer has no EOS; its SEP stands in
+    stream = [t for doc in docs for t in (*minilm_tokenizer(doc, add_special_tokens=False)["input_ids"], separator)]
+    assert blocks["input_ids"] == [stream[i : i + 4] for i in range(0, len(stream) - len(stream) % 4, 4)]
+    assert blocks["labels"] == blocks["input_ids"] and all(sum(m) == 4 for m in blocks["attention_mask"])
+
+
+def test_perplexity_is_over_every_predicted_token():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 6, 11), torch.randint(0, 11, (3, 6))
+    labels[2, 4:] = -100
+    reduced = token_losses(logits, labels)
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1), ignore_index=-100)
+    metrics = perplexity_fn()((reduced.numpy(), None))
+    assert metrics["token_loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert metrics["perplexity"] == pytest.approx(math.exp(expected.item()), rel=1e-6)
+    assert np.array_equal(reduced[:, 1].numpy(), [5.0, 5.0, 3.0])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.config=null"], "model: give a checkpoint"),
+        (["data.tokenizer=null"], "data.tokenizer: is required for a model built from model.config"),
+        (["data.source=hub"], "data.hub_id: is required with data.source: hub"),
+        (["data.block_size=1"], "data.block_size: must be at least 2"),
+        (["peft.method=lora"], "peft.method: adapts a pretrained checkpoint"),
+        (["data.source=local", "data.files={train: a.csv}"], "unsupported file type 'a.csv'"),
+    ],
+)
+def test_bad_recipes_are_refused_before_anything_loads(overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe("causal_lm/quickstart", overrides)
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------------
+
+
+def test_quickstart_run_evaluates_again_to_the_same_perplexity(tmp_path):
+    run_dir = tmp_path / "ea"
+    metrics = run_recipe(tiny_quickstart(run_dir))["validation"]
+    assert math.isfinite(metrics["perplexity"]) and 1.0 < metrics["perplexity"] < 30522
+    assert metrics["perplexity"] == pytest.approx(math.exp(metrics["token_loss"]))
+    model = transformers.AutoModelForCausalLM.from_pretrained(run_dir)
+    assert type(model).__name__ == "EALlamaForCausalLM" and set(model.config.evolving_attention) == {"decoder"}
+    assert model.config.evolving_attention["decoder"]["alpha"] == 0.2
+    assert (run_dir / "tokenizer.json").is_file()
+    again = evaluate_run(run_dir)["validation"]
+    assert again["perplexity"] == pytest.approx(metrics["perplexity"], rel=1e-5)
+    # The baseline: the same recipe with EA off, a plain Llama.
+    baseline = run_recipe(tiny_quickstart(tmp_path / "baseline", "ea.enabled=false"))["validation"]
+    assert baseline["perplexity"] != metrics["perplexity"]
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "baseline")).__name__ == "LlamaForCausalLM"
+
+
+def test_lora_on_a_pretrained_checkpoint_trains_the_evolution(tmp_path, minilm_tokenizer):
+    head = transformers.AutoModelForCausalLM
+    checkpoint = tiny_checkpoint("llama", minilm_tokenizer, tmp_path / "pretrained", head=head)
+    run_dir = tmp_path / "lora"
+    recipe = tiny_quickstart(run_dir, f"model.name_or_path={checkpoint}", "peft.method=lora", "peft.r=4")
+    metrics = run_recipe(recipe)["validation"]
+    from safetensors.torch import load_file
+
+    names = load_file(run_dir / "adapter_model.safetensors").keys()
+    assert sum("evolving_attention" in n for n in names) == 2 * 3  # every layer of the 3-layer checkpoint
+    assert sum("lora_A" in n for n in names) == 4 * 3  # q, k, v and o of each layer
+    again = evaluate_run(run_dir)["validation"]
+    assert again["perplexity"] == pytest.approx(metrics["perplexity"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_train_data_parallel(tmp_path):
+    run_dir = tmp_path / "ddp"
+    overrides = [*TINY, "data.max_train_samples=4", "train.max_steps=-1", "train.epochs=1"]
+    overrides += ["train.save_strategy=epoch", f"output_dir={run_dir}"]
+    blocks = len(prepare(load_recipe("causal_lm/quickstart", overrides), tmp_path / "one")[0].train_dataset)
+    assert main(["run", "causal_lm/quickstart", "--nproc-per-node", "2", *overrides]) == 0
+    (checkpoint,) = (run_dir / "checkpoints").iterdir()
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    # Batches of 8 per process: two processes share the blocks, so an epoch has half the steps of one process.
+    assert state["global_step"] == math.ceil(blocks / 16) and state["epoch"] == 1.0
+    assert ea_hf.is_patched(transformers.AutoModelForCausalLM.from_pretrained(run_dir))
+    metrics = read_metrics(run_dir)["validation"]
+    assert evaluate_run(run_dir)["validation"]["perplexity"] == pytest.approx(metrics["perplexity"], rel=1e-5)
