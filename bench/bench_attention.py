@@ -299,9 +299,15 @@ def spawn(internal: list[str], args: argparse.Namespace, what: str) -> dict:
         "--threads",
         str(args.threads),
     ]
+    return run_result_process(command, args.threads, what)
+
+
+def run_result_process(command: list[str], threads: int, what: str) -> dict:
+    """Run ``command`` (a benchmark script in an internal mode) with ``threads`` OpenMP/MKL threads; return the
+    JSON of its last result line, with the process's wall time added."""
     env = dict(os.environ)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[name] = str(args.threads)
+        env[name] = str(threads)
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT)
     wall = time.perf_counter() - start

@@ -1,19 +1,13 @@
 """The benchmark's bookkeeping: ratios, targets and the table from known figures (no model is run)."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_attention.py"
+from testing import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("bench_attention")
 
 
 def separate_case(variant, n, mode, times, peak, before=800.0):

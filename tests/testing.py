@@ -50,6 +50,18 @@ IMAGE_SIZE = 16
 PAD, BOS, EOS = 1, 0, 2  # special token ids of the tiny seq2seq configs
 
 
+def bench_script(name: str):
+    """A benchmark script of ``bench/`` (not a package) as a module, loaded from its file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
     """A small random config of an architecture: 3 layers (per stack), 4 heads, hidden size 32."""
     common = dict(hidden_size=32, num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS, intermediate_size=37)

@@ -152,6 +152,11 @@ def evolve_step(
     step-by-step decoding.
     """
     blend = 1.0 - beta
+    if history is not None and history.rows is None:
+        # The first step of cached decoding (a prefill) has no earlier rows: it only needs to leave its last
+        # rows behind, and can otherwise run like an uncached forward, on the fused kernel.
+        begin_history(history, scores, previous, alpha, keep, context_rows)
+        history = None
     kernel = None if history is not None else fused_kernel(scores, previous, keep=keep, weight=scaled_weight)
     if kernel is not None:
         gate = torch.empty_like(scores, dtype=torch.bool) if for_backward else None
@@ -190,6 +195,24 @@ def evolve_step(
     if for_backward:
         return torch.add(convolved, attention_in, alpha=blend), convolved
     return convolved.add_(attention_in, alpha=blend), None
+
+
+def begin_history(
+    history: ConvolutionHistory,
+    scores: torch.Tensor,
+    previous: torch.Tensor | None,
+    alpha: float,
+    keep: torch.Tensor | None,
+    context_rows: int,
+) -> None:
+    """Record the last ``context_rows`` rows of the convolution input (A_in, masked) of a first decoding step."""
+    rows = slice(scores.shape[-2] - min(context_rows, scores.shape[-2]), None)
+    last = scores[..., rows, :]
+    if previous is not None:
+        last = torch.lerp(last, previous[..., rows, :], alpha)
+    if keep is not None:
+        last = last * keep[..., rows, :] if keep.shape[-2] > 1 else last * keep
+    history.begin(last, scores.shape[-2])
 
 
 def convolution_input_grad(

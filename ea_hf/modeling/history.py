@@ -65,10 +65,20 @@ class ConvolutionHistory:
             earlier = F.pad(earlier, (self.first_key - left, right))
             full = torch.cat([earlier, F.pad(new_rows, (first_key - left, 0))], dim=-2)
         kept_from = max(left, first_key - keep)
-        self.rows = full[..., full.shape[-2] - min(keep, full.shape[-2]) :, kept_from - left :]
+        # A copy: a view would keep the whole [B, H, Q, K] map of this step alive until the next one.
+        self.rows = full[..., full.shape[-2] - min(keep, full.shape[-2]) :, kept_from - left :].clone()
         self.first_key = kept_from
         self.seen += query_length
         return full, 0 if earlier is None else earlier.shape[-2], first_key - left
+
+    def begin(self, last_rows: torch.Tensor, query_length: int) -> None:
+        """Start the history with the first step's last convolution-input rows (``last_rows``, the last ``keep``
+        of its ``query_length`` rows), so that the step itself can run without it (on a fused kernel)."""
+        if self.rows is not None:
+            raise RuntimeError("the convolution history has already begun")
+        self.rows = last_rows.clone()
+        self.first_key = 0  # nothing was cached before the first step: its keys start at the sequence's start
+        self.seen = query_length
 
 
 def convolution_history(cache: Any, key: tuple[str, int], past: int) -> ConvolutionHistory:

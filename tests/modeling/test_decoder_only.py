@@ -223,6 +223,9 @@ def test_a_prefix_cache_computed_once_serves_several_continuations(family):
             continued = generate(model, inputs, past_key_values=copy.deepcopy(prefix_cache))
             assert generation_gap(continued, generate(model, inputs, use_cache=False)) <= 1e-5
     assert prefix_cache.__dict__[CACHE_ATTRIBUTE][("decoder", 0)].seen == 6  # the copies left it as it was
+    for history in prefix_cache.__dict__[CACHE_ATTRIBUTE].values():
+        # Its own copy of the last k//2 rows (not a view that would keep the prefill's whole map alive).
+        assert history.rows.shape[-2] == 1 and history.rows.untyped_storage().nbytes() == history.rows.nbytes
 
 
 def test_assisted_decoding_is_refused_clearly():
