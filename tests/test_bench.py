@@ -1,6 +1,5 @@
 """The benchmark's bookkeeping: ratios, targets and the table from known figures (no model is run)."""
 
-
 import pytest
 from testing import bench_script
 

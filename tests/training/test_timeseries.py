@@ -16,6 +16,8 @@ from ea_hf.modeling.dc_transformer import (
 )
 from ea_hf.training.kinds.timeseries import (
     SeriesCollator,
+    TimeSeriesKind,
+    archive_task,
     hold_out,
     load_ts_file,
     load_uea,
@@ -36,6 +38,47 @@ def test_japanese_vowels_loads_offline_from_the_aeon_wheel():
     assert {s.shape[1] for s in train + test} == {12}
     assert min(len(s) for s in train + test) == 7 and max(len(s) for s in train + test) == 29
     assert sorted(set(train_labels)) == [str(i) for i in range(1, 10)] and len(set(test_labels)) == 9
+
+
+@pytest.mark.parametrize(
+    "archive, shape, sizes", [("Covid3Month", (84, 1), (140, 61)), ("CardanoSentiment", (24, 2), (74, 33))]
+)
+def test_regression_archives_load_by_name_with_their_task(archive, shape, sizes):
+    assert archive_task(archive) == "regression"
+    splits = load_uea(archive)  # the archive's own task: aeon's regression loader
+    assert (len(splits["train"][0]), len(splits["test"][0])) == sizes
+    assert {series.shape for split in splits.values() for series in split[0]} == {shape}
+    targets = splits["train"][1] + splits["test"][1]
+    assert all(isinstance(y, float) for y in targets) and len(set(targets)) > 10
+
+
+def test_a_stated_task_that_contradicts_the_archive_is_refused():
+    with pytest.raises(RecipeError, match="Covid3Month is a regression archive, not classification"):
+        load_recipe("timeseries/japanese-vowels", ["data.archive=Covid3Month", "data.task=classification"])
+    with pytest.raises(RecipeError, match="JapaneseVowels is a classification archive, not regression"):
+        load_recipe("timeseries/japanese-vowels", ["data.task=regression"])
+    with pytest.raises(RecipeError, match="data.task: is required with local .ts files"):
+        local = ["data.source=local", "data.archive=null", "data.files={train: a.ts}", "data.task=null"]
+        load_recipe("timeseries/japanese-vowels", local)
+    # The command: a regression archive under the classification recipe, its task taken from the archive.
+    recipe = load_recipe("timeseries/japanese-vowels", ["data.archive=Covid3Month", "data.task=null"])
+    kind = TimeSeriesKind()
+    assert kind.metric_names(recipe) == ("rmse",) and kind.card_info(recipe).dataset_name == "Monash TSER Covid3Month"
+
+
+@pytest.mark.parametrize("name", ["covid3month", "cardano-sentiment"])
+def test_shipped_regression_recipes_run_offline(name, tmp_path):
+    tiny = ["model.config.hidden_size=16", "model.config.num_layers=1", "model.config.num_attention_heads=2"]
+    overrides = [*tiny, "sweep=null", "variants=null", "pretrain.epochs=1", "train.epochs=1"]
+    recipe = load_recipe(f"timeseries/{name}", [*overrides, f"output_dir={tmp_path}"])
+    assert {v for v in load_recipe(f"timeseries/{name}").variants} == {
+        "ea-dc-transformer",
+        "dc-transformer",
+        "transformer",
+    }
+    metrics = run_recipe(recipe)["test"]
+    assert set(metrics) >= {"rmse", "loss"} and 0.0 < metrics["rmse"] < 10.0
+    assert metrics["rmse"] == pytest.approx(math.sqrt(metrics["loss"]), rel=1e-4)
 
 
 def test_validation_split_is_held_out_of_training_per_class():
@@ -88,7 +131,7 @@ def test_timeseries_recipes_are_checked():
     with pytest.raises(RecipeError) as info:
         recipe_from_dict(base, ["data.task=sst2", "pretrain.epochs=-1", "data.validation_fraction=1.5"])
     assert dict(info.value.problems) == {
-        "data.task": "must be one of classification, regression; got 'sst2'",
+        "data.task": "expected 'classification' or 'regression' or null, got 'sst2'",
         "data.archive": "name the UEA/UCR archive (e.g. JapaneseVowels)",
         "pretrain.epochs": "must not be negative",
         "data.validation_fraction": "must be at least 0 and below 1",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -56,13 +57,37 @@ def load_ts_file(path: str | Path) -> tuple[list[np.ndarray], list[str]]:
     return [np.asarray(series, dtype=np.float32).T for series in values], [str(label) for label in labels]
 
 
-def load_uea(name: str, splits: Sequence[str] = ("train", "test")) -> dict[str, tuple[list[np.ndarray], list[str]]]:
-    """A UEA/UCR archive by name, from aeon's bundled copies (offline) or its download cache."""
+def archive_task(name: str) -> str | None:
+    """The task of an archive that aeon knows by name: ``regression`` for the Monash time-series extrinsic
+    regression archive (TPAMI Table I's datasets), ``classification`` for the UCR/UEA archives; None if unknown.
+
+    Example:
+        >>> archive_task("Covid3Month"), archive_task("JapaneseVowels"), archive_task("NoSuchArchive")
+        ('regression', 'classification', None)
+    """
+    from aeon.datasets import tsc_datasets, tser_datasets
+
+    regression = {*tser_datasets.tser_soton, *tser_datasets.tser_monash}
+    classification = {*tsc_datasets.univariate, *tsc_datasets.multivariate, *tsc_datasets.UCR2015}
+    if name in regression:
+        return "regression"
+    return "classification" if name in classification else None
+
+
+def load_uea(
+    name: str, splits: Sequence[str] = ("train", "test"), task: str | None = None
+) -> dict[str, tuple[list[np.ndarray], list[Any]]]:
+    """An archive by name (UCR/UEA classification or Monash regression), from aeon's bundled copies (offline)
+    or its download cache; ``task`` None: the archive's own (see :func:`archive_task`). Labels are class names
+    (str) or regression targets (float)."""
     datasets = _import_aeon()
+    task = task or archive_task(name) or "classification"
+    load = datasets.load_regression if task == "regression" else datasets.load_classification
     loaded = {}
     for split in splits:
-        values, labels = datasets.load_classification(name, split=split)
-        loaded[split] = ([np.asarray(series, dtype=np.float32).T for series in values], [str(y) for y in labels])
+        values, labels = load(name, split=split)
+        targets = [float(y) for y in labels] if task == "regression" else [str(y) for y in labels]
+        loaded[split] = ([np.asarray(series, dtype=np.float32).T for series in values], targets)
     return loaded
 
 
@@ -175,10 +200,12 @@ def series_metrics_fn(regression: bool):
 
 @dataclasses.dataclass
 class TimeSeriesData(DataSection):
-    """Kind ``timeseries``: ``task`` is classification or regression; ``source: uea`` reads a UEA/UCR archive by
-    name (``archive``, from aeon's bundled copies or its cache), ``source: local`` reads ``.ts`` files."""
+    """Kind ``timeseries``: ``task`` is classification or regression; ``source: uea`` reads an archive by name
+    (``archive``: UCR/UEA classification or Monash regression, from aeon's bundled copies or its cache; the task
+    is the archive's unless stated), ``source: local`` reads ``.ts`` files (``task`` required)."""
 
-    task: Literal["classification", "regression"] = "classification"
+    #: None: the archive's task (``source: uea``).
+    task: Literal["classification", "regression"] | None = None
     source: Literal["uea", "local"] = "uea"
     archive: str | None = None
     #: Hold out this share of the training series (per class for classification) as a ``validation`` split to
@@ -215,6 +242,17 @@ class TimeSeriesKind(TaskKind):
         data = recipe.data
         if data.source == "uea" and not data.archive:
             problems.append(("data.archive", "name the UEA/UCR archive (e.g. JapaneseVowels)"))
+        elif data.source == "uea" and importlib.util.find_spec("aeon") is not None:
+            known = archive_task(data.archive)
+            if known is not None and data.task is not None and data.task != known:
+                problems.append(
+                    (
+                        "data.task",
+                        f"{data.archive} is a {known} archive, not {data.task}; drop data.task to use its own",
+                    )
+                )
+        if data.source == "local" and data.task is None:
+            problems.append(("data.task", "is required with local .ts files (classification or regression)"))
         if not 0.0 <= data.validation_fraction < 1.0:
             problems.append(("data.validation_fraction", "must be at least 0 and below 1"))
         for split, path in data.files.items():
@@ -227,30 +265,32 @@ class TimeSeriesKind(TaskKind):
         return False  # built from model.config
 
     def task_label(self, recipe: Recipe) -> str:
-        return recipe.data.task
+        return series_task(recipe.data)
 
     def metric_names(self, recipe: Recipe) -> tuple[str, ...]:
-        return ("rmse",) if recipe.data.task == "regression" else ("accuracy",)
+        return ("rmse",) if series_task(recipe.data) == "regression" else ("accuracy",)
 
     def card_info(self, recipe: Recipe) -> CardInfo:
         data = recipe.data
-        name = f"UEA/UCR {data.archive}" if data.source == "uea" else "local .ts files"
+        task = series_task(data)
+        archive = "Monash TSER" if task == "regression" else "UEA/UCR"
+        name = f"{archive} {data.archive}" if data.source == "uea" else "local .ts files"
         # The Hub has no pipeline for time-series classification or regression (only forecasting).
         return CardInfo(
             pipeline_tag=None,
-            task_type=f"time-series-{data.task}",
-            task_text=f"time-series {data.task}",
+            task_type=f"time-series-{task}",
+            task_text=f"time-series {task}",
             dataset_name=name,
             dataset_type=data.archive if data.source == "uea" else "local",
         )
 
     def load_data(self, recipe: Recipe):
         data = recipe.data
+        regression = series_task(data) == "regression"
         if data.source == "uea":
-            splits = load_uea(data.archive)
+            splits = load_uea(data.archive, task=series_task(data))
         else:
             splits = {split: load_ts_file(path) for split, path in data.files.items()}
-        regression = data.task == "regression"
         if data.validation_fraction:
             splits = hold_out(splits, data.validation_fraction, data.split_seed, stratify=not regression)
         loaded = series_dataset(standardise(splits), regression=regression)
@@ -264,6 +304,13 @@ class TimeSeriesKind(TaskKind):
 
     def before_training(self, recipe: Recipe, run_dir: Path, args: transformers.TrainingArguments) -> Recipe:
         return pretrain_series(recipe, run_dir, args) if recipe.pretrain.epochs > 0 else recipe
+
+
+def series_task(data: TimeSeriesData) -> str:
+    """The task of a recipe's data: as stated, or the archive's own (classification when aeon does not know it)."""
+    if data.task is not None:
+        return data.task
+    return (archive_task(data.archive) if data.source == "uea" and data.archive else None) or "classification"
 
 
 def series_model(recipe: Recipe, label_names: tuple[str, ...] | None, data, name_or_path: str | None):
