@@ -81,6 +81,26 @@ def test_shipped_regression_recipes_run_offline(name, tmp_path):
     assert metrics["rmse"] == pytest.approx(math.sqrt(metrics["loss"]), rel=1e-4)
 
 
+def test_the_papers_table_i_recipe_validates_and_names_missing_data(tmp_path):
+    """Six archives x three models x three seeds, every run a valid regression recipe; offline (the test guard
+    refuses the network), loading an archive that aeon does not bundle says what to do."""
+    runs = expand_sweep(load_recipe("timeseries/table-i"))
+    assert len(runs) == 6 * 3 * 3
+    archives = {run.data.archive for run in runs}
+    assert archives == {
+        "AppliancesEnergy",
+        "BenzeneConcentration",
+        "BeijingPM10Quality",
+        "BeijingPM25Quality",
+        "LiveFuelMoistureContent",
+        "IEEEPPG",
+    }
+    assert {archive_task(archive) for archive in archives} == {"regression"}
+    assert {TimeSeriesKind().metric_names(run) for run in runs} == {("rmse",)}
+    with pytest.raises(FileNotFoundError, match="'IEEEPPG' is neither bundled with aeon nor in its download cache"):
+        load_uea("IEEEPPG")
+
+
 def test_validation_split_is_held_out_of_training_per_class():
     splits = load_uea("JapaneseVowels")
     held = hold_out(splits, 0.2)

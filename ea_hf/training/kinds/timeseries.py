@@ -85,7 +85,16 @@ def load_uea(
     load = datasets.load_regression if task == "regression" else datasets.load_classification
     loaded = {}
     for split in splits:
-        values, labels = load(name, split=split)
+        try:
+            values, labels = load(name, split=split)
+        except (OSError, ValueError) as error:
+            if archive_task(name) is None:
+                raise
+            raise FileNotFoundError(
+                f"the {task} archive {name!r} is neither bundled with aeon nor in its download cache, and could not "
+                f"be downloaded ({error}). Run once with network access, or give its .ts files with "
+                "data.source: local"
+            ) from error
         targets = [float(y) for y in labels] if task == "regression" else [str(y) for y in labels]
         loaded[split] = ([np.asarray(series, dtype=np.float32).T for series in values], targets)
     return loaded
