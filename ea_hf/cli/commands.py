@@ -6,6 +6,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -129,13 +130,39 @@ def run(args: argparse.Namespace) -> int:
     from ..training.trainer import run_recipe
 
     is_main = int(os.environ.get("RANK", "0")) == 0
-    for recipe in runs:
+    start, durations = time.monotonic(), []
+    for index, recipe in enumerate(runs):
+        if is_main and len(runs) > 1:  # where a long sweep stands: to stderr, beside Trainer's progress bars
+            print(progress_line(index, len(runs), recipe.output_dir, durations), file=sys.stderr, flush=True)
         metrics = run_recipe(recipe, resume=args.resume)
+        durations.append(time.monotonic() - start - sum(durations))
         if is_main:
             print(f"{recipe.output_dir}: {metrics}")
     if is_main:
         print(compare_runs([recipe.output_dir for recipe in runs]))
     return 0
+
+
+def progress_line(index: int, total: int, name: str, durations: list[float]) -> str:
+    """Which run of a multi-run recipe starts, and (once one has finished) the time taken and an estimate of the
+    time left, from the mean duration of the finished runs.
+
+    Example:
+        >>> progress_line(0, 9, "runs/jv/transformer/seed=1", [])
+        '[ea-hf] run 1 of 9: runs/jv/transformer/seed=1'
+        >>> progress_line(3, 9, "runs/jv/dc/seed=1", [50.0, 70.0, 60.0])
+        '[ea-hf] run 4 of 9: runs/jv/dc/seed=1 (3 done in 3 min 0 s; about 6 min 0 s left)'
+    """
+    line = f"[ea-hf] run {index + 1} of {total}: {name}"
+    if not durations:
+        return line
+    left = sum(durations) / len(durations) * (total - index)
+    return f"{line} ({len(durations)} done in {_minutes(sum(durations))}; about {_minutes(left)} left)"
+
+
+def _minutes(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s"
 
 
 def eval(args: argparse.Namespace) -> int:  # noqa: A001  (the sub-command's name)

@@ -1,6 +1,7 @@
 """The ``ea-hf`` command line."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -138,3 +139,21 @@ def test_run_options_and_overrides_mix_and_bad_input_fails_early(tmp_path, capsy
     assert main(["run", "quickstart", "--nproc-per-node", "0", f"output_dir={run_dir}"]) == 2
     assert "--nproc-per-node must be at least 1" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+def test_a_multi_run_recipe_reports_progress_and_ends_with_the_table(tmp_path, capsys):
+    tiny = ["model.config.hidden_size=32", "model.config.intermediate_size=48", "model.config.num_hidden_layers=1"]
+    tiny += ["data.block_size=32", "data.max_train_samples=2", "data.max_eval_samples=1", "train.max_steps=2"]
+    tiny += ["train.eval_strategy=no", "sweep={train.seed: [1, 2]}", f"output_dir={tmp_path}"]
+    assert main(["run", "causal_lm/quickstart", *tiny]) == 0
+    out, err = capsys.readouterr()
+    assert f"[ea-hf] run 1 of 2: {tmp_path}/seed=1\n" in err
+    assert re.search(
+        rf"\[ea-hf\] run 2 of 2: {re.escape(str(tmp_path))}/seed=2 \(1 done in 0 min \d+ s; about 0 min \d+ s left\)",
+        err,
+    )
+    table = out.strip().splitlines()[-3:]  # header and one row per run
+    assert table[0].split()[:2] == ["run", "task"] and [row.split()[0] for row in table[1:]] == [
+        f"{tmp_path}/seed=1",
+        f"{tmp_path}/seed=2",
+    ]
