@@ -284,8 +284,7 @@ def evolve_convolution(
         if history is not None:  # a first decoding step with autograd on: record its rows for the next steps
             if history.rows is not None:
                 raise ValueError("evolve_convolution back-propagates only through a first decoding step")
-            attention_in = scores if previous is None else torch.lerp(scores, previous, alpha)
-            history.extend(attention_in if keep is None else attention_in * keep, context_rows)
+            begin_history(history, scores, previous, alpha, keep, context_rows)
         return EvolveConvolution.apply(scores, previous, keep, weight, bias, alpha, beta, causal, context_rows)
     scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
     logits, _ = evolve_step(

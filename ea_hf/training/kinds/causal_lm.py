@@ -86,8 +86,7 @@ def load_text_data(data: CausalLMData):
 def token_blocks(dataset, tokenizer, block_size: int):
     """Tokenise every document, join them with the end-of-sequence token and cut the stream into blocks of
     ``block_size`` tokens (the remainder is dropped); labels are the inputs (the model shifts them)."""
-    separator = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id]
-    separator = [token for token in separator if token is not None]
+    separator = [token for token in [special_token(tokenizer, "eos", "sep")] if token is not None]
 
     def blocks(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
         ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
@@ -99,6 +98,13 @@ def token_blocks(dataset, tokenizer, block_size: int):
     return dataset.map(
         blocks, batched=True, batch_size=1000, remove_columns=dataset.column_names, desc="Tokenizing into blocks"
     )
+
+
+def special_token(tokenizer, *names: str) -> int | None:
+    """The id of the first of the named special tokens (``eos``, ``sep``...) that the tokenizer has (BERT-style
+    tokenizers have SEP and CLS where others have EOS and BOS); None if it has none."""
+    ids = (getattr(tokenizer, f"{name}_token_id") for name in names)
+    return next((token for token in ids if token is not None), None)
 
 
 def token_losses(logits: torch.Tensor | tuple, labels: torch.Tensor) -> torch.Tensor:
@@ -209,8 +215,8 @@ class CausalLMKind(TaskKind):
         tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_path(recipe.data.tokenizer))
         settings = dict(recipe.model.config)
         model_type = settings.pop("model_type", "llama")
-        special = {"bos_token_id": tokenizer.bos_token_id or tokenizer.cls_token_id}
-        special |= {"eos_token_id": tokenizer.eos_token_id or tokenizer.sep_token_id}
+        special = {"bos_token_id": special_token(tokenizer, "bos", "cls")}
+        special |= {"eos_token_id": special_token(tokenizer, "eos", "sep")}
         special |= {"pad_token_id": tokenizer.pad_token_id, "vocab_size": len(tokenizer)}
         config = transformers.AutoConfig.for_model(model_type, **special | settings)
         model = transformers.AutoModelForCausalLM.from_config(config)

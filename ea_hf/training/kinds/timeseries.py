@@ -74,6 +74,11 @@ def archive_task(name: str) -> str | None:
     return "classification" if name in classification else None
 
 
+def resolved_task(archive: str | None, task: str | None) -> str:
+    """``task`` as stated, else the archive's own (see :func:`archive_task`), else classification."""
+    return task or (archive_task(archive) if archive else None) or "classification"
+
+
 def load_uea(
     name: str, splits: Sequence[str] = ("train", "test"), task: str | None = None
 ) -> dict[str, tuple[list[np.ndarray], list[Any]]]:
@@ -81,7 +86,7 @@ def load_uea(
     or its download cache; ``task`` None: the archive's own (see :func:`archive_task`). Labels are class names
     (str) or regression targets (float)."""
     datasets = _import_aeon()
-    task = task or archive_task(name) or "classification"
+    task = resolved_task(name, task)
     load = datasets.load_regression if task == "regression" else datasets.load_classification
     loaded = {}
     for split in splits:
@@ -317,9 +322,7 @@ class TimeSeriesKind(TaskKind):
 
 def series_task(data: TimeSeriesData) -> str:
     """The task of a recipe's data: as stated, or the archive's own (classification when aeon does not know it)."""
-    if data.task is not None:
-        return data.task
-    return (archive_task(data.archive) if data.source == "uea" and data.archive else None) or "classification"
+    return resolved_task(data.archive if data.source == "uea" else None, data.task)
 
 
 def series_model(recipe: Recipe, label_names: tuple[str, ...] | None, data, name_or_path: str | None):
