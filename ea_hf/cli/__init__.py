@@ -10,7 +10,10 @@ Sub-commands:
     ea-hf run RECIPE [key=value ...] [--resume] [--nproc-per-node N]
                                                           fine-tune and evaluate (every sweep combination)
     ea-hf eval RUN_DIR                                    re-evaluate the final model of a run
-    ea-hf compare RUN_DIR ...                             print the runs' metrics side by side
+    ea-hf compare RUN_DIR ... [--seeds [--reference NAME]]
+                                                          print the runs' metrics side by side; --seeds: pool
+                                                          runs that differ only by seed (mean ± std, paired
+                                                          bootstrap CI and sign test against the reference)
     ea-hf viz RUN_DIR --text "..." [--compare [MODEL]]    plot a run's attention maps layer by layer (PNG)
     ea-hf card RUN_DIR [-o README.md]                     render a run's model card (no network)
     ea-hf push RUN_DIR --repo-id USER/NAME [--private] [--revision BRANCH] [--endpoint URL]
@@ -132,6 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("run_dir")
     compare = commands.add_parser("compare", help="print the metrics of runs side by side")
     compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    compare.add_argument(
+        "--seeds",
+        action="store_true",
+        help="pool runs that differ only by seed (runs/NAME/VARIANT/seed=S): mean ± std per group, and the "
+        "reference's per-seed differences from each other group with a bootstrap CI and a sign test",
+    )
+    compare.add_argument("--reference", default=None, help="the group the others are compared with (the first)")
+    compare.add_argument("--metric", default=None, help="the metric to compare (the task's headline metric)")
+    compare.add_argument("--split", default=None, help="the split to compare (test if every run has it)")
 
     viz = commands.add_parser("viz", help="plot the attention maps of a run (or model) for one input, as a PNG")
     viz.add_argument("run_dir", help="run directory, EA checkpoint or any supported model (Hub id or directory)")

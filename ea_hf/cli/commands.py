@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--nproc-per-node inside a distributed launch; use one or the other")
         return _launch(args)
 
+    from ..training.evidence import seed_evidence, seed_group_name
     from ..training.run_dir import compare_runs
     from ..training.trainer import run_recipe
 
@@ -139,7 +140,10 @@ def run(args: argparse.Namespace) -> int:
         if is_main:
             print(f"{recipe.output_dir}: {metrics}")
     if is_main:
-        print(compare_runs([recipe.output_dir for recipe in runs]))
+        run_dirs = [recipe.output_dir for recipe in runs]
+        print(compare_runs(run_dirs))
+        if len({seed_group_name(run_dir) for run_dir in run_dirs}) < len(run_dirs):  # seeds to pool
+            print(seed_evidence(run_dirs))
     return 0
 
 
@@ -174,9 +178,15 @@ def eval(args: argparse.Namespace) -> int:  # noqa: A001  (the sub-command's nam
 
 
 def compare(args: argparse.Namespace) -> int:
+    from ..training.evidence import seed_evidence
     from ..training.run_dir import compare_runs
 
-    print(compare_runs(args.run_dirs))
+    if not args.seeds and (args.reference or args.metric or args.split):
+        raise ValueError("--reference, --metric and --split go with --seeds")
+    if args.seeds:
+        print(seed_evidence(args.run_dirs, reference=args.reference, metric=args.metric, split=args.split))
+    else:
+        print(compare_runs(args.run_dirs))
     return 0
 
 

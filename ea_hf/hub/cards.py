@@ -82,13 +82,18 @@ def _cell(values: Mapping[str, Any], column: str) -> str:
 
 def evolution_parameters_in(folder: Path) -> int:
     """Parameters of the evolution modules stored in the safetensors files of ``folder`` (no tensor loaded)."""
+    return parameters_in(folder, ".evolving_attention.")
+
+
+def parameters_in(folder: Path, containing: str = "") -> int:
+    """Parameters stored in the safetensors files of ``folder`` whose names contain ``containing`` (all by
+    default), counted from the headers (no tensor loaded)."""
     total = 0
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as weights:
             for key in weights.keys():
-                if ".evolving_attention." in key:
-                    shape = weights.get_slice(key).get_shape()
-                    total += math.prod(shape)
+                if containing in key:
+                    total += math.prod(weights.get_slice(key).get_shape())
     return total
 
 
@@ -126,9 +131,13 @@ def render_card(
     base_model: str | None,
     task: TaskResults | None = None,
     adapter: bool = False,
+    model_details: Sequence[tuple[str, str]] = (),
+    remote_class: str | None = None,
 ) -> ModelCard:
     """The model card (``model_cards/model_card.md``) from what is known about a checkpoint: its settings as
-    stored (``config.evolving_attention``), and for a fine-tuned model its task and results."""
+    stored (``config.evolving_attention``), for a fine-tuned model its task and results, and the rows of a
+    "Model" table (``model_details``: the task kind's description of a model built from a config). A model no
+    Auto class loads is loaded through its class (``remote_class``: ``module.Class`` in its modeling files)."""
     eval_results, result_rows = _evaluation(task) if task is not None and task.metrics else (None, [])
     info = task.info if task is not None else None
     tags = ["evolving-attention", "ea_hf"] + (["peft", "lora"] if adapter else [])
@@ -160,6 +169,9 @@ def render_card(
         results=result_rows,
         recipe=task.recipe_yaml.strip() if task is not None else None,
         adapter=adapter,
+        model_details=list(model_details),
+        remote_class=remote_class,
+        remote_class_name=remote_class.rsplit(".", 1)[-1] if remote_class else None,
         versions=_versions("datasets", "accelerate", *(["peft"] if adapter else [])),
     )
 
@@ -171,6 +183,19 @@ def auto_class_of(config: Mapping[str, Any]) -> str:
         if auto_class != "AutoConfig" and target.rsplit(".", 1)[-1] == architecture:
             return auto_class
     return "AutoModel"
+
+
+def remote_class_of(config: Mapping[str, Any]) -> str | None:
+    """``module.Class`` of a saved architecture that no Auto class loads (EA-DC-Transformer's regression head:
+    transformers has no Auto class for it), in the module of the config's remote code; None if an Auto class
+    loads it."""
+    architecture = (config.get("architectures") or [""])[0]
+    auto_map = config.get("auto_map") or {}
+    if not architecture or "AutoConfig" not in auto_map or auto_class_of(config) != "AutoModel":
+        return None
+    if auto_map.get("AutoModel", "").rsplit(".", 1)[-1] == architecture:
+        return None
+    return f"{auto_map['AutoConfig'].rsplit('.', 1)[0]}.{architecture}"
 
 
 def stored_settings(config: Any) -> dict[str, Any]:

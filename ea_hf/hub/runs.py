@@ -11,7 +11,15 @@ from huggingface_hub import CommitInfo, ModelCard
 
 from ..training.models import evolution_settings
 from ..training.run_dir import ADAPTER_CONFIG, check_finished, read_metrics, read_run_recipe
-from .cards import TaskResults, auto_class_of, evolution_parameters_in, render_card, stored_settings
+from .cards import (
+    TaskResults,
+    auto_class_of,
+    evolution_parameters_in,
+    parameters_in,
+    remote_class_of,
+    render_card,
+    stored_settings,
+)
 from .upload import publishable_files, upload
 
 
@@ -37,10 +45,15 @@ def run_card(run_dir: str | Path, repo_id: str | None = None) -> ModelCard:
         )
     config = transformers.AutoConfig.from_pretrained(run_dir)
     saved = config.to_dict()
+    details = kind.model_details(saved)
+    if details:
+        details = (*details, ("parameters", f"{parameters_in(run_dir):,}"))
     return render_card(
         settings=stored_settings(config),
         architecture=(saved.get("architectures") or [saved.get("model_type", "")])[0],
         auto_class=auto_class_of(saved),
+        model_details=details,
+        remote_class=remote_class_of(saved),
         **common,
     )
 

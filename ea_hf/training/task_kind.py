@@ -92,9 +92,18 @@ class TaskKind:
         """The metrics a run reports, headline first. *Required*."""
         raise NotImplementedError
 
+    def lower_is_better(self, metric: str) -> bool:
+        """Whether a lower value of one of this kind's metrics is better (losses, errors, perplexity)."""
+        return metric.endswith("loss") or metric in ("rmse", "mse", "mae", "perplexity")
+
     def card_info(self, recipe: Recipe) -> CardInfo:
         """What the model card says about the task. *Required*."""
         raise NotImplementedError
+
+    def model_details(self, config: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+        """What the model card's "Model" table says of a finished run's model, from its saved config (a
+        checkpoint's architecture needs no more than its name; a model built from a config says its sizes)."""
+        return ()
 
     def model_config(self, recipe: Recipe, label_names: tuple[str, ...] | None) -> dict[str, Any]:
         """Config overrides the head is loaded with: the task's labels (``label_names`` None: a regression head

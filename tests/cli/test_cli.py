@@ -3,6 +3,7 @@
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -10,6 +11,7 @@ from testing import tiny_model
 
 import ea_hf
 from ea_hf.cli import main
+from ea_hf.training.run_dir import read_metrics
 
 
 def test_patch_command_writes_a_loadable_checkpoint_with_tokenizer(minilm_path, tmp_path, capsys):
@@ -152,8 +154,15 @@ def test_a_multi_run_recipe_reports_progress_and_ends_with_the_table(tmp_path, c
         rf"\[ea-hf\] run 2 of 2: {re.escape(str(tmp_path))}/seed=2 \(1 done in 0 min \d+ s; about 0 min \d+ s left\)",
         err,
     )
-    table = out.strip().splitlines()[-3:]  # header and one row per run
+    lines = out.strip().splitlines()
+    table = lines[lines.index(next(line for line in lines if line.startswith("run "))) :][:3]  # header, 2 runs
     assert table[0].split()[:2] == ["run", "task"] and [row.split()[0] for row in table[1:]] == [
         f"{tmp_path}/seed=1",
         f"{tmp_path}/seed=2",
     ]
+    # Runs that differ only by seed are pooled: one model, its mean and std, nothing to pair it with.
+    perplexities = [read_metrics(tmp_path / f"seed={seed}")["validation"]["perplexity"] for seed in (1, 2)]
+    assert lines[lines.index("perplexity on validation (lower is better):") + 4] == (
+        f"| {tmp_path.name} | 2 | {np.mean(perplexities):.4f} ± {np.std(perplexities, ddof=1):.4f} "
+        f"| {perplexities[0]:.4f}, {perplexities[1]:.4f} |"
+    )

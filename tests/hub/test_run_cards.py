@@ -2,11 +2,17 @@
 the card says comes from the run's task kind; runs written by ea_hf 0.1 still work with eval, compare, card and
 push; an adapter run's card shows the settings its model has."""
 
+import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import transformers
 import yaml
 from huggingface_hub import ModelCard
@@ -16,6 +22,7 @@ import ea_hf
 from ea_hf.cli import main
 from ea_hf.hub.cards import settings_table
 from ea_hf.hub.runs import run_card
+from ea_hf.modeling import dc_transformer
 from ea_hf.training.recipe import RECIPES_DIR, load_recipe, recipe_from_dict
 from ea_hf.training.run_dir import RECIPE_FILE, read_metrics, read_run_recipe
 from ea_hf.training.trainer import evaluate_run, prepare, run_recipe
@@ -122,6 +129,20 @@ def test_every_kind_of_run_gets_its_card_and_is_pushed_with_it(kind, runs, hub, 
     assert next(iter(config.evolving_attention.values()))["alpha"] == settings.alpha
     columns, rows = settings_table(config.evolving_attention)
     assert "| " + " | ".join(rows[0]) + " |" in card.text
+    if kind.startswith("timeseries"):  # a model built from its config: the card gives its sizes d, n, p
+        model = getattr(dc_transformer, config.architectures[0]).from_pretrained(run_dir)
+        parameters = sum(parameter.numel() for parameter in model.parameters())
+        for line in (
+            "| model | EA-DC-Transformer (TPAMI 2023, section 3.3), trained from scratch |",
+            f"| hidden size d | {config.hidden_size} |",
+            f"| blocks n | {config.num_layers} |",
+            f"| attention ratio p | {config.attention_ratio:g} ({config.attention_width} of d to attention, 2 heads) |",
+            f"| input variables | {config.input_size} |",
+            f"| parameters | {parameters:,} |",
+        ):
+            assert line in card.text
+    else:
+        assert "## Model" not in card.text
 
     # `ea-hf card` prints the same card; `ea-hf push` uploads it with the run.
     assert main(["card", str(run_dir), "--repo-id", f"test-user/{kind}", "-o", str(tmp_path / "card.md")]) == 0
@@ -196,3 +217,40 @@ def test_an_adapter_run_of_a_seq2seq_model_shows_the_settings_its_model_has(tmp_
         assert "| " + " | ".join(row) + " |" in card.text
     assert card.text.count("| encoder |") == card.text.count("| decoder |") == card.text.count("| cross |") == 1
     assert ea_hf.is_patched(trainer.model.get_base_model())
+
+
+LOAD_SNIPPET = """
+import json, sys
+if sys.argv[2] == "without":
+    sys.modules["ea_hf"] = None  # ea_hf is not importable here
+import torch
+exec(sys.argv[1])
+with torch.no_grad():
+    predictions = model.eval()(values=torch.linspace(-1, 1, 10).reshape(1, 5, 2)).logits
+print(json.dumps({"class": type(model).__module__ + "." + type(model).__name__, "predictions": predictions.tolist()}))
+"""
+
+
+@pytest.mark.slow
+def test_the_card_of_a_head_no_auto_class_loads_tells_how_to_load_it(runs, hub, monkeypatch, tmp_path):
+    run_dir, repo = runs["timeseries-regression"], "test-user/series-regression"
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    assert main(["push", str(run_dir), "--repo-id", repo, "--endpoint", hub.endpoint]) == 0
+    usage = str(run_card(run_dir, repo)).split("## How to use")[1].split("\n## ")[0]
+    snippets = re.findall(r"```python\n(.*?)```", usage, flags=re.DOTALL)
+    assert len(snippets) == 2 and "No transformers Auto class has this head" in usage
+    model = dc_transformer.EADCTransformerForTimeSeriesRegression.from_pretrained(run_dir).eval()
+    with torch.no_grad():
+        expected = model(values=torch.linspace(-1, 1, 10).reshape(1, 5, 2)).logits
+    env = {**os.environ, "PYTHONPATH": "", "HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0"}
+    env |= {"TRANSFORMERS_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "home")}
+    env |= {"HF_MODULES_CACHE": str(tmp_path / "modules")}
+    installs = (("with", "ea_hf."), ("without", "transformers_modules."))
+    for snippet, (ea_hf_installed, module) in zip(snippets, installs, strict=True):
+        run = subprocess.run(
+            [sys.executable, "-c", LOAD_SNIPPET, snippet, ea_hf_installed], capture_output=True, text=True, env=env
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        assert result["class"].startswith(module) and result["class"].endswith("ForTimeSeriesRegression")
+        assert (torch.tensor(result["predictions"]) - expected).abs().max() <= 1e-5

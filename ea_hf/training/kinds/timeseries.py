@@ -298,6 +298,23 @@ class TimeSeriesKind(TaskKind):
             dataset_type=data.archive if data.source == "uea" else "local",
         )
 
+    def model_details(self, config: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+        evolving = bool(config.get("alpha") or config.get("beta"))
+        name = "EA-DC-Transformer" if evolving else "DC-Transformer"
+        if not evolving and config.get("attention_ratio") == 1.0:
+            name = "Transformer"
+        ratio, heads = config["attention_ratio"], config["num_attention_heads"]
+        width = round(ratio * config["hidden_size"])
+        evolution = f"alpha {config['alpha']:g}, beta {config['beta']:g}, kernel {config['evolution_kernel_size']}"
+        return (
+            ("model", f"{name} (TPAMI 2023, section 3.3), trained from scratch"),
+            ("hidden size d", str(config["hidden_size"])),
+            ("blocks n", str(config["num_layers"])),
+            ("attention ratio p", f"{ratio:g} ({width} of d to attention, {heads} heads)"),
+            ("evolution", evolution if evolving else "none"),
+            ("input variables", str(config["input_size"])),
+        )
+
     def load_data(self, recipe: Recipe):
         data = recipe.data
         regression = series_task(data) == "regression"
