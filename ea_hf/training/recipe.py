@@ -503,6 +503,8 @@ def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = ()) -> Reci
     except yaml.YAMLError as error:
         raise RecipeError([("", f"{path} is not valid YAML: {error}")]) from None
     data = data or {}
+    if not isinstance(data, Mapping):
+        raise RecipeError([("", f"{path} is not a recipe: a YAML mapping is expected, got {type(data).__name__}")])
     files = data.get("data", {}).get("files") if isinstance(data.get("data"), Mapping) else None
     if isinstance(files, Mapping):
         # Data files named in a recipe are relative to the recipe file.

@@ -70,6 +70,14 @@ def test_impossible_combinations_are_errors():
     }
 
 
+@pytest.mark.parametrize(("text", "message"), [("a: [1", "is not valid YAML"), ("- quickstart", "got list")])
+def test_a_recipe_file_that_is_not_a_mapping_is_a_recipe_error(text, message, tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(path)
+
+
 def test_overrides_win_and_parse_as_yaml_numbers():
     assert parse_override("train.learning_rate=2e-5") == ("train.learning_rate", 2e-05)
     assert parse_override("ea.layers=[0, 2]") == ("ea.layers", [0, 2])

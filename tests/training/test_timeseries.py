@@ -71,11 +71,15 @@ def test_shipped_regression_recipes_run_offline(name, tmp_path):
     tiny = ["model.config.hidden_size=16", "model.config.num_layers=1", "model.config.num_attention_heads=2"]
     overrides = [*tiny, "sweep=null", "variants=null", "pretrain.epochs=1", "train.epochs=1"]
     recipe = load_recipe(f"timeseries/{name}", [*overrides, f"output_dir={tmp_path}"])
-    assert {v for v in load_recipe(f"timeseries/{name}").variants} == {
+    shipped = expand_sweep(load_recipe(f"timeseries/{name}"))  # the evidence: 4 models x 5 seeds
+    assert len(shipped) == 20 and {run.output_dir.split("/")[-2] for run in shipped} == {
         "ea-dc-transformer",
         "dc-transformer",
         "transformer",
+        "ea-dc-transformer-1x1",
     }
+    ablation = next(run for run in shipped if run.output_dir.endswith("ea-dc-transformer-1x1/seed=5"))
+    assert ablation.ea.enabled and ablation.evolution().kernel_size == 1 and ablation.train.seed == 5
     metrics = run_recipe(recipe)["test"]
     assert set(metrics) >= {"rmse", "loss"} and 0.0 < metrics["rmse"] < 10.0
     assert metrics["rmse"] == pytest.approx(math.sqrt(metrics["loss"]), rel=1e-4)
@@ -165,7 +169,8 @@ def test_timeseries_recipes_are_checked():
     with pytest.raises(RecipeError, match="expected a UEA/UCR .ts file"):
         recipe_from_dict({**base, "data": {"task": "regression", "source": "local", "files": {"train": "x.csv"}}})
     runs = {run.output_dir: run for run in expand_sweep(load_recipe("timeseries/japanese-vowels"))}
-    assert len(runs) == 9
+    assert len(runs) == 20  # 4 models (with the 1x1 ablation) x 5 seeds
+    assert runs["runs/japanese-vowels/ea-dc-transformer-1x1/seed=4"].evolution().kernel_size == 1
     transformer = runs["runs/japanese-vowels/transformer/seed=2"]
     assert not transformer.ea.enabled and transformer.model.config["attention_ratio"] == 1.0
     ea = runs["runs/japanese-vowels/ea-dc-transformer/seed=3"]
