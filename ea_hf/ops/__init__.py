@@ -5,11 +5,14 @@ Each kernel module provides ``applicable``, ``correlate`` and ``backward`` (see
 none applies, the core runs the same steps as torch operations.
 
 - :mod:`ea_hf.ops.cpu`: a C++/OpenMP kernel compiled on first use (``EA_HF_KERNELS=0`` turns it off).
+- :mod:`ea_hf.ops.triton_kernels`: Triton kernels for GPUs (the ``gpu`` extra), opt-in with ``EA_HF_TRITON=1``:
+  verified only with Triton's CPU interpreter so far, never on a GPU, so not the default.
 """
 
-from . import cpu
+from . import cpu, triton_kernels
 
-#: The kernel modules of this package, in the order they are tried.
-FUSED_KERNELS = (cpu,)
+#: The kernel modules of this package, in the order they are tried (the CPU kernel takes CPU float32 maps
+#: first, also under Triton's interpreter).
+FUSED_KERNELS = (cpu, triton_kernels)
 
-__all__ = ["FUSED_KERNELS", "cpu"]
+__all__ = ["FUSED_KERNELS", "cpu", "triton_kernels"]

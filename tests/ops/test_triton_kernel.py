@@ -1,0 +1,392 @@
+"""The Triton kernels of the evolution step, run by Triton's CPU interpreter on CPU tensors, against the torch
+formulation (``ea_hf.modeling.convolution`` with no fused kernel, in float64) and the CPU kernel.
+
+The interpreter runs every program in numpy, slowly: shapes are tiny, and tiles are set small enough (see the
+fixtures) that maps of 5, 7 or 13 rows and columns span several partial tiles and weight-gradient splits.
+"""
+
+import os
+
+# Set before triton is imported where this module imports it first (the root conftest's ``import ea_hf`` may
+# already have, through torch._dynamo: the kernels use only builtins, which the interpreter patches either way).
+# ea_hf.ops.triton_kernels reads it when it first wraps its kernels; it is restored after this module.
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="the Triton kernels need the optional triton package")
+
+from ea_hf.modeling import convolution  # noqa: E402
+from ea_hf.modeling.history import ConvolutionHistory  # noqa: E402
+from ea_hf.ops import cpu  # noqa: E402
+from ea_hf.ops import triton_kernels as kernels  # noqa: E402
+
+#: Tiles for most tests: one or two tiles per map, few interpreted programs.
+TILES = dict(BLOCK_ROWS=8, BLOCK_COLS=16, WEIGHT_BLOCK_ROWS=8, WEIGHT_BLOCK_COLS=16)
+#: Tiles that split even a 5 x 5 map, and a weight gradient split into parts of several row blocks.
+SMALL_TILES = dict(BLOCK_ROWS=4, BLOCK_COLS=4, WEIGHT_BLOCK_ROWS=2, WEIGHT_BLOCK_COLS=4, WEIGHT_GRAD_PROGRAMS=40)
+#: Max error relative to the reference's largest magnitude: fp32 kernels, and half-precision maps.
+FP32_TOLERANCE = 1e-5
+HALF_TOLERANCE = 2e-2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def restore_interpret_setting():
+    yield
+    if _INTERPRET_BEFORE is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+
+
+@pytest.fixture(autouse=True)
+def triton_on(monkeypatch):
+    monkeypatch.setenv("EA_HF_TRITON", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name, value in TILES.items():
+        monkeypatch.setattr(kernels, name, value)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    for name, value in SMALL_TILES.items():
+        monkeypatch.setattr(kernels, name, value)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Names of the Triton kernel functions called: proof that the evolution ran on them."""
+    called = []
+    for name in ("correlate", "backward"):
+        original = getattr(kernels, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            called.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, spy)
+    return called
+
+
+def relative_error(got, want):
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+def padding_keep(batch, rows, cols, form="full"):
+    """A 0/1 float mask: per batch element, a different number of trailing rows and columns zeroed (padding),
+    in the shapes the evolution passes: [B, 1, Q, K], [B, 1, 1, K] (key padding) or [B, 1, Q, 1]."""
+    valid_rows = torch.tensor([rows - 1 - b % 2 for b in range(batch)]).clamp(min=1)
+    valid_cols = torch.tensor([cols - 2 - b for b in range(batch)]).clamp(min=1)
+    row_keep = (torch.arange(rows)[None, :] < valid_rows[:, None])[:, None, :, None]
+    col_keep = (torch.arange(cols)[None, :] < valid_cols[:, None])[:, None, None, :]
+    if form == "columns":
+        return col_keep.float()
+    if form == "rows":
+        return row_keep.float()
+    return (row_keep & col_keep).float()
+
+
+def make_inputs(batch, heads, rows, cols, kernel_size, causal, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    context = kernel_size // 2
+    kernel_rows = context + 1 if causal else kernel_size
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+
+    scores, previous, upstream = (randn(batch, heads, rows, cols) for _ in range(3))
+    weight = randn(heads, heads, kernel_rows, kernel_size, scale=0.4).float()
+    bias = randn(heads, scale=0.2).float()
+    return scores, previous, upstream, weight, bias, context
+
+
+def evolution(monkeypatch, fused, scores, previous, keep, weight, bias, upstream, *, alpha, beta, causal, context):
+    """A_logit and the gradients of (S, A_prev, weight, bias) through ``evolve_convolution`` with autograd, with
+    ``fused`` as the registered fused kernels (``[]``: the torch operations)."""
+    monkeypatch.setattr(convolution, "FUSED_KERNELS", fused)
+    s = scores.detach().clone().requires_grad_()
+    p = None if previous is None else previous.detach().clone().requires_grad_()
+    w, b = weight.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    out = convolution.evolve_convolution(s, keep, w, b, beta, causal, None, context, previous=p, alpha=alpha)
+    out.backward(upstream)
+    return out.detach(), [s.grad, None if p is None else p.grad, w.grad, b.grad]
+
+
+def correlate_with_torch(
+    x,
+    weight,
+    bias,
+    row_shift,
+    *,
+    lerp_end=None,
+    lerp_weight=0.0,
+    in_keep=None,
+    relu=False,
+    out_keep=None,
+    blend=None,
+    blend_coef=0.0,
+):
+    """What ``correlate`` computes, step by step, in float64: output row i reads rows i + row_shift + dy."""
+    x, weight = x.double(), weight.double()
+    a = x if lerp_end is None else torch.lerp(x, lerp_end.double(), lerp_weight)
+    if in_keep is not None:
+        a = a * in_keep.double()
+    rows, kernel_rows = x.shape[-2], weight.shape[-2]
+    padded = F.pad(a, (weight.shape[-1] // 2,) * 2 + (-row_shift, kernel_rows - 1 + row_shift))
+    out = F.conv2d(padded, weight, None if bias is None else bias.double())[..., :rows, :]
+    if relu:
+        out = torch.relu(out)
+    saved = out > 0
+    if out_keep is not None:
+        out = out * out_keep.double()
+    if blend is not None:
+        mixed = blend.double() if lerp_end is None else torch.lerp(blend.double(), lerp_end.double(), lerp_weight)
+        out = out + blend_coef * mixed
+    return out, saved
+
+
+# (kernel size, causal, with previous, keep form, heads, rows, columns). Rows < columns with 1 or 2 rows: the
+# maps of cached decoding (a step's few query rows over all keys) and of cross attention.
+STEP_CASES = [
+    (1, False, True, "full", 3, 5, 7),
+    (3, False, False, None, 2, 7, 13),
+    (3, False, True, "full", 4, 13, 5),
+    (3, False, True, "columns", 3, 7, 7),
+    (3, True, True, "full", 3, 7, 7),
+    (3, True, False, "rows", 2, 13, 7),
+    (5, False, True, None, 2, 7, 5),
+    (5, False, False, "full", 3, 5, 13),
+    (5, True, True, "full", 2, 13, 13),
+    (5, True, False, None, 3, 7, 7),
+    (3, True, True, "full", 3, 1, 7),
+    (5, True, False, "columns", 2, 2, 7),
+    (3, False, True, "full", 2, 2, 5),
+]
+
+
+@pytest.mark.parametrize(("kernel_size", "causal", "with_previous", "keep_form", "heads", "rows", "cols"), STEP_CASES)
+def test_evolution_step_matches_torch_and_cpu(
+    monkeypatch, calls, kernel_size, causal, with_previous, keep_form, heads, rows, cols
+):
+    """Forward and all four gradients through evolve_convolution, on the Triton kernels, against the torch
+    operations in float64 and the CPU kernel."""
+    batch, alpha, beta = 2, 0.3, 0.6
+    scores, previous, upstream, weight, bias, context = make_inputs(batch, heads, rows, cols, kernel_size, causal)
+    previous = previous if with_previous else None
+    keep = None if keep_form is None else padding_keep(batch, rows, cols, keep_form)
+    options = dict(alpha=alpha, beta=beta, causal=causal, context=context)
+    got, got_grads = evolution(monkeypatch, [kernels], scores, previous, keep, weight, bias, upstream, **options)
+    assert calls == ["correlate", "backward"]
+
+    def double(t):
+        return None if t is None else t.double()
+
+    doubles = [double(t) for t in (scores, previous, keep, weight, bias, upstream)]
+    want, want_grads = evolution(monkeypatch, [], *doubles, **options)
+    assert relative_error(got, want) <= FP32_TOLERANCE
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        assert (got_grad is None) == (want_grad is None)
+        if want_grad is not None:
+            assert got_grad.dtype == torch.float32
+            assert relative_error(got_grad, want_grad) <= FP32_TOLERANCE
+    if cpu.applicable(scores, previous, keep=keep, weight=weight):
+        on_cpu, cpu_grads = evolution(monkeypatch, [cpu], scores, previous, keep, weight, bias, upstream, **options)
+        assert relative_error(got, on_cpu) <= FP32_TOLERANCE
+        for got_grad, cpu_grad in zip(got_grads, cpu_grads, strict=True):
+            if cpu_grad is not None:
+                assert relative_error(got_grad, cpu_grad) <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("kernel_size", "causal", "rows", "cols"), [(3, True, 7, 13), (5, False, 7, 5)])
+def test_half_precision_maps(monkeypatch, calls, dtype, kernel_size, causal, rows, cols):
+    """bfloat16 and float16 maps (float32 accumulation) against the float32 torch operations on the same
+    values: the forward without autograd (in place) and with it, and the map gradients."""
+    batch, heads, alpha, beta = 2, 3, 0.3, 0.6
+    scores, previous, upstream, weight, bias, context = make_inputs(
+        batch, heads, rows, cols, kernel_size, causal, dtype
+    )
+    keep = padding_keep(batch, rows, cols).to(dtype)
+    options = dict(alpha=alpha, beta=beta, causal=causal, context=context)
+    monkeypatch.setattr(convolution, "FUSED_KERNELS", [kernels])
+    with torch.no_grad():
+        inference = convolution.evolve_convolution(
+            scores.clone(), keep, weight, bias, beta, causal, None, context, previous=previous, alpha=alpha
+        )
+    got, got_grads = evolution(monkeypatch, [kernels], scores, previous, keep, weight, bias, upstream, **options)
+    assert calls == ["correlate", "correlate", "backward"]
+    floats = [t.float() for t in (scores, previous, keep, weight, bias, upstream)]
+    want, want_grads = evolution(monkeypatch, [], *floats, **options)
+    assert inference.dtype == got.dtype == dtype
+    assert relative_error(inference, want) <= HALF_TOLERANCE
+    assert relative_error(got, want) <= HALF_TOLERANCE
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        assert relative_error(got_grad, want_grad) <= HALF_TOLERANCE
+
+
+@pytest.mark.usefixtures("small_tiles")
+@pytest.mark.parametrize(
+    ("options", "kernel_rows", "kernel_cols", "row_shift"),
+    [
+        ("all", 3, 3, -1),
+        ("all", 2, 3, -1),  # causal: row i reads rows i - 1 .. i
+        ("all", 2, 3, 0),  # rows i .. i + 1
+        ("all", 5, 5, -2),
+        ("bare", 3, 3, -1),  # no bias, ReLU, masks or blend
+        ("blend", 1, 1, 0),  # blend and output mask without lerp_end, no ReLU
+    ],
+)
+def test_correlate_options_match_torch(options, kernel_rows, kernel_cols, row_shift):
+    """Each option of correlate, over tiles that split the map and the heads, against torch and the CPU kernel."""
+    generator = torch.Generator().manual_seed(3)
+    batch, heads, rows, cols = 2, 3, 7, 5
+    x, end = (torch.randn(batch, heads, rows, cols, generator=generator) for _ in range(2))
+    weight = torch.randn(heads, heads, kernel_rows, kernel_cols, generator=generator)
+    bias = torch.randn(heads, generator=generator)
+    keep = padding_keep(batch, rows, cols)
+    choices = {
+        "all": dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, out_keep=keep, blend=x, blend_coef=0.6),
+        "bare": dict(),
+        "blend": dict(out_keep=padding_keep(batch, rows, cols, "columns"), blend=end, blend_coef=-0.4),
+    }[options]
+    with_bias = None if options == "bare" else bias
+    saved = torch.empty_like(x, dtype=torch.bool)
+    out = kernels.correlate(x, weight, with_bias, row_shift=row_shift, saved=saved, **choices)
+    want, want_saved = correlate_with_torch(x, weight, with_bias, row_shift, **choices)
+    assert relative_error(out, want) <= FP32_TOLERANCE
+    assert torch.equal(saved, want_saved)
+    if cpu.applicable(x, keep=keep, weight=weight):
+        cpu_saved = torch.empty_like(saved)
+        on_cpu = cpu.correlate(x, weight, with_bias, row_shift=row_shift, saved=cpu_saved, **choices)
+        assert relative_error(out, on_cpu) <= FP32_TOLERANCE
+        assert torch.equal(saved, cpu_saved)
+
+
+@pytest.mark.usefixtures("small_tiles")
+@pytest.mark.parametrize(("kernel_size", "causal", "with_previous"), [(3, False, True), (3, True, False)])
+def test_backward_over_small_tiles_matches_cpu(kernel_size, causal, with_previous):
+    """backward with tiles, head blocks and weight-gradient splits that do not divide the map, against the CPU
+    kernel's backward on the same arguments and against the float64 torch operations."""
+    batch, heads, rows, cols, alpha, beta = 3, 3, 7, 5, 0.25, 0.4
+    scores, previous, upstream, weight, bias, context = make_inputs(batch, heads, rows, cols, kernel_size, causal)
+    previous = previous if with_previous else None
+    keep = padding_keep(batch, rows, cols)
+    convolved, gate = correlate_with_torch(
+        scores, weight * beta, bias * beta, -context, lerp_end=previous, lerp_weight=alpha, in_keep=keep, relu=True
+    )
+    arguments = (scores, previous, alpha, keep, upstream, gate, weight * beta, context, beta)
+    grads = kernels.backward(*arguments)
+    # The torch operations' backward, written out (convolution.EvolveConvolution.backward without a kernel).
+    grad_convolved = convolution.relu_gate(upstream.double(), gate)
+    scales = (1.0, None) if previous is None else (1.0 - alpha, alpha)
+    weight64 = (weight * beta).double()
+    want = list(
+        convolution.convolution_input_grad(
+            grad_convolved, weight64, keep.double(), upstream.double(), beta, context, scales=scales
+        )
+    )
+    a_in = scores.double() if previous is None else torch.lerp(scores.double(), previous.double(), alpha)
+    want.append(convolution.convolution_weight_grad(a_in * keep, grad_convolved, *weight.shape[-2:], context))
+    want.append(grad_convolved.sum((0, 2, 3)))
+    for got_grad, want_grad in zip(grads, want, strict=True):
+        assert (got_grad is None) == (want_grad is None)
+        if want_grad is not None:
+            assert relative_error(got_grad, want_grad) <= FP32_TOLERANCE
+    if cpu.applicable(scores, previous, upstream, keep=keep, weight=weight):
+        for got_grad, cpu_grad in zip(grads, cpu.backward(*arguments), strict=True):
+            if cpu_grad is not None:
+                assert relative_error(got_grad, cpu_grad) <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("kernel_size", [3, 5])
+def test_cached_decoding_prefill_on_triton_then_steps(monkeypatch, calls, kernel_size):
+    """Cached decoding: the first step (no earlier rows) runs on the Triton kernel and leaves its last rows in the
+    history; later one-row steps run on torch operations from those rows. Outputs and kept rows match an
+    all-torch decode."""
+    batch, heads, prompt, beta, alpha = 2, 3, 5, 0.6, 0.3
+    scores, previous, _, weight, bias, context = make_inputs(batch, heads, prompt + 2, prompt + 2, kernel_size, True)
+    keep = torch.ones(batch, 1, prompt + 2, prompt + 2).tril()  # the decoder's causal mask
+    keep[1, :, :, 0] = 0  # left padding in batch element 1
+    outputs = {}
+    for name, fused in (("triton", [kernels]), ("torch", [])):
+        monkeypatch.setattr(convolution, "FUSED_KERNELS", fused)
+        history, steps = ConvolutionHistory(), []
+        with torch.no_grad():
+            for first, last in ((0, prompt), (prompt, prompt + 1), (prompt + 1, prompt + 2)):
+                rows = (slice(None), slice(None), slice(first, last), slice(0, last))
+                steps.append(
+                    convolution.evolve_convolution(
+                        scores[rows].clone(),
+                        keep[rows],
+                        weight,
+                        bias,
+                        beta,
+                        True,
+                        history,
+                        context,
+                        previous=previous[rows],
+                        alpha=alpha,
+                    )
+                )
+        outputs[name] = steps, history.rows
+    assert calls == ["correlate"]  # the prefill only: steps with earlier rows are not fused
+    (triton_steps, triton_rows), (torch_steps, torch_rows) = outputs["triton"], outputs["torch"]
+    for got, want in zip(triton_steps, torch_steps, strict=True):
+        assert got.shape == want.shape
+        assert relative_error(got, want) <= FP32_TOLERANCE
+    assert relative_error(triton_rows, torch_rows) <= FP32_TOLERANCE
+
+
+@pytest.mark.usefixtures("small_tiles")
+@pytest.mark.parametrize(("dtype", "kernel_rows", "row_shift"), [(torch.float32, 3, -1), (torch.bfloat16, 2, -1)])
+def test_in_place_output_equals_a_separate_one(dtype, kernel_rows, row_shift):
+    """Writing over the input gives the same bits as a separate output, though every tile reads rows and heads
+    that other tiles write."""
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, rows, cols = 3, 3, 7, 5
+    x, end = (torch.randn(batch, heads, rows, cols, generator=generator).to(dtype) for _ in range(2))
+    weight, bias = torch.randn(heads, heads, kernel_rows, 3, generator=generator), torch.randn(heads)
+    keep = padding_keep(batch, rows, cols).to(dtype)
+    options = dict(row_shift=row_shift, lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend_coef=0.6)
+    separate_saved, saved = (torch.empty_like(x, dtype=torch.bool) for _ in range(2))
+    separate = kernels.correlate(x, weight, bias, blend=x, saved=separate_saved, **options)
+    overwritten = x.clone()
+    result = kernels.correlate(overwritten, weight, bias, blend=overwritten, saved=saved, in_place=True, **options)
+    assert result.data_ptr() == overwritten.data_ptr()
+    assert torch.equal(result, separate)
+    assert torch.equal(saved, separate_saved)
+    assert not torch.equal(result, x)
+
+
+def test_applicable_needs_the_opt_in_and_the_interpreter(monkeypatch):
+    maps, weight = torch.zeros(1, 4, 5, 5), torch.zeros(4, 4, 3, 3)
+    assert kernels.applicable(maps, keep=torch.ones(1, 1, 5, 5), weight=weight)
+    monkeypatch.setenv("EA_HF_TRITON", "0")
+    assert not kernels.applicable(maps, weight=weight)  # off unless asked for: never run on a GPU
+    monkeypatch.delenv("EA_HF_TRITON")
+    assert not kernels.applicable(maps, weight=weight)
+    monkeypatch.setenv("EA_HF_TRITON", "1")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not kernels.applicable(maps, weight=weight)  # CPU tensors only through the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kernels, "triton", None)
+    assert not kernels.applicable(maps, weight=weight)  # triton not installed
+
+
+def test_applicable_declines_what_it_does_not_take():
+    maps, weight = torch.zeros(2, 4, 5, 5), torch.zeros(4, 4, 3, 3)
+    assert kernels.applicable(maps, maps.bfloat16(), keep=None, weight=weight) is False  # mixed dtypes
+    assert not kernels.applicable(maps.double(), weight=weight)
+    assert not kernels.applicable(maps[0], weight=weight)  # 3-D map
+    assert not kernels.applicable(maps, keep=torch.ones(2, 4, 5, 5), weight=weight)  # a mask per head
+    assert not kernels.applicable(maps, keep=torch.ones(4, 5, 5), weight=weight)  # the same, broadcast
+    assert not kernels.applicable(maps, weight=torch.zeros(4, 4, 3, 4))  # even width: no centre column
+    assert not kernels.applicable(maps, weight=torch.zeros(4, 4, 9, 9))  # taller than 8 rows
+    assert not kernels.applicable(maps, weight=torch.zeros(3, 3, 3, 3))  # kernel for other heads
+    assert not kernels.applicable(torch.zeros(1, 65, 5, 5), weight=torch.zeros(65, 65, 3, 3))
+    assert not kernels.applicable(maps.to("meta"), weight=weight)  # neither CUDA nor CPU
+    assert kernels.applicable(maps, keep=torch.ones(5, 5), weight=weight)  # broadcast to [B, 1, Q, K]
+    assert kernels.applicable(maps.half(), maps.half(), keep=torch.ones(2, 1, 1, 5), weight=weight)
