@@ -412,6 +412,13 @@ def compare(results: list[dict], paired: list[dict], lengths: list[int]) -> list
     return rows
 
 
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, None where either is missing or the denominator is not positive."""
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
 def target_cell(target: float | None, passed: bool | None) -> str:
     if target is None:
         return "-"

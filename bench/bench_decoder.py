@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.util
 import json
 import os
 import statistics
@@ -31,19 +30,11 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 
 
-def _load_bench_attention() -> Any:
-    """bench_attention.py as a module (bench/ is not a package, so it is loaded from its path)."""
-    name = "bench_attention"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / "bench_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules[name] = module
-    return module
+# bench/ is not a package: its scripts share bench_attention.py's helpers (machine info, result lines, ratios).
+sys.path.insert(0, str(BENCH_DIR))
+import bench_attention as attention_bench  # noqa: E402
 
-
-attention_bench = _load_bench_attention()
+ratio = attention_bench.ratio
 MIB = attention_bench.MIB
 RESULT_PREFIX = attention_bench.RESULT_PREFIX
 
@@ -339,13 +330,6 @@ def spawn_case(variant: str, length: int, args: argparse.Namespace) -> dict:
 def run_case_in_process(variant: str, length: int, args: argparse.Namespace) -> dict:
     """:func:`run_case` in this process (tests: no interpreter start-up per case; memory figures less clean)."""
     return run_case(variant, length, args.repeats, args.warmup, args.decode_tokens, args.threads, args.tiny)
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    """numerator / denominator, None where either is missing or the denominator is not positive."""
-    if numerator is None or denominator is None or denominator <= 0:
-        return None
-    return numerator / denominator
 
 
 def compare(results: list[dict], lengths: list[int]) -> list[dict]:

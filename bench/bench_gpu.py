@@ -1,0 +1,1029 @@
+"""GPU benchmark of Evolving Attention: BERT-Base with eager, sdpa, and EA on torch operations, on the Triton kernels
+and under torch.compile, side by side, with times, peak GPU memory and proof of which kernel ran.
+
+Every case (variant, N, batch, dtype, mode) builds a BertForSequenceClassification afresh with the same random
+weights, runs ``--warmup`` untimed steps and ``--repeats`` timed ones (CUDA events, synchronised) and reads the peak
+of ``torch.cuda.max_memory_allocated`` over the timed steps. Calls of ``ea_hf.ops.triton_kernels.correlate`` /
+``backward`` are counted per case, so an ``ea-triton`` case that fell back to torch operations shows 0. A separate
+check runs ``ea-torch`` and ``ea-triton`` on one model and the same inputs and records how far their outputs and
+gradients differ. The JSON and the Markdown table are rewritten after every case, and ``--resume`` skips the cases
+that a previous, interrupted run with the same settings finished, so a run can be split over several commands.
+
+    python bench/bench_gpu.py                    # on a CUDA GPU: N=512 batch 8 and N=2048 batch 2, bf16 and fp32
+    python bench/bench_gpu.py --dtypes bf16      # a subset (also --variants, --modes, --cases N:BATCH ...)
+    python bench/bench_gpu.py --resume           # finish an interrupted run (same settings, same --out)
+    python bench/bench_gpu.py --isolate          # every case in a fresh process (slower; survives CUDA faults)
+    python bench/bench_gpu.py --dry-run          # no GPU needed: tiny BERT on CPU (about 35 s on one busy core)
+
+The dry run (``--tiny`` is the same) uses a 2-layer BERT (hidden 32, 2 heads), N = 16 and 24 with batch 2, fp32,
+1 warm-up and 2 timed steps, ``time.perf_counter`` times and no memory figures (null); ``ea-triton`` runs the Triton
+kernels in Triton's interpreter (``TRITON_INTERPRET=1``) and ``ea-compile`` uses the ``eager`` backend.
+
+Outputs: ``bench/results/<gpu name slug>/bench_gpu.json`` and ``.md`` (e.g. ``bench/results/nvidia-h100-80gb-hbm3/``;
+``bench/results/cpu/bench_gpu_dry_run.*`` for the dry run), or under ``--out DIR``. Without CUDA and without
+``--dry-run`` the script exits with status 2. Helpers (machine info, the result-line protocol, target cells) come
+from bench_attention.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import gc
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+
+
+# bench/ is not a package: its scripts share bench_attention.py's helpers (machine info, result lines, ratios).
+sys.path.insert(0, str(BENCH_DIR))
+import bench_attention as attention_bench  # noqa: E402
+
+ratio = attention_bench.ratio
+MIB = attention_bench.MIB
+RESULT_PREFIX = attention_bench.RESULT_PREFIX
+EA_ALPHA = attention_bench.EA_ALPHA
+EA_BETA = attention_bench.EA_BETA
+
+VARIANTS = ("eager", "sdpa", "ea-torch", "ea-triton", "ea-compile")
+EA_VARIANTS = ("ea-torch", "ea-triton", "ea-compile")
+MODES = ("inference", "training")
+DTYPES = ("bf16", "fp32")
+TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+#: (N, batch) of the full run; the dry run's tiny cases stand in for them, in this order.
+FULL_CASES = ((512, 8), (2048, 2))
+DRY_RUN_CASES = ((16, 2), (24, 2))
+#: Targets from the issue, for every EA variant against eager: the training step's time per N (the dry run's
+#: cases carry the targets of the full case they stand in for), and the peak memory of every case.
+TIME_TARGETS = {512: 1.15, 2048: 1.25}
+MEMORY_TARGET = 1.2
+#: BERT-Base (transformers.BertConfig defaults) except for the position table, which must reach N = 2048.
+FULL_CONFIG = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "intermediate_size": 3072,
+    "vocab_size": 30522,
+    "max_position_embeddings": 2048,
+}
+#: Two heads, not four: the interpreted Triton kernels cost about heads^2 (every output head reads every head),
+#: and four made the dry run's Triton cases alone take most of a minute on a busy core.
+DRY_RUN_CONFIG = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+#: Triton tiles for the dry run only: the interpreter runs every program in Python, so one tile per tiny map
+#: (and one weight-gradient program per head and tap) makes it several times faster. The kernels' tiling itself
+#: is tested in tests/ops/test_triton_kernel.py; on a GPU the module's own tiles are used.
+DRY_RUN_TILES = {
+    "BLOCK_ROWS": 32,
+    "BLOCK_COLS": 32,
+    "WEIGHT_BLOCK_ROWS": 32,
+    "WEIGHT_BLOCK_COLS": 32,
+    "WEIGHT_GRAD_PROGRAMS": 1,
+}
+#: ea-torch vs ea-triton: largest acceptable output difference (absolute; outputs are LayerNorm'ed, so of order
+#: 1) and gradient difference (relative to the largest gradient), per dtype.
+AGREEMENT_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+GRADIENT_TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2}
+OPTIMIZERS = ("none", "sgd", "adamw")
+TABLE_HEADER = (
+    "N",
+    "batch",
+    "dtype",
+    "mode",
+    "variant",
+    "median ms",
+    "x eager",
+    "x sdpa",
+    "peak MiB",
+    "above loaded MiB",
+    "peak x eager",
+    "peak x sdpa",
+    "Triton calls/step",
+    "time target",
+    "memory target",
+    "notes",
+)
+NO_CUDA_MESSAGE = "bench_gpu.py: no CUDA device available; run it on a GPU, or use --dry-run for the CPU dry run"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One case: build, step, time, measure, count kernel calls.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def import_ea_hf() -> Any:
+    try:
+        import ea_hf
+    except ImportError:  # run from a checkout without `pip install -e .`
+        sys.path.insert(0, str(REPO_ROOT))
+        import ea_hf
+    return ea_hf
+
+
+def variant_environment(variant: str, device_type: str) -> dict[str, str]:
+    """The environment that makes ``variant`` run the evolution where its name says (read at call time by ea_hf).
+
+    Every EA variant turns ea_hf's CPU kernel off, which would otherwise take the float32 maps of the dry run
+    before Triton or torch operations could; on CUDA it never applies. Only ``ea-triton`` opts in to Triton,
+    and on CPU tensors Triton runs only under its interpreter.
+    """
+    environment = {"EA_HF_TRITON": "1" if variant == "ea-triton" else "0"}
+    if variant in EA_VARIANTS:
+        environment["EA_HF_KERNELS"] = "0"
+    if variant == "ea-triton" and device_type == "cpu":
+        environment["TRITON_INTERPRET"] = "1"
+    return environment
+
+
+def counting(function: Callable, counts: dict[str, int], key: str) -> Callable:
+    """``function``, counting its calls in ``counts[key]``."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        counts[key] += 1
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def kernel_settings(variant: str, device_type: str) -> Iterator[dict[str, int]]:
+    """For the duration of a case: the variant's environment, the dry run's Triton tiles (CPU only), and counters
+    on the fused kernels' entry points (yielded); everything is put back afterwards, so that cases run in one
+    process (and the tests beside them) do not inherit each other's settings.
+
+    ea_hf calls the kernels through their modules (``kernel.correlate(...)``), so replacing the module attributes
+    sees every call.
+    """
+    from ea_hf.ops import cpu, triton_kernels
+
+    counts = {"triton_correlate": 0, "triton_backward": 0, "cpu_correlate": 0, "cpu_backward": 0}
+    environment = variant_environment(variant, device_type)
+    saved_environment = {name: os.environ.get(name) for name in environment}
+    replaced: list[tuple[Any, str, Any]] = []
+
+    def replace(owner: Any, name: str, value: Any) -> None:
+        replaced.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    try:
+        os.environ.update(environment)
+        if variant == "ea-triton" and device_type == "cpu":
+            for name, value in DRY_RUN_TILES.items():
+                replace(triton_kernels, name, value)
+        for module, prefix in ((triton_kernels, "triton"), (cpu, "cpu")):
+            for name in ("correlate", "backward"):
+                replace(module, name, counting(getattr(module, name), counts, f"{prefix}_{name}"))
+        yield counts
+    finally:
+        for owner, name, value in reversed(replaced):
+            setattr(owner, name, value)
+        for name, value in saved_environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def build_model(variant: str, config: dict, dtype: Any, device: Any) -> Any:
+    """A BertForSequenceClassification (2 labels) with the same random weights for every variant (and the same EA
+    kernels for every EA one), dropout off, in ``dtype`` on ``device``.
+
+    A classification head rather than bench_attention.py's bare BertModel: its training loss,
+    ``last_hidden_state.pow(2).mean()``, is 1 for any input at initialisation (LayerNorm with unit weight and zero
+    bias), so its gradients are rounding noise; the cross-entropy of the head gives real ones for the agreement
+    check at the cost of a 768 x 2 layer.
+    """
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    # problem_type given: transformers sets it on the first call otherwise, and torch.compile recompiles for that.
+    config = BertConfig(
+        **config,
+        num_labels=2,
+        problem_type="single_label_classification",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = BertForSequenceClassification(config)
+    model.set_attn_implementation("sdpa" if variant == "sdpa" else "eager")
+    if variant in EA_VARIANTS:
+        import_ea_hf().patch(model, alpha=EA_ALPHA, beta=EA_BETA)
+    return model.to(device=device, dtype=dtype)
+
+
+def make_inputs(config: dict, length: int, batch: int, device: Any) -> dict[str, Any]:
+    """Random input_ids and labels (seed 1) and an all-ones attention mask, as bench_attention.py uses (transformers
+    then passes no mask to the attention functions, so ea-triton's kernels are applicable)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, config["vocab_size"], (batch, length), generator=generator)
+    labels = torch.randint(0, 2, (batch,), generator=generator)
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device),
+        "labels": labels.to(device),
+    }
+
+
+def output_checksum(output: Any) -> float:
+    """A float64 fingerprint of an output (the logits): its entries weighted by cos(index), so that changes which
+    cancel in a plain sum still show."""
+    import torch
+
+    flat = output.detach().double().flatten()
+    return float((flat * torch.cos(torch.arange(flat.numel(), dtype=torch.float64, device=flat.device))).sum())
+
+
+def release(cuda: bool) -> None:
+    """Free what the previous case left on the GPU: the next case's memory baseline must not include it. Nothing
+    on CPU, where no memory is measured and a full collection costs 0.2 s a case."""
+    if cuda:
+        import torch
+
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def timed(step: Callable[[], Any], cuda: bool) -> tuple[float, float, Any]:
+    """(seconds, wall seconds, output) of one step. On CUDA the seconds come from events around the step and the
+    synchronisations make sure no earlier work is counted and all of the step's is."""
+    import torch
+
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        wall_start = time.perf_counter()
+        start.record()
+        output = step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3, time.perf_counter() - wall_start, output
+    wall_start = time.perf_counter()
+    output = step()
+    elapsed = time.perf_counter() - wall_start
+    return elapsed, elapsed, output
+
+
+def compile_counters() -> Any:
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def run_case(variant: str, length: int, batch: int, mode: str, dtype_name: str, settings: argparse.Namespace) -> dict:
+    """Time and measure one case in this process; errors (out of memory, a failed compile) are recorded in the
+    result instead of raised, so one broken case does not end a long GPU run."""
+    import torch
+
+    import_ea_hf()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = torch.device("cpu" if settings.dry_run else "cuda")
+    cuda = device.type == "cuda"
+    config = DRY_RUN_CONFIG if settings.dry_run else FULL_CONFIG
+    result: dict[str, Any] = {
+        "variant": variant,
+        "n": length,
+        "batch": batch,
+        "mode": mode,
+        "dtype": dtype_name,
+        "device": device.type,
+        "status": "ok",
+        "error": None,
+        "environment": variant_environment(variant, device.type),
+        "timing": "torch.cuda.Event around each step, synchronised" if cuda else "time.perf_counter (CPU)",
+    }
+    compile_info: dict[str, Any] | None = None
+    if variant == "ea-compile":
+        compile_info = {"backend": settings.compile_backend, "mode": "default", "failed": False, "error": None}
+        torch._dynamo.reset()  # compile from scratch: no graphs or guards carried over from another case
+        compile_counters().clear()
+    release(cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        result["allocated_before_build_mib"] = torch.cuda.memory_allocated() / MIB
+    model = optimizer = output = None
+    stage = "build"
+    case_start = time.perf_counter()
+    with kernel_settings(variant, device.type) as counts:
+        try:
+            model = build_model(variant, config, getattr(torch, TORCH_DTYPES[dtype_name]), device)
+            inputs = make_inputs(config, length, batch, device)
+            features = {name: inputs[name] for name in ("input_ids", "attention_mask")}
+            result["parameters"] = sum(p.numel() for p in model.parameters())
+            result["attn_implementation"] = model.config._attn_implementation
+            model.train(mode == "training")  # dropout probabilities are 0: train and eval compute the same
+            forward = torch.compile(model, backend=settings.compile_backend) if compile_info else model
+            if mode == "training" and settings.optimizer != "none":
+                factory = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.SGD
+                optimizer = factory(model.parameters(), lr=1e-5)
+
+            def step() -> Any:
+                if mode == "inference":
+                    with torch.no_grad():
+                        return forward(**features).logits
+                loss = forward(**inputs).loss
+                loss.backward()
+                if optimizer is not None:
+                    optimizer.step()
+                return loss.detach()
+
+            if cuda:
+                torch.cuda.synchronize()
+                loaded = torch.cuda.memory_allocated() / MIB
+            times, wall_times = [], []
+            for index in range(settings.warmup + settings.repeats):
+                stage = "first step" if index == 0 else "step"
+                model.zero_grad(set_to_none=True)
+                output = None  # the previous output must not add to this step's peak
+                if index == settings.warmup:
+                    if compile_info is not None:
+                        graphs_after_warmup = compile_counters()["stats"].get("unique_graphs", 0)
+                    if cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()  # peak of the timed steps (compiling is in the warm-ups)
+                elapsed, wall, output = timed(step, cuda)
+                if index == 0:
+                    result["first_step_s"] = elapsed  # includes compilation and Triton's JIT, if any
+                    if mode == "training":
+                        result["first_loss"] = float(output)  # before any optimizer step: same for every variant
+                if index >= settings.warmup:
+                    times.append(elapsed)
+                    wall_times.append(wall)
+            stage = "done"
+            if compile_info is not None:
+                # A guard that fails on every call would put compilation into the timed steps: make it visible.
+                compile_info["graphs_compiled_in_timed_steps"] = (
+                    compile_counters()["stats"].get("unique_graphs", 0) - graphs_after_warmup
+                )
+            result.update(
+                times_s=times,
+                wall_times_s=wall_times,
+                median_s=statistics.median(times),
+                min_s=min(times),
+                mean_s=statistics.fmean(times),
+                stdev_s=statistics.stdev(times) if len(times) > 1 else 0.0,
+            )
+            if mode == "inference":
+                result["output_checksum"] = output_checksum(output)
+            if cuda:
+                peak = torch.cuda.max_memory_allocated() / MIB
+                result.update(
+                    memory_source="torch.cuda.max_memory_allocated over the timed steps; loaded = "
+                    "memory_allocated with the model and inputs on the GPU, before the first step",
+                    loaded_mib=loaded,
+                    peak_mib=peak,
+                    above_loaded_mib=peak - loaded,
+                    peak_reserved_mib=torch.cuda.max_memory_reserved() / MIB,
+                )
+        except Exception as error:  # recorded: the run goes on with the next case
+            result.update(status="error", error=f"{type(error).__name__}: {error}"[:2000], failed_at=stage)
+            # Compilation happens in the first step (and dynamo/inductor raise their own errors later); running out
+            # of memory there is no compile failure.
+            compiler_error = type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
+            out_of_memory = isinstance(error, torch.cuda.OutOfMemoryError)
+            if compile_info is not None and (compiler_error or (stage == "first step" and not out_of_memory)):
+                compile_info.update(failed=True, error=result["error"])
+        finally:
+            kernel_calls = dict(counts)
+            model = optimizer = output = forward = None
+            if compile_info is not None:
+                stats = compile_counters()
+                compile_info["graph_breaks"] = sum(stats["graph_break"].values())
+                compile_info["graph_break_reasons"] = {
+                    break_reason(reason): count for reason, count in stats["graph_break"].most_common(8)
+                }
+                compile_info["unique_graphs"] = stats["stats"].get("unique_graphs", 0)
+                compile_info["dynamo_stats"] = dict(stats["stats"])
+                # Frames not "ok" ran uncompiled: a failed capture, or a frame past dynamo's recompile limit.
+                compile_info["frames"] = dict(stats["frames"])
+                torch._dynamo.reset()
+            release(cuda)
+    result.setdefault("median_s", None)
+    if not cuda:
+        result.update(
+            memory_source="not measured on CPU: the GPU memory figures are null",
+            loaded_mib=None,
+            peak_mib=None,
+            above_loaded_mib=None,
+        )
+    result.setdefault("peak_mib", None)
+    result.setdefault("above_loaded_mib", None)
+    steps = settings.warmup + settings.repeats
+    triton_calls = kernel_calls["triton_correlate"] + kernel_calls["triton_backward"]
+    cpu_calls = kernel_calls["cpu_correlate"] + kernel_calls["cpu_backward"]
+    result.update(
+        kernel_calls=kernel_calls,
+        triton_calls=triton_calls,
+        triton_calls_per_step=triton_calls / steps,
+        ran_on_triton=triton_calls > 0,
+        evolution_path=evolution_path(variant, triton_calls, cpu_calls),
+        compile=compile_info,
+        case_wall_s=time.perf_counter() - case_start,
+        warmup=settings.warmup,
+        repeats=settings.repeats,
+    )
+    return result
+
+
+def break_reason(reason: str) -> str:
+    """The headline and the explanation of a dynamo graph-break reason, without its hints and links."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    return " ".join(lines[:2])[:240]
+
+
+def evolution_path(variant: str, triton_calls: int, cpu_calls: int) -> str | None:
+    """What computed the evolution step, judged by the kernel calls seen (None for the unpatched variants)."""
+    if variant not in EA_VARIANTS:
+        return None
+    if triton_calls:
+        return "Triton kernels"
+    if cpu_calls:
+        return "ea_hf CPU kernel"
+    return "torch operations" + (" under torch.compile" if variant == "ea-compile" else "")
+
+
+def run_check(length: int, batch: int, dtype_name: str, settings: argparse.Namespace) -> dict:
+    """ea-torch against ea-triton on one model (same weights) and the same inputs: the largest differences of the
+    no_grad logits and last hidden state, of the same with autograd, and of the parameter gradients of the
+    training loss (the cross-entropy of the classification head)."""
+    import torch
+
+    import_ea_hf()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = torch.device("cpu" if settings.dry_run else "cuda")
+    config = DRY_RUN_CONFIG if settings.dry_run else FULL_CONFIG
+    result: dict[str, Any] = {"n": length, "batch": batch, "dtype": dtype_name, "status": "ok", "error": None}
+    # TF32 convolutions would make the torch path differ from the fp32 kernels by TF32 rounding, not by a bug.
+    tf32 = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    runs: dict[str, dict] = {}
+    try:
+        model = build_model("ea-torch", config, getattr(torch, TORCH_DTYPES[dtype_name]), device)
+        inputs = make_inputs(config, length, batch, device)
+        model.eval()
+
+        def outputs(output: Any) -> Any:
+            """The logits and the last hidden state, side by side as one float32 vector per batch element."""
+            return torch.cat([output.logits.float(), output.hidden_states[-1].float().flatten(1)], dim=1).detach()
+
+        for variant in ("ea-torch", "ea-triton"):
+            with kernel_settings(variant, device.type) as counts:
+                with torch.no_grad():
+                    inference = outputs(model(**inputs, output_hidden_states=True))
+                model.zero_grad(set_to_none=True)
+                trained = model(**inputs, output_hidden_states=True)
+                trained.loss.backward()
+                gradients = {
+                    n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None
+                }
+            runs[variant] = {"inference": inference, "output": outputs(trained), "grads": gradients}
+            result[f"{variant}_triton_calls"] = counts["triton_correlate"] + counts["triton_backward"]
+            result[f"{variant}_cpu_kernel_calls"] = counts["cpu_correlate"] + counts["cpu_backward"]
+        reference, triton = runs["ea-torch"], runs["ea-triton"]
+        if reference["grads"].keys() != triton["grads"].keys():
+            raise RuntimeError("ea-torch and ea-triton gave gradients to different parameters")
+        gradient_diff = max((reference["grads"][k] - triton["grads"][k]).abs().max().item() for k in triton["grads"])
+        gradient_scale = max(g.abs().max().item() for g in reference["grads"].values())
+        result.update(
+            max_abs_output=reference["inference"].abs().max().item(),
+            inference_max_abs_diff=(reference["inference"] - triton["inference"]).abs().max().item(),
+            training_output_max_abs_diff=(reference["output"] - triton["output"]).abs().max().item(),
+            gradient_max_abs_diff=gradient_diff,
+            gradient_max_abs=gradient_scale,
+            gradient_max_rel_diff=gradient_diff / gradient_scale if gradient_scale > 0 else 0.0,
+            parameters_with_gradients=len(triton["grads"]),
+        )
+        output_ok = max(result["inference_max_abs_diff"], result["training_output_max_abs_diff"]) <= (
+            AGREEMENT_TOLERANCE[dtype_name] * (1.0 if dtype_name == "fp32" else result["max_abs_output"])
+        )
+        result["agree"] = (
+            output_ok
+            and result["gradient_max_rel_diff"] <= GRADIENT_TOLERANCE[dtype_name]
+            and result["ea-triton_triton_calls"] > 0
+            and result["ea-torch_triton_calls"] == 0
+        )
+    except Exception as error:  # recorded like a failed case
+        result.update(status="error", error=f"{type(error).__name__}: {error}"[:2000], agree=False)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+        runs.clear()
+        model = None
+        release(device.type == "cuda")
+    result["tolerance"] = {"output": AGREEMENT_TOLERANCE[dtype_name], "gradient_rel": GRADIENT_TOLERANCE[dtype_name]}
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The run: plan the cases, run them (here or in fresh processes), compare, write.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def child_arguments(args: argparse.Namespace) -> list[str]:
+    """The options a ``--case`` / ``--check`` child needs to run as this process would."""
+    return [
+        *(["--dry-run"] if args.dry_run else []),
+        *["--repeats", str(args.repeats), "--warmup", str(args.warmup)],
+        *["--compile-backend", args.compile_backend, "--optimizer", args.optimizer],
+        *(["--threads", str(args.threads)] if args.threads else []),
+    ]
+
+
+def spawn(internal: list[str], args: argparse.Namespace, what: str) -> dict:
+    """Run this script in an internal mode in a fresh process; a child that dies (a CUDA fault, a crash) is
+    recorded as an error rather than ending the run."""
+    command = [sys.executable, str(Path(__file__).resolve()), *internal, *child_arguments(args)]
+    try:
+        return attention_bench.run_result_process(command, args.threads or os.cpu_count() or 1, what)
+    except RuntimeError as error:
+        return {"status": "error", "error": f"{error} (its output is on stderr)"}
+
+
+def spawn_case(variant: str, length: int, batch: int, mode: str, dtype: str, args: argparse.Namespace) -> dict:
+    internal = ["--case", variant, str(length), str(batch), mode, dtype]
+    result = spawn(internal, args, f"case {variant} N={length} {mode} {dtype}")
+    result.update(variant=variant, n=length, batch=batch, mode=mode, dtype=dtype)
+    return result
+
+
+def spawn_check(length: int, batch: int, dtype: str, args: argparse.Namespace) -> dict:
+    result = spawn(["--check", str(length), str(batch), dtype], args, f"check N={length} {dtype}")
+    result.update(n=length, batch=batch, dtype=dtype)
+    return result
+
+
+def stands_for(length: int, dry_run: bool) -> int:
+    """The N whose targets apply: the dry run's tiny N stand in for the full cases, in order."""
+    if dry_run:
+        return dict(zip((n for n, _ in DRY_RUN_CASES), (n for n, _ in FULL_CASES), strict=True)).get(length, length)
+    return length
+
+
+def passes(value: float | None, target: float | None) -> bool | None:
+    return None if value is None or target is None else value <= target
+
+
+def compare(cases: list[dict], dry_run: bool) -> list[dict]:
+    """One row per case, in the order run, with its ratios to the eager and sdpa cases of the same (N, batch,
+    dtype, mode) and the targets of the EA variants."""
+    by_key = {(c["n"], c["batch"], c["dtype"], c["mode"], c["variant"]): c for c in cases}
+    rows = []
+    for case in cases:
+        group = (case["n"], case["batch"], case["dtype"], case["mode"])
+        eager, sdpa = by_key.get((*group, "eager"), {}), by_key.get((*group, "sdpa"), {})
+        ea = case["variant"] in EA_VARIANTS
+        row = {
+            "n": case["n"],
+            "batch": case["batch"],
+            "dtype": case["dtype"],
+            "mode": case["mode"],
+            "variant": case["variant"],
+            "status": case.get("status"),
+            "error": case.get("error"),
+            "median_ms": None if case.get("median_s") is None else case["median_s"] * 1e3,
+            "peak_mib": case.get("peak_mib"),
+            "above_loaded_mib": case.get("above_loaded_mib"),
+            "time_over_eager": ratio(case.get("median_s"), eager.get("median_s")),
+            "time_over_sdpa": ratio(case.get("median_s"), sdpa.get("median_s")),
+            "peak_over_eager": ratio(case.get("peak_mib"), eager.get("peak_mib")),
+            "peak_over_sdpa": ratio(case.get("peak_mib"), sdpa.get("peak_mib")),
+            "above_loaded_over_eager": ratio(case.get("above_loaded_mib"), eager.get("above_loaded_mib")),
+            "triton_calls_per_step": case.get("triton_calls_per_step"),
+            "ran_on_triton": case.get("ran_on_triton"),
+            "evolution_path": case.get("evolution_path"),
+            "time_target": TIME_TARGETS.get(stands_for(case["n"], dry_run))
+            if ea and case["mode"] == "training"
+            else None,
+            "memory_target": MEMORY_TARGET if ea else None,
+        }
+        row["time_pass"] = passes(row["time_over_eager"], row["time_target"])
+        row["memory_pass"] = passes(row["peak_over_eager"], row["memory_target"])
+        rows.append(row)
+    return rows
+
+
+def number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def target_cell(target: float | None, passed: bool | None) -> str:
+    """bench_attention's ``<= t pass|FAIL``, and ``n/a`` where the ratio is missing (CPU memory, a failed case)."""
+    if target is not None and passed is None:
+        return f"<= {target:g} n/a"
+    return attention_bench.target_cell(target, passed)
+
+
+def notes(row: dict, case: dict) -> str:
+    parts = []
+    if row["variant"] == "ea-triton" and row["status"] == "ok" and not row["ran_on_triton"]:
+        parts.append("FELL BACK to torch operations (0 Triton calls)")
+    compiled = case.get("compile")
+    if compiled:
+        if compiled.get("failed"):
+            parts.append("compile FAILED")
+        if compiled.get("graphs_compiled_in_timed_steps"):
+            parts.append(f"RECOMPILED in timed steps ({compiled['graphs_compiled_in_timed_steps']} graphs)")
+        breaks, frames = compiled.get("graph_breaks"), compiled.get("frames") or {}
+        uncompiled = frames.get("total", 0) - frames.get("ok", 0)
+        parts.append(
+            f"{compiled['backend']}, {breaks} graph breaks, {uncompiled} frames run uncompiled, "
+            f"first step {case.get('first_step_s', 0):.1f} s"
+        )
+    if row["error"]:
+        parts.append(row["error"].split("\n")[0][:120].replace("|", "/"))
+    return "; ".join(parts)
+
+
+def markdown_table(rows: list[dict], cases: list[dict]) -> str:
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---:|" * 2 + "---|" * 3 + "---:|" * 8 + "---|" * 3]
+    for row, case in zip(rows, cases, strict=True):
+        cells = [
+            str(row["n"]),
+            str(row["batch"]),
+            row["dtype"],
+            row["mode"],
+            row["variant"],
+            number(row["median_ms"], 2),
+            number(row["time_over_eager"], 3),
+            number(row["time_over_sdpa"], 3),
+            number(row["peak_mib"], 0),
+            number(row["above_loaded_mib"], 0),
+            number(row["peak_over_eager"], 3),
+            number(row["peak_over_sdpa"], 3),
+            number(row["triton_calls_per_step"], 1),
+            target_cell(row["time_target"], row["time_pass"]),
+            target_cell(row["memory_target"], row["memory_pass"]),
+            notes(row, case),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def agreement_table(checks: list[dict]) -> str:
+    header = [
+        "N",
+        "batch",
+        "dtype",
+        "no_grad output max abs diff",
+        "training output max abs diff",
+        "gradient max rel diff",
+        "Triton calls (ea-triton / ea-torch)",
+        "agree",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|---:|---:|---|---:|---:|---:|---:|---|"]
+    for check in checks:
+        if check.get("status") != "ok":
+            error = (check.get("error") or "").split("\n")[0][:120].replace("|", "/")
+            lines.append(f"| {check['n']} | {check['batch']} | {check['dtype']} | - | - | - | - | ERROR: {error} |")
+            continue
+        cells = [
+            str(check["n"]),
+            str(check["batch"]),
+            check["dtype"],
+            f"{check['inference_max_abs_diff']:.2e}",
+            f"{check['training_output_max_abs_diff']:.2e}",
+            f"{check['gradient_max_rel_diff']:.2e}",
+            f"{check['ea-triton_triton_calls']} / {check['ea-torch_triton_calls']}",
+            "yes" if check["agree"] else "NO",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_report(report: dict) -> str:
+    settings, versions = report["settings"], report["versions"]
+    dry = settings["dry_run"]
+    intro = (
+        f"{report['machine_line']}, triton {versions['triton']}"
+        + (f", CUDA {versions['cuda']}" if versions["cuda"] else "")
+        + f". {report['model']}, random weights (seed 0), dropout "
+        f"0; random input_ids, all-ones attention mask. EA: `ea_hf.patch(model, alpha={EA_ALPHA}, beta={EA_BETA})` "
+        "(3x3 kernel, every layer); `ea-torch` evolves with torch operations, `ea-triton` with the Triton kernels "
+        f"(`EA_HF_TRITON=1`), `ea-compile` is the ea-torch model under `torch.compile` (backend "
+        f"`{settings['compile_backend']}`, default mode). inference = forward (logits) under `torch.no_grad()`; "
+        "training = forward with labels, `loss.backward()` (cross-entropy of the 2-label head)"
+        + (f", `{settings['optimizer']}` step" if settings["optimizer"] != "none" else ", no optimizer step")
+        + f". Median of {settings['repeats']} steps after {settings['warmup']} warm-up step(s). "
+    )
+    if dry:
+        intro += (
+            "\n\n**Dry run on CPU**: tiny BERT, times from `time.perf_counter` (meaningless as GPU figures), GPU "
+            "memory not measured (null, shown as -), Triton kernels run by Triton's interpreter "
+            "(`TRITON_INTERPRET=1`). The tiny N carry the targets of the full cases they stand in for."
+        )
+    else:
+        intro += (
+            "Times from CUDA events; peak = `torch.cuda.max_memory_allocated()` over the timed steps; above loaded = "
+            "peak minus `memory_allocated()` with the model and inputs on the GPU. TF32 as torch's defaults (cuDNN "
+            "convolutions of the fp32 cases may use it, matmuls do not)."
+        )
+    targets = (
+        f"Targets (EA variants against eager): training step at most {TIME_TARGETS[512]}x at N = 512 and "
+        f"{TIME_TARGETS[2048]}x at N = 2048; peak memory at most {MEMORY_TARGET}x. *Triton calls/step*: calls of "
+        "`triton_kernels.correlate` + `backward` per step (warm-ups included); an `ea-triton` row with 0 fell back "
+        "to torch operations."
+    )
+    return (
+        f"# Evolving Attention on GPU: eager vs sdpa vs EA (torch, Triton, torch.compile)\n\n{intro}\n\n{targets}\n\n"
+        f"{report['markdown_table']}\n"
+        "## ea-torch vs ea-triton on the same weights and inputs\n\n"
+        f"Tolerances: outputs {AGREEMENT_TOLERANCE} (absolute for fp32, relative to the largest output for bf16), "
+        f"gradients {GRADIENT_TOLERANCE} relative to the largest gradient; TF32 off during the check.\n\n"
+        f"{report['markdown_agreement']}"
+    )
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "transformers": transformers.__version__,
+        "ea_hf": import_ea_hf().__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    }
+
+
+def slug(name: str) -> str:
+    """A folder name from a device name: ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def output_paths(args: argparse.Namespace, gpu: str | None) -> tuple[Path, Path]:
+    """(JSON, Markdown): ``bench_gpu.*`` under ``--out`` or bench/results/<gpu name slug>; the dry run's are
+    ``bench_gpu_dry_run.*``, by default under bench/results/cpu."""
+    default = BENCH_DIR / "results" / ("cpu" if args.dry_run or not gpu else slug(gpu))
+    out = Path(args.out) if args.out else default
+    stem = "bench_gpu_dry_run" if args.dry_run else "bench_gpu"
+    return out / f"{stem}.json", out / f"{stem}.md"
+
+
+def settings_key(args: argparse.Namespace) -> dict:
+    """What must be equal for a previous run's cases to be reused by ``--resume``."""
+    return {
+        "dry_run": args.dry_run,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "compile_backend": args.compile_backend,
+        "optimizer": args.optimizer,
+    }
+
+
+def previous_results(path: Path, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """(cases, checks) of an earlier run at ``path`` that finished without error, for ``--resume``."""
+    if not args.resume or not path.exists():
+        return [], []
+    previous = json.loads(path.read_text())
+    if previous.get("settings_key") != settings_key(args):
+        print(f"--resume: {path} was made with other settings; running every case again", flush=True)
+        return [], []
+    ok = [c for c in previous.get("cases", []) if c.get("status") == "ok"]
+    return ok, [c for c in previous.get("agreement", []) if c.get("status") == "ok"]
+
+
+def case_key(case: dict) -> tuple:
+    return case["n"], case["batch"], case["dtype"], case["mode"], case["variant"]
+
+
+def check_key(check: dict) -> tuple:
+    return check["n"], check["batch"], check["dtype"]
+
+
+def case_order(key: tuple) -> tuple:
+    """Cases (and checks) by N, batch, dtype, mode and variant, in the order of DTYPES, MODES and VARIANTS."""
+    length, batch, dtype, *rest = key
+    order = [length, batch, DTYPES.index(dtype)]
+    if rest:
+        order += [MODES.index(rest[0]), VARIANTS.index(rest[1])]
+    return tuple(order)
+
+
+def collect(args: argparse.Namespace) -> dict:
+    """Run every planned case and check (here, or each in a fresh process with ``--isolate``), rewriting the JSON
+    and Markdown after each one; return the report."""
+    start = time.perf_counter()
+    info = attention_bench.machine_info(args.threads or 0)
+    info["device"] = "cpu" if args.dry_run else "cuda"
+    if not args.dry_run:
+        import torch
+
+        info["gpu_capability"] = list(torch.cuda.get_device_capability(0))
+        info["gpu_memory_mib"] = torch.cuda.get_device_properties(0).total_memory / MIB
+    json_path, markdown_path = output_paths(args, info["gpu"])
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    done_cases, done_checks = previous_results(json_path, args)
+    print(f"machine: {attention_bench.machine_line(info)}", flush=True)
+    report: dict[str, Any] = {
+        "benchmark": "BERT-Base: eager vs sdpa vs Evolving Attention (torch operations, Triton kernels, torch.compile)",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": "BertForSequenceClassification (2 labels), "
+        + ("tiny config (dry run)" if args.dry_run else "BERT-Base dimensions (110M)"),
+        "config": DRY_RUN_CONFIG if args.dry_run else FULL_CONFIG,
+        "machine": info,
+        "machine_line": attention_bench.machine_line(info),
+        "gpu": info["gpu"],
+        "versions": versions(),
+        "settings_key": settings_key(args),
+        "settings": {
+            **settings_key(args),
+            "cases": [list(case) for case in args.cases],
+            "dtypes": args.dtypes,
+            "modes": args.modes,
+            "variants": args.variants,
+            "threads": args.threads,
+            "isolate": args.isolate,
+            "ea": {"alpha": EA_ALPHA, "beta": EA_BETA, "kernel_size": 3},
+            "dry_run_tiles": DRY_RUN_TILES if args.dry_run else None,
+            "tf32": "defaults (cudnn.allow_tf32 on, matmul off) in the cases; off in the agreement check",
+        },
+        "targets": {"training_time_over_eager": TIME_TARGETS, "peak_memory_over_eager": MEMORY_TARGET},
+    }
+    # Keyed results, the previous run's first (--resume): a run split over several commands, or over subsets
+    # (--dtypes bf16, then --dtypes fp32 --resume), ends with every case in one file, also when it is cut off.
+    case_results = {case_key(c): dict(c, reused_from_previous_run=True) for c in done_cases}
+    check_results = {check_key(c): dict(c, reused_from_previous_run=True) for c in done_checks}
+    cases: list[dict] = []  # the ordered views of the two, as written
+    checks: list[dict] = []
+
+    def write() -> None:
+        cases[:] = [case_results[key] for key in sorted(case_results, key=case_order)]
+        checks[:] = [check_results[key] for key in sorted(check_results, key=case_order)]
+        rows = compare(cases, args.dry_run)
+        report.update(
+            cases=cases,
+            comparison=rows,
+            agreement=checks,
+            markdown_table=markdown_table(rows, cases),
+            markdown_agreement=agreement_table(checks),
+            wall_time_s=time.perf_counter() - start,
+        )
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        markdown_path.write_text(markdown_report(report))
+
+    for (length, batch), dtype, mode, variant in (
+        (case, dtype, mode, variant)
+        for case in args.cases
+        for dtype in args.dtypes
+        for mode in args.modes
+        for variant in args.variants
+    ):
+        key = (length, batch, dtype, mode, variant)
+        if key in case_results:
+            result = case_results[key]
+        elif args.isolate:
+            result = spawn_case(variant, length, batch, mode, dtype, args)
+        else:
+            result = run_case(variant, length, batch, mode, dtype, args)
+        case_results[key] = result
+        write()
+        median = result.get("median_s")
+        print(
+            f"  {variant:<10} N={length:<5} batch {batch} {dtype} {mode:<9} "
+            + ("ERROR " + (result.get("error") or "").split("\n")[0][:160] if result.get("status") != "ok" else "")
+            + (f"median {median * 1e3:9.2f} ms" if median is not None else "")
+            + (f"  peak {result['peak_mib']:.0f} MiB" if result.get("peak_mib") is not None else "")
+            + (f"  Triton calls {result.get('triton_calls')}" if variant in EA_VARIANTS else ""),
+            flush=True,
+        )
+    if "ea-torch" in args.variants and "ea-triton" in args.variants and not args.no_check:
+        for (length, batch), dtype in ((case, dtype) for case in args.cases for dtype in args.dtypes):
+            check = check_results.get((length, batch, dtype))
+            if check is None:
+                check = (
+                    spawn_check(length, batch, dtype, args) if args.isolate else run_check(length, batch, dtype, args)
+                )
+            check_results[(length, batch, dtype)] = check
+            write()
+            print(
+                f"  check ea-torch vs ea-triton N={length} {dtype}: "
+                + (
+                    f"output diff {check['inference_max_abs_diff']:.2e}, gradient rel diff "
+                    f"{check['gradient_max_rel_diff']:.2e}, agree {check['agree']}"
+                    if check.get("status") == "ok"
+                    else f"ERROR {check.get('error')}"
+                ),
+                flush=True,
+            )
+    write()
+    print()
+    print(report["markdown_table"])
+    print(report["markdown_agreement"])
+    print(f"wall time {report['wall_time_s']:.0f} s; wrote {json_path}, {markdown_path}")
+    return report
+
+
+def parse_case(text: str) -> tuple[int, int]:
+    """``N:BATCH`` -> (N, batch)."""
+    try:
+        length, batch = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N:BATCH, got {text!r}") from None
+    if min(length, batch) < 1:
+        raise argparse.ArgumentTypeError(f"N and batch must be positive, got {text!r}")
+    return length, batch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; ``--dry-run`` changes the defaults of the cases, dtypes, repeats and threads."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", "--tiny", action="store_true", help="tiny BERT on CPU, no GPU needed")
+    parser.add_argument("--out", help="output folder (default bench/results/<gpu name slug>, or .../cpu dry)")
+    parser.add_argument(
+        "--cases", type=parse_case, nargs="+", help="N:BATCH pairs (default 512:8 2048:2; dry 16:2 24:2)"
+    )
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, help="default bf16 fp32 (dry run: fp32)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--repeats", type=int, help="timed steps per case (default 10; dry run 2)")
+    parser.add_argument("--warmup", type=int, help="untimed steps before them (default 3; dry run 1)")
+    parser.add_argument(
+        "--compile-backend",
+        help="torch.compile backend of ea-compile (default inductor; dry run eager: dynamo's graph capture only, "
+        "as inductor's C++ build of even a tiny BERT takes minutes on a busy CPU; aot_eager also traces the "
+        "backward, about 6 s more)",
+    )
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="none", help="training step's optimizer (none)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's; dry run 1)")
+    parser.add_argument("--isolate", action="store_true", help="run every case and check in a fresh process")
+    parser.add_argument("--resume", action="store_true", help="reuse the finished cases of the output JSON")
+    parser.add_argument("--no-check", action="store_true", help="skip the ea-torch vs ea-triton agreement check")
+    internal = parser.add_mutually_exclusive_group()
+    internal.add_argument(
+        "--case", nargs=5, metavar=("VARIANT", "N", "BATCH", "MODE", "DTYPE"), help="internal: run one case"
+    )
+    internal.add_argument("--check", nargs=3, metavar=("N", "BATCH", "DTYPE"), help="internal: run one check")
+    args = parser.parse_args(argv)
+    dry = args.dry_run
+    args.cases = args.cases or list(DRY_RUN_CASES if dry else FULL_CASES)
+    args.dtypes = args.dtypes or (["fp32"] if dry else list(DTYPES))
+    args.repeats = args.repeats if args.repeats is not None else (2 if dry else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
+    args.compile_backend = args.compile_backend or ("eager" if dry else "inductor")
+    args.threads = args.threads if args.threads is not None else (1 if dry else None)
+    if args.repeats < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
+        parser.error("--repeats and --threads must be positive, --warmup non-negative")
+    if args.case:
+        variant, length, batch, mode, dtype = args.case
+        if variant not in VARIANTS or mode not in MODES or dtype not in DTYPES:
+            parser.error(f"--case expects VARIANT in {VARIANTS}, MODE in {MODES}, DTYPE in {DTYPES}")
+        args.case = (variant, int(length), int(batch), mode, dtype)
+    if args.check:
+        length, batch, dtype = args.check
+        if dtype not in DTYPES:
+            parser.error(f"--check expects DTYPE in {DTYPES}")
+        args.check = (int(length), int(batch), dtype)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The whole run by default; ``--case`` / ``--check`` run one case or check and print it as a result line."""
+    args = parse_args(argv)
+    if args.dry_run:
+        # Before torch (transformers imports triton through torch._dynamo): Triton then starts interpreted.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        sys.exit(2)
+    if args.case:
+        print(RESULT_PREFIX + json.dumps(run_case(*args.case, args)), flush=True)
+    elif args.check:
+        print(RESULT_PREFIX + json.dumps(run_check(*args.check, args)), flush=True)
+    else:
+        collect(args)
+
+
+if __name__ == "__main__":
+    main()
