@@ -180,14 +180,21 @@ def evolve_step(
         attention_in = torch.lerp(scores, previous, alpha) if for_backward else scores.lerp_(previous, alpha)
     conv_input = attention_in if keep is None else attention_in * keep
     rows_before = columns_before = 0
+    kernel = None
     if history is not None:
         conv_input, rows_before, columns_before = history.extend(conv_input, context_rows)
-    # Padding `context_rows` on both sides: a causal kernel (its last row at the centre) then produces
-    # `context_rows` extra rows at the bottom, and output row i reads input rows i - c .. i. Autocast off:
-    # it would convolve in half precision.
-    with torch.autocast(conv_input.device.type, enabled=False):
-        padding = (context_rows, scaled_weight.shape[-1] // 2)
-        convolved = F.conv2d(conv_input, scaled_weight, scaled_bias, padding=padding)
+        # A decoding step with earlier rows: the fused kernel convolves the extended map (earlier rows + this
+        # step's, already mixed and masked) like the padded convolution below; only this step's rows are kept.
+        kernel = fused_kernel(conv_input, weight=scaled_weight) if causal else None
+    if kernel is not None:
+        convolved = kernel.correlate(conv_input, scaled_weight, scaled_bias, row_shift=-context_rows, relu=True)
+    else:
+        # Padding `context_rows` on both sides: a causal kernel (its last row at the centre) then produces
+        # `context_rows` extra rows at the bottom, and output row i reads input rows i - c .. i. Autocast off:
+        # it would convolve in half precision.
+        with torch.autocast(conv_input.device.type, enabled=False):
+            padding = (context_rows, scaled_weight.shape[-1] // 2)
+            convolved = F.conv2d(conv_input, scaled_weight, scaled_bias, padding=padding)
     if causal:
         rows, columns = scores.shape[-2:]
         convolved = convolved[..., rows_before : rows_before + rows, columns_before : columns_before + columns]

@@ -302,10 +302,10 @@ def test_backward_over_small_tiles_matches_cpu(kernel_size, causal, with_previou
 
 
 @pytest.mark.parametrize("kernel_size", [3, 5])
-def test_cached_decoding_prefill_on_triton_then_steps(monkeypatch, calls, kernel_size):
+def test_cached_decoding_prefill_and_steps_on_triton(monkeypatch, calls, kernel_size):
     """Cached decoding: the first step (no earlier rows) runs on the Triton kernel and leaves its last rows in the
-    history; later one-row steps run on torch operations from those rows. Outputs and kept rows match an
-    all-torch decode."""
+    history; later one-row steps run on it too, over those rows and their own (the kept-row form). Outputs and
+    kept rows match an all-torch decode."""
     batch, heads, prompt, beta, alpha = 2, 3, 5, 0.6, 0.3
     scores, previous, _, weight, bias, context = make_inputs(batch, heads, prompt + 2, prompt + 2, kernel_size, True)
     keep = torch.ones(batch, 1, prompt + 2, prompt + 2).tril()  # the decoder's causal mask
@@ -332,7 +332,7 @@ def test_cached_decoding_prefill_on_triton_then_steps(monkeypatch, calls, kernel
                     )
                 )
         outputs[name] = steps, history.rows
-    assert calls == ["correlate"]  # the prefill only: steps with earlier rows are not fused
+    assert calls == ["correlate"] * 3  # the prefill and both steps with earlier rows
     (triton_steps, triton_rows), (torch_steps, torch_rows) = outputs["triton"], outputs["torch"]
     for got, want in zip(triton_steps, torch_steps, strict=True):
         assert got.shape == want.shape
