@@ -2,6 +2,7 @@
 the card says comes from the run's task kind; runs written by ea_hf 0.1 still work with eval, compare, card and
 push; an adapter run's card shows the settings its model has."""
 
+import dataclasses
 import json
 import os
 import re
@@ -195,7 +196,9 @@ def test_runs_written_by_ea_hf_0_1_still_evaluate_compare_publish(runs, hub, mon
 def test_v0_1_recipe_files_of_every_kind_read_as_their_recipe(fixture, name, overrides, tmp_path):
     text = (FIXTURES / f"{fixture}.yaml").read_text().replace("RECIPES", str(RECIPES_DIR))
     (tmp_path / RECIPE_FILE).write_text(text)
-    assert read_run_recipe(tmp_path) == load_recipe(name, overrides)
+    old = read_run_recipe(tmp_path)
+    # The description is free text that a shipped recipe may have changed since the run was written.
+    assert old == dataclasses.replace(load_recipe(name, overrides), description=old.description)
 
 
 @pytest.mark.slow
