@@ -111,11 +111,13 @@ def attention_probabilities(scores: torch.Tensor, spare: torch.Tensor | None = N
     (a forward hook on the evolution module may have kept it; callers pass ``spare`` without keeping a
     reference) and not a view of its storage.
     """
+    # Compiling first: dynamo reads it as a constant and stops there, never tracing the reference count (a
+    # graph break); a compiled graph plans its own buffers anyway.
     if (
-        spare is not None
-        and sys.getrefcount(spare) == ARGUMENT_REFERENCES
+        not torch.compiler.is_compiling()
+        and spare is not None
         and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
+        and sys.getrefcount(spare) == ARGUMENT_REFERENCES
         and spare.shape == scores.shape
         and spare.dtype == scores.dtype
         and spare.device == scores.device

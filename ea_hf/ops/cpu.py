@@ -126,7 +126,10 @@ def kernel_keep(keep: torch.Tensor | None, batch: int, rows: int, cols: int) -> 
 
 
 def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor) -> bool:
-    """Whether the CPU kernel can take these maps and this kernel: float32 on CPU, a mask shared by the heads."""
+    """Whether the CPU kernel can take these maps and this kernel: float32 on CPU, a mask shared by the heads,
+    and not while torch.compile traces (the ctypes call is opaque to it; compiled graphs use torch operations)."""
+    if torch.compiler.is_compiling():
+        return False
     if weight.shape[-2] > MAX_KERNEL_ROWS or weight.shape[-1] // 2 > MAX_KERNEL_COLUMNS // 2:
         return False
     maps = [t for t in tensors if t is not None]
