@@ -412,6 +412,16 @@ def compare(results: list[dict], paired: list[dict], lengths: list[int]) -> list
     return rows
 
 
+def number(value: float | None, digits: int) -> str:
+    """A table cell: the value with ``digits`` decimals, or "-"."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table_row(cells: list[str]) -> str:
+    """One row of a Markdown table."""
+    return "| " + " | ".join(cells) + " |"
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     """numerator / denominator, None where either is missing or the denominator is not positive."""
     if numerator is None or denominator is None or denominator <= 0:
@@ -440,7 +450,7 @@ def markdown_table(rows: list[dict]) -> str:
         "EA/eager memory",
         "memory target",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---:"] * 1 + ["---"] + ["---:"] * 10) + "|"]
+    lines = [table_row(header), "|" + "|".join(["---:"] * 1 + ["---"] + ["---:"] * 10) + "|"]
     for r in rows:
         cells = [
             str(r["n"]),
@@ -456,7 +466,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['ea_over_eager_peak_memory']:.3f}",
             target_cell(r["ea_memory_target"], r["ea_memory_pass"]),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     return "\n".join(lines) + "\n"
 
 

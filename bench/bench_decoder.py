@@ -35,6 +35,8 @@ sys.path.insert(0, str(BENCH_DIR))
 import bench_attention as attention_bench  # noqa: E402
 
 ratio = attention_bench.ratio
+number = attention_bench.number
+table_row = attention_bench.table_row
 MIB = attention_bench.MIB
 RESULT_PREFIX = attention_bench.RESULT_PREFIX
 
@@ -388,11 +390,6 @@ def variant_label(row: dict) -> str:
     return row["variant"]
 
 
-def number(value: float | None, digits: int) -> str:
-    """A table cell: the value with ``digits`` decimals, or "-"."""
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def human_bytes(count: int) -> str:
     """Bytes in B, KiB or MiB for the tables."""
     if count < 1024:
@@ -419,7 +416,7 @@ def markdown_tables(rows: list[dict], num_layers: int) -> tuple[str, str]:
         "decode x eager",
         "others' cores",
     ]
-    cost = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    cost = [table_row(header), "|---|" + "---:|" * (len(header) - 1)]
     for r in rows:
         cells = [
             variant_label(r),
@@ -436,7 +433,7 @@ def markdown_tables(rows: list[dict], num_layers: int) -> tuple[str, str]:
             number(r["decode_over_eager"], 2),
             number(r["other_processes_cores"], 2) + (" (!)" if r["contended"] else ""),
         ]
-        cost.append("| " + " | ".join(cells) + " |")
+        cost.append(table_row(cells))
 
     header = [
         "variant",
@@ -450,7 +447,7 @@ def markdown_tables(rows: list[dict], num_layers: int) -> tuple[str, str]:
         "held storage / KV",
         "kept rows, whole model",
     ]
-    kept = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    kept = [table_row(header), "|---|" + "---:|" * (len(header) - 1)]
     for r in rows:
         if r["variant"] not in EA_VARIANTS:
             continue
@@ -467,7 +464,7 @@ def markdown_tables(rows: list[dict], num_layers: int) -> tuple[str, str]:
             f"{r['kept_rows_storage_bytes_per_layer'] / kv:.1f} x",
             human_bytes(r["kept_rows_bytes_total"]),
         ]
-        kept.append("| " + " | ".join(cells) + " |")
+        kept.append(table_row(cells))
     return "\n".join(cost) + "\n", "\n".join(kept) + "\n"
 
 

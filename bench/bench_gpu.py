@@ -51,6 +51,8 @@ sys.path.insert(0, str(BENCH_DIR))
 import bench_attention as attention_bench  # noqa: E402
 
 ratio = attention_bench.ratio
+number = attention_bench.number
+table_row = attention_bench.table_row
 MIB = attention_bench.MIB
 RESULT_PREFIX = attention_bench.RESULT_PREFIX
 EA_ALPHA = attention_bench.EA_ALPHA
@@ -624,10 +626,6 @@ def compare(cases: list[dict], dry_run: bool) -> list[dict]:
     return rows
 
 
-def number(value: float | None, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def target_cell(target: float | None, passed: bool | None) -> str:
     """bench_attention's ``<= t pass|FAIL``, and ``n/a`` where the ratio is missing (CPU memory, a failed case)."""
     if target is not None and passed is None:
@@ -657,7 +655,7 @@ def notes(row: dict, case: dict) -> str:
 
 
 def markdown_table(rows: list[dict], cases: list[dict]) -> str:
-    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---:|" * 2 + "---|" * 3 + "---:|" * 8 + "---|" * 3]
+    lines = [table_row(TABLE_HEADER), "|" + "---:|" * 2 + "---|" * 3 + "---:|" * 8 + "---|" * 3]
     for row, case in zip(rows, cases, strict=True):
         cells = [
             str(row["n"]),
@@ -677,7 +675,7 @@ def markdown_table(rows: list[dict], cases: list[dict]) -> str:
             target_cell(row["memory_target"], row["memory_pass"]),
             notes(row, case),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     return "\n".join(lines) + "\n"
 
 
@@ -692,7 +690,7 @@ def agreement_table(checks: list[dict]) -> str:
         "Triton calls (ea-triton / ea-torch)",
         "agree",
     ]
-    lines = ["| " + " | ".join(header) + " |", "|---:|---:|---|---:|---:|---:|---:|---|"]
+    lines = [table_row(header), "|---:|---:|---|---:|---:|---:|---:|---|"]
     for check in checks:
         if check.get("status") != "ok":
             error = (check.get("error") or "").split("\n")[0][:120].replace("|", "/")
@@ -708,7 +706,7 @@ def agreement_table(checks: list[dict]) -> str:
             f"{check['ea-triton_triton_calls']} / {check['ea-torch_triton_calls']}",
             "yes" if check["agree"] else "NO",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     return "\n".join(lines) + "\n"
 
 
