@@ -184,10 +184,11 @@ def evolve_step(
     if history is not None:
         conv_input, rows_before, columns_before = history.extend(conv_input, context_rows)
         # A decoding step with earlier rows: the fused kernel convolves the extended map (earlier rows + this
-        # step's, already mixed and masked) like the padded convolution below; only this step's rows are kept.
+        # step's, already mixed and masked) like the padded convolution below; only this step's rows are kept,
+        # and the ReLU below runs on them alone.
         kernel = fused_kernel(conv_input, weight=scaled_weight) if causal else None
     if kernel is not None:
-        convolved = kernel.correlate(conv_input, scaled_weight, scaled_bias, row_shift=-context_rows, relu=True)
+        convolved = kernel.correlate(conv_input, scaled_weight, scaled_bias, row_shift=-context_rows)
     else:
         # Padding `context_rows` on both sides: a causal kernel (its last row at the centre) then produces
         # `context_rows` extra rows at the bottom, and output row i reads input rows i - c .. i. Autocast off:
