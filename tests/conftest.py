@@ -19,6 +19,8 @@ import transformers  # noqa: E402
 from testing import IMAGE_SIZE  # noqa: E402
 
 import ea_hf  # noqa: E402,F401  (registers the EA Auto classes)
+from ea_hf.modeling import convolution  # noqa: E402
+from ea_hf.ops import cpu  # noqa: E402
 
 _real_connect = socket.socket.connect
 
@@ -121,3 +123,13 @@ def hub(monkeypatch, tmp_path):
     with FakeHub() as server:
         server.patch_client(monkeypatch, cache_dir=tmp_path / "default-cache")
         yield server
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def evolution_path(request, monkeypatch):
+    """Run a test on the CPU kernel path and on the torch-operations path."""
+    if request.param == "kernel" and cpu.cpu_kernel() is None:
+        pytest.skip("no C++ compiler on this machine: the kernel path cannot be built")
+    if request.param == "torch":
+        monkeypatch.setattr(convolution, "FUSED_KERNELS", [])
+    return request.param

@@ -10,7 +10,6 @@ transformers and sibling files (single-dot relative imports).
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from .attention_core import attention_scores, full_precision, masked_logits
 from .chain import CHAIN_KWARG, SPARE_KEY
 from .history import convolution_history
 from .masks import convolution_mask, evolving_attention_mask, split_attention_mask
@@ -63,39 +63,40 @@ def evolving_attention_forward(
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    if math.frexp(scaling)[0] == 0.5:
-        # A power of two (1/8 for 64-dimensional heads) scales exactly: scaling the queries instead of the
-        # [B, H, Q, K] product gives eager attention's numbers with one pass less over the map.
-        scores = torch.matmul(query * scaling if scaling != 1.0 else query, key.transpose(-1, -2))
-    else:  # in place: the product is a fresh tensor that autograd does not keep
-        scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)
-    if position_bias is not None:
-        scores = scores + position_bias
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
     allowed, additive = split_attention_mask(attention_mask)
     evolution = getattr(module, MODULE_ATTRIBUTE, None)
     if evolution is not None:
-        if scores.dtype in (torch.float16, torch.bfloat16):
-            # Blends, convolution, mask and softmax in fp32: a half-precision map rounds away the small
-            # residual terms, and fp16's mask value plus a negative logit overflows to -inf.
-            scores = scores.float()
         chain = kwargs.get(CHAIN_KWARG)
         cache = kwargs.get(CACHE_KWARG)
-        query_length = scores.shape[-2]
+        query_length = query.shape[-2]
         past = 0 if cache is None else cache.get_seq_length() - query_length
         history = None
         if cache is not None and evolution.causal and evolution.beta != 0.0:
             history = convolution_history(cache, evolution.key, past)
         conv_mask = convolution_mask(evolution.role, allowed, query_length, past, chain if chain is not None else {})
-        scores = evolution(scores, conv_mask, chain, history, query=query, past=past)
-    if additive is not None:
-        scores = scores + additive
-    elif allowed is not None:
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        if evolution.fuses_attention(history):
+            output, probs = evolution.attend(
+                query,
+                key,
+                value,
+                conv_mask,
+                allowed,
+                additive,
+                chain,
+                history,
+                scaling=scaling,
+                dropout=dropout if module.training else 0.0,
+                position_bias=position_bias,
+                softcap=softcap,
+            )
+            return output.transpose(1, 2).contiguous(), probs
+    scores = attention_scores(query, key, scaling, position_bias, softcap)
+    if evolution is not None:
+        scores = evolution(full_precision(scores), conv_mask, chain, history, query=query, past=past)
     # The spare map is passed on without a local name here: attention_probabilities counts its references.
     probs = attention_probabilities(
-        scores, chain.pop(SPARE_KEY, None) if evolution is not None and chain is not None else None
+        masked_logits(scores, allowed, additive),
+        chain.pop(SPARE_KEY, None) if evolution is not None and chain is not None else None,
     ).to(value.dtype)
     probs = F.dropout(probs, p=dropout, training=module.training)
     output = torch.matmul(probs, value).transpose(1, 2).contiguous()

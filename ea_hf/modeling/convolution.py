@@ -90,34 +90,66 @@ class EvolveConvolution(torch.autograd.Function):
     @torch.autocast("cuda", enabled=False)
     def backward(ctx, grad_logits):
         scores, previous, gate, scaled_weight, keep = ctx.saved_tensors
-        alpha, beta, c = ctx.alpha, ctx.beta, ctx.context_rows
-        kernel_rows, kernel_columns = scaled_weight.shape[-2:]
+        grad_scores, grad_previous, grad_weight, grad_bias = evolve_backward(
+            scores,
+            previous,
+            keep,
+            gate,
+            scaled_weight,
+            grad_logits,
+            ctx.alpha,
+            ctx.beta,
+            ctx.context_rows,
+            needs_input=ctx.needs_input_grad[0] or ctx.needs_input_grad[1],
+            needs_kernel=ctx.needs_input_grad[3] or ctx.needs_input_grad[4],
+        )
+        return grad_scores, grad_previous, None, grad_weight, grad_bias, None, None, None, None
+
+
+def evolve_backward(
+    scores: torch.Tensor,
+    previous: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    gate: torch.Tensor,
+    scaled_weight: torch.Tensor,
+    grad_logits: torch.Tensor,
+    alpha: float,
+    beta: float,
+    context_rows: int,
+    *,
+    needs_input: bool = True,
+    needs_kernel: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of S, A_prev, the weight and the bias (of the parameters, not the beta-scaled kernel) of
+    A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha), given the
+    ReLU gate of the forward step and the gradient of A_logit.
+
+    On a fused kernel one pass gives all four (it applies the ReLU gate and the residual mix as it reads;
+    nothing is materialised but the gradients); elsewhere torch operations compute what is asked for.
+    """
+    kernel_rows, kernel_columns = scaled_weight.shape[-2:]
+    grad_scores = grad_previous = grad_weight = grad_bias = None
+    kernel = fused_kernel(scores, previous, grad_logits, keep=keep, weight=scaled_weight)
+    if kernel is not None:
+        grad_scores, grad_previous, grad_weight, grad_bias = kernel.backward(
+            scores, previous, alpha, keep, grad_logits, gate, scaled_weight, context_rows, beta
+        )
+    else:
         # Gradients of A_in go to S and A_prev in the proportions of the residual mix.
         scales = (1.0, None) if previous is None else (1.0 - alpha, alpha)
-        grad_scores = grad_previous = grad_weight = grad_bias = None
-        needs_input = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        needs_kernel = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        kernel = fused_kernel(scores, previous, grad_logits, keep=keep, weight=scaled_weight)
-        if kernel is not None:
-            # One pass: the kernel applies the ReLU gate and the residual mix as it reads, nothing is
-            # materialised but the gradients.
-            grad_scores, grad_previous, grad_weight, grad_bias = kernel.backward(
-                scores, previous, alpha, keep, grad_logits, gate, scaled_weight, c, beta
+        grad_convolved = relu_gate(grad_logits, gate)
+        if needs_input:
+            grad_scores, grad_previous = convolution_input_grad(
+                grad_convolved, scaled_weight, keep, grad_logits, beta, context_rows, scales=scales
             )
-        else:
-            grad_convolved = relu_gate(grad_logits, gate)
-            if needs_input:
-                grad_scores, grad_previous = convolution_input_grad(
-                    grad_convolved, scaled_weight, keep, grad_logits, beta, c, scales=scales
-                )
-            if needs_kernel:
-                attention_in = scores if previous is None else torch.lerp(scores, previous, alpha)
-                conv_input = attention_in if keep is None else attention_in * keep
-                grad_weight = convolution_weight_grad(conv_input, grad_convolved, kernel_rows, kernel_columns, c)
-                grad_bias = grad_convolved.sum((0, 2, 3))
-        if grad_weight is not None:  # gradients of the beta-scaled kernel, brought back to the parameters
-            grad_weight, grad_bias = beta * grad_weight, beta * grad_bias
-        return grad_scores, grad_previous, None, grad_weight, grad_bias, None, None, None, None
+        if needs_kernel:
+            attention_in = scores if previous is None else torch.lerp(scores, previous, alpha)
+            conv_input = attention_in if keep is None else attention_in * keep
+            grad_weight = convolution_weight_grad(conv_input, grad_convolved, kernel_rows, kernel_columns, context_rows)
+            grad_bias = grad_convolved.sum((0, 2, 3))
+    if grad_weight is not None:  # gradients of the beta-scaled kernel, brought back to the parameters
+        grad_weight, grad_bias = beta * grad_weight, beta * grad_bias
+    return grad_scores, grad_previous, grad_weight, grad_bias
 
 
 def scale_kernel(
@@ -212,15 +244,19 @@ def begin_history(
     alpha: float,
     keep: torch.Tensor | None,
     context_rows: int,
+    query_length: int | None = None,
 ) -> None:
-    """Record the last ``context_rows`` rows of the convolution input (A_in, masked) of a first decoding step."""
+    """Record the last ``context_rows`` rows of the convolution input (A_in, masked) of a first decoding step.
+
+    ``scores``, ``previous`` and ``keep`` may hold only the step's last rows when ``query_length`` gives how
+    many it has (``keep`` may also have a single, broadcast row)."""
     rows = slice(scores.shape[-2] - min(context_rows, scores.shape[-2]), None)
     last = scores[..., rows, :]
     if previous is not None:
         last = torch.lerp(last, previous[..., rows, :], alpha)
     if keep is not None:
         last = last * keep[..., rows, :] if keep.shape[-2] > 1 else last * keep
-    history.begin(last, scores.shape[-2])
+    history.begin(last, scores.shape[-2] if query_length is None else query_length)
 
 
 def convolution_input_grad(

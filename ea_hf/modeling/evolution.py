@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as hf_init
 
+from .attention_core import EvolvingAttentionCore, attention_scores, full_precision
 from .chain import REPLAYS_KEY, SPARE_KEY
-from .convolution import evolve_convolution
+from .convolution import begin_history, evolve_convolution
 from .history import ConvolutionHistory
 from .settings import ATTENTION_ROLES, CAUSAL_ROLES, EvolvingAttentionSettings
 
@@ -219,6 +220,86 @@ class AttentionMapEvolution(nn.Module):
             logits = self.beta * convolved + (1.0 - self.beta) * attention_in
         chain[self.key] = logits
         return logits
+
+    def fuses_attention(self, history: ConvolutionHistory | None) -> bool:
+        """Whether :meth:`attend` should run this layer's whole attention core: with autograd, a convolution,
+        no earlier decoding rows (a forward pass with a fresh cache, as training with ``use_cache`` makes, has
+        none), and not while torch.compile traces (compiled graphs plan their own memory)."""
+        return (
+            self.beta != 0.0
+            and (history is None or history.rows is None)
+            and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        )
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        conv_mask: torch.Tensor | None,
+        allowed: torch.Tensor | None,
+        additive: torch.Tensor | None,
+        chain: dict[Any, Any] | None,
+        history: ConvolutionHistory | None = None,
+        *,
+        scaling: float,
+        dropout: float = 0.0,
+        position_bias: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [B, H, Q, D], attention weights) of the layer from its queries, keys and values, through
+        :class:`~.attention_core.EvolvingAttentionCore`, which keeps one map for backward instead of three;
+        records A_logit in ``chain`` as :meth:`forward` does, and a fresh ``history`` its last rows.
+        ``dropout``: the probability (0 in eval)."""
+        previous = self.previous_logits(chain)
+        if history is not None:
+            self.begin_history(history, query, key, previous, conv_mask, scaling, position_bias, softcap)
+        output, logits, probabilities = EvolvingAttentionCore.apply(
+            query,
+            key,
+            value,
+            previous,
+            position_bias,
+            self.weight,
+            self.bias,
+            conv_mask,
+            allowed,
+            additive,
+            scaling,
+            softcap,
+            self.alpha,
+            self.beta,
+            self.causal,
+            self.context_rows,
+            dropout,
+        )
+        chain[self.key] = logits
+        return output, probabilities
+
+    @torch.no_grad()
+    def begin_history(
+        self,
+        history: ConvolutionHistory,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        previous: torch.Tensor | None,
+        conv_mask: torch.Tensor | None,
+        scaling: float,
+        position_bias: torch.Tensor | None,
+        softcap: float | None,
+    ) -> None:
+        """Record the last convolution-input rows of a first decoding step in ``history``, from the S of those
+        rows alone (the whole step runs in the attention core)."""
+        last = slice(max(0, query.shape[-2] - self.context_rows), None)
+        if position_bias is not None and position_bias.shape[-2] > 1:
+            position_bias = position_bias[..., last, :]
+        scores = full_precision(attention_scores(query[..., last, :], key, scaling, position_bias, softcap))
+        keep = None if conv_mask is None else conv_mask.to(scores.dtype)
+        if keep is not None and keep.shape[-2] > 1:
+            keep = keep[..., last, :]
+        previous = None if previous is None else previous[..., last, :]
+        begin_history(history, scores, previous, self.alpha, keep, self.context_rows, query.shape[-2])
 
     def forward(
         self,

@@ -8,14 +8,12 @@ from transformers.masking_utils import bidirectional_mask_function, causal_mask_
 
 import ea_hf
 import ea_hf.modeling.attention as attention_module
-import ea_hf.modeling.convolution as convolution_module
 from ea_hf.modeling.attention import CACHE_KWARG, evolving_attention_forward
 from ea_hf.modeling.chain import CHAIN_KWARG
 from ea_hf.modeling.convolution import EvolveConvolution
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.history import CACHE_ATTRIBUTE, reorder_convolution_histories
 from ea_hf.modeling.masks import evolving_attention_mask, self_attention_conv_mask
-from ea_hf.ops import cpu as kernels
 
 B, H, N, D = 2, 3, 7, 5
 TINY_BERT = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37)
@@ -289,16 +287,6 @@ def test_query_rows_are_located_among_cached_keys():
     assert not self_attention_conv_mask(allowed[..., :3], 1, past=9).any()
     with pytest.raises(NotImplementedError, match="got 2 queries after 6 cached tokens over 1 keys"):
         self_attention_conv_mask(allowed[..., :1], 2, past=6)
-
-
-@pytest.fixture(params=["kernel", "torch"])
-def evolution_path(request, monkeypatch):
-    """Run a test on the CPU kernel path and on the torch-operations path."""
-    if request.param == "kernel" and kernels.cpu_kernel() is None:
-        pytest.skip("no C++ compiler on this machine: the kernel path cannot be built")
-    if request.param == "torch":
-        monkeypatch.setattr(convolution_module, "FUSED_KERNELS", [])
-    return request.param
 
 
 @pytest.mark.parametrize("kind", ["encoder", "decoder", "cross"])

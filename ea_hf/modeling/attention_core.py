@@ -1,0 +1,206 @@
+"""One evolving attention layer's core as a single autograd node that keeps one map for backward.
+
+For S = QK^T * scaling (+ positional bias, soft-capped), the evolution A_logit = beta * ReLU(Conv(A_in * keep))
++ (1 - beta) * A_in with A_in = lerp(S, A_prev, alpha), P = softmax(A_logit + mask), dropout and P @ V,
+autograd through the separate steps keeps S, the ReLU gate and P for every layer, and A_logit lives on as the
+next layer's A_prev: three and a quarter [B, H, Q, K] maps where eager attention keeps one (P). At N = 512
+that makes a training step need about 1.5x eager attention's memory.
+
+:class:`EvolvingAttentionCore` keeps only A_logit (which the next layer keeps anyway), the bool ReLU gate and
+dropout's bool mask, and recomputes the rest in backward: S from Q and K (a matmul) and P from A_logit and the
+mask (a softmax, bit-identical to the forward one). Backward then runs the same gradient steps autograd would
+(the shared :func:`~.convolution.evolve_backward` for the evolution). The recomputation costs about one
+QK^T matmul and one softmax per layer and step.
+
+This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
+transformers and sibling files (single-dot relative imports).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .convolution import evolve_backward, evolve_step, scale_kernel
+
+
+def attention_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    position_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """S = QK^T * scaling (+ ``position_bias``; then ``tanh(S / softcap) * softcap``), as eager attention.
+
+    Example:
+        >>> q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4)
+        >>> torch.allclose(attention_scores(q, k, 0.5), q @ k.transpose(-1, -2) * 0.5)
+        True
+    """
+    if math.frexp(scaling)[0] == 0.5:
+        # A power of two (1/8 for 64-dimensional heads) scales exactly: scaling the queries instead of the
+        # [B, H, Q, K] product gives eager attention's numbers with one pass less over the map.
+        scores = torch.matmul(query * scaling if scaling != 1.0 else query, key.transpose(-1, -2))
+    else:  # in place: the product is a fresh tensor that autograd does not keep
+        scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)
+    if position_bias is not None:
+        scores = scores + position_bias
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
+
+
+def full_precision(scores: torch.Tensor) -> torch.Tensor:
+    """Half-precision maps as fp32 for the evolution, mask and softmax: a half-precision map rounds away the small
+    residual terms, and fp16's mask value plus a negative logit overflows to -inf."""
+    return scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+
+
+def masked_logits(logits: torch.Tensor, allowed: torch.Tensor | None, additive: torch.Tensor | None) -> torch.Tensor:
+    """The logits with the attention mask applied: ``additive`` added, else disallowed entries at the dtype's
+    minimum (see :func:`~.masks.split_attention_mask`)."""
+    if additive is not None:
+        return logits + additive
+    if allowed is not None:
+        return logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+    return logits
+
+
+class EvolvingAttentionCore(torch.autograd.Function):
+    """(output [B, H, Q, D], A_logit, attention weights) of one evolving attention layer, keeping A_logit, the
+    ReLU gate and the dropout mask for backward (see the module docstring).
+
+    Inputs: ``query`` [B, H, Q, D], ``key`` and ``value`` [B, H, K, D] (key/value heads already repeated per
+    query head), ``previous`` (A_prev or ``None``), ``position_bias`` (or ``None``), the convolution's
+    ``weight`` and ``bias``, ``conv_mask`` (bool, where entries may enter the convolution, or ``None``),
+    ``allowed`` / ``additive`` (the attention mask, see :func:`~.masks.split_attention_mask`), then the
+    constants ``scaling``, ``softcap``, ``alpha``, ``beta``, ``causal``, ``context_rows`` and ``dropout``
+    (the probability; 0 outside training). Half-precision queries give fp32 maps, as the unfused path does.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        query,
+        key,
+        value,
+        previous,
+        position_bias,
+        weight,
+        bias,
+        conv_mask,
+        allowed,
+        additive,
+        scaling,
+        softcap,
+        alpha,
+        beta,
+        causal,
+        context_rows,
+        dropout,
+    ):
+        scores = full_precision(attention_scores(query, key, scaling, position_bias, softcap))
+        keep = None if conv_mask is None else conv_mask.to(scores.dtype)
+        scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
+        logits, gate = evolve_step(
+            scores,
+            keep,
+            scaled_weight,
+            scaled_bias,
+            beta,
+            causal,
+            None,
+            context_rows,
+            previous=previous,
+            alpha=alpha,
+            for_backward=True,
+        )
+        del scores
+        if gate.dtype != torch.bool:  # torch operations return the ReLU output: keep a quarter of its memory
+            gate = gate > 0
+        probabilities = torch.softmax(masked_logits(logits, allowed, additive), dim=-1).to(value.dtype)
+        dropout_mask = None
+        if dropout > 0.0:
+            probabilities, dropout_mask = torch.native_dropout(probabilities, dropout, True)
+        output = torch.matmul(probabilities, value)
+        ctx.save_for_backward(
+            query,
+            key,
+            value,
+            previous,
+            position_bias,
+            weight,
+            bias,
+            logits,
+            gate,
+            conv_mask,
+            allowed,
+            additive,
+            dropout_mask,
+        )
+        device = query.device.type
+        # S is recomputed under the autocast state it was computed under (a matmul may run in half precision).
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.constants = (scaling, softcap, alpha, beta, context_rows, dropout)
+        return output, logits, probabilities
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def backward(ctx, grad_output, grad_logits, grad_probabilities):
+        (query, key, value, previous, position_bias, weight, bias, logits, gate, conv_mask, allowed, additive, mask) = (
+            ctx.saved_tensors
+        )
+        scaling, softcap, alpha, beta, context_rows, dropout = ctx.constants
+        # P again, bit-identical to forward's; then the gradients of dropout(P) @ V and of the softmax.
+        full = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
+        probabilities = full.to(value.dtype)
+        dropout_scale = 1.0 / (1.0 - dropout) if dropout > 0.0 else 1.0
+        if mask is not None:
+            probabilities = torch.ops.aten.native_dropout_backward(probabilities, mask, dropout_scale)
+        grad_value = torch.matmul(probabilities.transpose(-1, -2), grad_output)
+        del probabilities
+        grad_attention = torch.matmul(grad_output, value.transpose(-1, -2))
+        if grad_probabilities is not None:
+            grad_attention += grad_probabilities
+        if mask is not None:
+            grad_attention = torch.ops.aten.native_dropout_backward(grad_attention, mask, dropout_scale)
+        grad_evolved = torch._softmax_backward_data(grad_attention.to(full.dtype), full, -1, full.dtype)
+        del full, grad_attention
+        if additive is None and allowed is not None:  # masked_fill passes no gradient to the filled entries
+            grad_evolved = grad_evolved.masked_fill_(~allowed, 0.0)
+        if grad_logits is not None:
+            grad_evolved += grad_logits
+        # S again, with autograd, to carry its gradient to Q, K and the positional bias as the forward ops do.
+        leaves = [
+            None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (query, key, position_bias)
+        ]
+        device, autocast, autocast_dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
+            scores = full_precision(attention_scores(leaves[0], leaves[1], scaling, leaves[2], softcap))
+        scaled_weight, _ = scale_kernel(weight, bias, beta, scores.dtype)
+        keep = None if conv_mask is None else conv_mask.to(scores.dtype)
+        grad_scores, grad_previous, grad_weight, grad_bias = evolve_backward(
+            scores.detach(),
+            previous,
+            keep,
+            gate,
+            scaled_weight,
+            grad_evolved,
+            alpha,
+            beta,
+            context_rows,
+            needs_input=any(ctx.needs_input_grad[i] for i in (0, 1, 3, 4)),
+            needs_kernel=ctx.needs_input_grad[5] or ctx.needs_input_grad[6],
+        )
+        del grad_evolved
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        grads = {}
+        if grad_scores is not None and wanted:
+            grads = dict(zip(map(id, wanted), torch.autograd.grad(scores, wanted, grad_scores), strict=True))
+        grad_query, grad_key, grad_positions = (None if t is None else grads.get(id(t)) for t in leaves)
+        if grad_weight is not None:
+            grad_weight, grad_bias = grad_weight.to(weight.dtype), grad_bias.to(bias.dtype)
+        return (grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias, *[None] * 10)

@@ -1,0 +1,185 @@
+"""The memory-lean attention core (one autograd node per layer) against the unfused layer and the paper's
+equations: outputs, every gradient, dropout, gradcheck, what it keeps for backward, and whole models."""
+
+import pytest
+import torch
+import transformers
+from testing import ALL_ARCHITECTURES, defined, first_output, patched_model, tiny_config, tiny_inputs
+
+import ea_hf
+from ea_hf.modeling.attention_core import EvolvingAttentionCore, attention_scores, masked_logits
+from ea_hf.modeling.evolution import AttentionMapEvolution
+
+B, H, D = 2, 3, 5
+
+
+def layer_inputs(role: str, dtype=torch.float32, queries: int = 9, seed: int = 0):
+    """Queries, keys, values, A_prev and a positional bias (all requiring grad), and a padding mask as the
+    attention function gets it: the allowed entries, and where the convolution may read."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = queries if role != "cross" else queries + 3
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=generator, dtype=dtype).requires_grad_()
+
+    q, k, v = leaf(B, H, queries, D), leaf(B, H, keys, D), leaf(B, H, keys, D)
+    previous, position_bias = leaf(B, H, queries, keys), leaf(1, H, queries, keys)
+    valid = torch.ones(B, keys, dtype=torch.bool)
+    valid[1, keys - 3 :] = False
+    allowed = valid[:, None, None, :].expand(B, 1, queries, keys)
+    if role == "decoder":
+        allowed = allowed & torch.ones(queries, keys, dtype=torch.bool).tril()
+    conv_mask = allowed & valid[:, None, :queries, None] if role != "cross" else allowed
+    return (q, k, v, previous, position_bias), allowed, conv_mask
+
+
+def unfused_layer(evolution, q, k, v, previous, position_bias, allowed, additive, conv_mask, softcap, probs_mask):
+    """The layer as the paper's equations, one tensor operation each (AttentionMapEvolution.reference)."""
+    scores = attention_scores(q, k, D**-0.5, position_bias, softcap)
+    logits = evolution.reference(scores, conv_mask, {(evolution.role, 0): previous})
+    probabilities = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
+    if probs_mask is not None:  # dropout, with the mask the core drew
+        probabilities = probabilities * probs_mask / (1.0 - DROPOUT)
+    return probabilities @ v, logits, probabilities
+
+
+DROPOUT = 0.3
+
+
+def run_core(evolution, q, k, v, previous, position_bias, allowed, additive, conv_mask, softcap, dropout=0.0):
+    return EvolvingAttentionCore.apply(
+        q, k, v, previous, position_bias, evolution.weight, evolution.bias, conv_mask, allowed, additive,
+        D**-0.5, softcap, evolution.alpha, evolution.beta, evolution.causal, evolution.context_rows, dropout,
+    )  # fmt: skip
+
+
+def outputs_and_gradients(function, leaves, evolution, generator_seed=5):
+    """The three outputs and the gradients of every input and parameter, for a fixed random upstream."""
+    outputs = function()
+    generator = torch.Generator().manual_seed(generator_seed)
+    upstream = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in outputs]
+    parameters = [evolution.weight, evolution.bias]
+    grads = torch.autograd.grad(outputs, [*leaves, *parameters], upstream)
+    return [o.detach() for o in outputs], list(grads)
+
+
+def assert_close(got, expected, tolerance):
+    for index, (a, b) in enumerate(zip(got, expected, strict=True)):
+        scale = max(1.0, b.abs().max().item())
+        assert (a - b).abs().max().item() <= tolerance * scale, index
+
+
+@pytest.mark.parametrize("role", ["encoder", "decoder", "cross"])
+@pytest.mark.parametrize("mask", ["none", "bool", "additive"])
+@pytest.mark.parametrize("extras", ["plain", "position-bias-and-softcap"])
+def test_core_matches_the_papers_equations_with_every_gradient(evolution_path, role, mask, extras):
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, role=role, position=1, previous=0)
+    leaves, allowed, conv_mask = layer_inputs(role)
+    q, k, v, previous, position_bias = leaves
+    softcap = 3.0 if extras != "plain" else None
+    position_bias = position_bias if extras != "plain" else None
+    additive = None
+    if mask == "none":
+        allowed = conv_mask = None
+    elif mask == "additive":
+        additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    arguments = (evolution, q, k, v, previous, position_bias, allowed, additive, conv_mask, softcap)
+    used = [t for t in leaves if t is not None and (t is not leaves[4] or position_bias is not None)]
+    core = outputs_and_gradients(lambda: run_core(*arguments), used, evolution)
+    reference = outputs_and_gradients(lambda: unfused_layer(*arguments, None), used, evolution)
+    assert_close(core[0], reference[0], 1e-5)
+    assert_close(core[1], reference[1], 1e-5)
+
+
+def test_dropout_uses_one_mask_forward_and_backward():
+    """The dropped probabilities returned are P * mask / (1 - p), and the gradients use that same mask."""
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, position=1, previous=0).double()
+    leaves, allowed, conv_mask = layer_inputs("encoder", dtype=torch.float64)
+    q, k, v, previous, _ = leaves
+    arguments = (evolution, q, k, v, previous, None, allowed, None, conv_mask, None)
+    core = outputs_and_gradients(lambda: run_core(*arguments, dropout=DROPOUT), leaves[:4], evolution)
+    dropped = core[0][2]
+    kept = dropped != 0
+    assert 0.55 < kept[allowed.expand_as(kept)].double().mean() < 0.85  # about 1 - p of the allowed entries
+    reference = outputs_and_gradients(lambda: unfused_layer(*arguments, kept), leaves[:4], evolution)
+    assert_close(core[0], reference[0], 1e-12)
+    assert_close(core[1], reference[1], 1e-12)
+
+
+@pytest.mark.parametrize("role", ["encoder", "decoder"])
+def test_core_passes_gradcheck(role):
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, role=role).double()
+    leaves, allowed, conv_mask = layer_inputs(role, dtype=torch.float64, queries=5)
+    q, k, v, previous, position_bias = leaves
+
+    def core(q, k, v, previous, position_bias, weight, bias):
+        return EvolvingAttentionCore.apply(
+            q, k, v, previous, position_bias, weight, bias, conv_mask, allowed, None,
+            D**-0.5, 2.0, 0.3, 0.4, evolution.causal, evolution.context_rows, 0.0,
+        )  # fmt: skip
+
+    assert torch.autograd.gradcheck(core, (*leaves, evolution.weight, evolution.bias))
+
+
+def saved_bytes(model, inputs) -> int:
+    """Bytes of the distinct storages that autograd keeps for backward after one forward pass."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        first_output(model(**inputs)).float().pow(2).mean()
+    return sum(storages.values())
+
+
+def test_training_keeps_a_quarter_map_per_layer_more_than_eager(monkeypatch):
+    """Eager attention keeps P (one map per layer); the core keeps A_logit and a bool gate instead. The
+    unfused layer kept S, A_logit, the gate and P."""
+    layers, heads, length, batch = 2, 4, 64, 2
+    config = tiny_config("bert", num_hidden_layers=layers, num_attention_heads=heads)
+    inputs = {"input_ids": torch.randint(5, 99, (batch, length))}
+    # Eval mode (no dropout) with autograd on: what is kept for backward without dropout's masks.
+    eager = transformers.AutoModel.from_config(config, attn_implementation="eager").eval()
+    evolving = ea_hf.patch(transformers.AutoModel.from_config(config), alpha=0.3, beta=0.4).eval()
+    map_bytes = batch * heads * length * length * 4
+    extra = (saved_bytes(evolving, inputs) - saved_bytes(eager, inputs)) / (map_bytes * layers)
+    assert 0.2 <= extra <= 0.3  # the bool gate, and the convolution's few weights
+    monkeypatch.setattr(AttentionMapEvolution, "fuses_attention", lambda self, history: False)
+    unfused_extra = (saved_bytes(evolving, inputs) - saved_bytes(eager, inputs)) / (map_bytes * layers)
+    assert unfused_extra >= 1.2
+
+
+@pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
+def test_whole_models_train_the_same_through_the_core(model_type, monkeypatch):
+    """A training step of every architecture gives the same outputs and gradients through the core as through
+    the unfused layers (padding, causal masks, cross attention, T5's position bias, Gemma's soft-capping)."""
+    model = patched_model(model_type, dict(alpha=0.3, beta=0.4))  # eval: no dropout, autograd on
+    inputs = tiny_inputs(model_type)
+    fused_calls = []
+    fuses = AttentionMapEvolution.fuses_attention
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        output = first_output(model(**inputs))
+        defined(model_type, inputs, output).float().pow(2).mean().backward()
+        return output.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def counting(*arguments):
+        fused_calls.append(fuses(*arguments))
+        return fused_calls[-1]
+
+    monkeypatch.setattr(AttentionMapEvolution, "fuses_attention", counting)
+    core_output, core_grads = step()
+    assert fused_calls and all(fused_calls)
+    monkeypatch.setattr(AttentionMapEvolution, "fuses_attention", lambda self, history: False)
+    output, grads = step()
+    assert (defined(model_type, inputs, core_output) - defined(model_type, inputs, output)).abs().max() <= 1e-5
+    assert core_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert (core_grads[name] - grad).abs().max() <= 1e-5 * max(1.0, grad.abs().max().item()), name
