@@ -28,19 +28,25 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 VARIANTS = ("eager", "sdpa", "ea")
+#: The variants of the compiled row: eager attention and EA, both through torch.compile.
+COMPILED_VARIANTS = ("eager", "ea")
 MODES = ("inference", "training")
 LABELS = {"eager": "eager", "sdpa": "sdpa", "ea": "EA"}
 EA_ALPHA = 0.2
 EA_BETA = 0.2
 #: Line prefix of a child's result on stdout (anything else a library prints there is ignored).
 RESULT_PREFIX = "BENCH_RESULT "
-#: Targets from the issue: (metric, mode, N) -> the largest acceptable EA/eager ratio.
+#: Targets (issue 18): (metric, mode, N) -> the largest acceptable EA/eager ratio. Memory is the training
+#: step's: the peak above the loaded model (activations and gradients), not the total RSS.
 TARGETS = {
-    ("time", "inference", 512): 1.15,
-    ("time", "training", 128): 1.08,
-    ("time", "training", 512): 1.15,
-    ("memory", "training", 512): 1.3,
+    ("time", "inference", 512): 1.10,
+    ("time", "training", 128): 1.05,
+    ("time", "training", 512): 1.12,
+    ("memory", "training", 128): 1.1,
+    ("memory", "training", 512): 1.2,
 }
+#: Default batch size per sequence length (the issue's shapes).
+DEFAULT_BATCHES = {128: 8, 512: 2}
 MIB = 1024.0 * 1024.0
 
 
@@ -221,22 +227,36 @@ def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, ba
 
 
 def run_paired(
-    length: int, mode: str, repeats: int, warmup: int, batch: int, threads: int, min_seconds: float = 0.0
+    length: int,
+    mode: str,
+    repeats: int,
+    warmup: int,
+    batch: int,
+    threads: int,
+    min_seconds: float = 0.0,
+    compiled: bool = False,
 ) -> dict:
     """The three variants in one process, one step of each in turn (the order rotating), so that slow and
     fast spells of the machine hit them alike: the time ratios of the table. At least ``repeats`` timed steps
     each, more until the timed steps took ``min_seconds`` (short cases would otherwise sample a few seconds
-    of the machine's drift). Memory comes from the separate processes of :func:`run_case`."""
+    of the machine's drift). Memory comes from the separate processes of :func:`run_case`.
+
+    ``compiled``: eager and EA only, each through ``torch.compile`` (inductor); the warm-up steps, at least two,
+    include the compilation of forward (and backward)."""
     import torch
 
     torch.set_num_threads(threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    models = {v: build_model(v, device) for v in VARIANTS}
+    variants = COMPILED_VARIANTS if compiled else VARIANTS
+    models = {v: build_model(v, device) for v in variants}
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, models["eager"].config.vocab_size, (batch, length), generator=generator).to(device)
     attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
     for model in models.values():
         model.train(mode == "training")
+    if compiled:
+        models = {v: torch.compile(model) for v, model in models.items()}
+        warmup = max(warmup, 2)
 
     def step(model) -> float:
         model.zero_grad(set_to_none=True)
@@ -252,10 +272,10 @@ def run_paired(
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in variants}
     index = 0
     while index < warmup + repeats or sum(map(sum, times.values())) < min_seconds:
-        order = VARIANTS[index % len(VARIANTS) :] + VARIANTS[: index % len(VARIANTS)]
+        order = variants[index % len(variants) :] + variants[: index % len(variants)]
         for variant in order:
             elapsed = step(models[variant])
             if index >= warmup:
@@ -264,6 +284,8 @@ def run_paired(
     return {
         "n": length,
         "mode": mode,
+        "batch": batch,
+        "compiled": compiled,
         "repeats": index - warmup,
         "min_seconds": min_seconds,
         "warmup": warmup,
@@ -277,10 +299,10 @@ def run_paired(
 
 
 def spawn_case(variant: str, length: int, mode: str, args: argparse.Namespace) -> dict:
-    return spawn(["--case", variant, str(length), mode], args, f"case {variant} N={length} {mode}")
+    return spawn(["--case", variant, str(length), mode], args, f"case {variant} N={length} {mode}", length)
 
 
-def spawn(internal: list[str], args: argparse.Namespace, what: str) -> dict:
+def spawn(internal: list[str], args: argparse.Namespace, what: str, length: int) -> dict:
     """Run this script with an internal mode (--case or --paired) in a fresh process; return its JSON."""
     command = [
         sys.executable,
@@ -295,11 +317,40 @@ def spawn(internal: list[str], args: argparse.Namespace, what: str) -> dict:
         "--warmup",
         str(args.warmup),
         "--batch",
-        str(args.batch),
+        str(batch_of(args, length)),
         "--threads",
         str(args.threads),
     ]
     return run_result_process(command, args.threads, what)
+
+
+def batch_of(args: argparse.Namespace, length: int) -> int:
+    """The batch size of sequence length ``length``: ``--batches`` (one per length, or one for all), else the
+    default of that length, else 1."""
+    if args.batches:
+        return args.batches[args.lengths.index(length)] if len(args.batches) > 1 else args.batches[0]
+    return DEFAULT_BATCHES.get(length, 1)
+
+
+def compiled_row(timing: dict) -> dict:
+    """The compiled row: medians of compiled eager and compiled EA steps, and their ratio."""
+    medians = {v: statistics.median(timing["times_s"][v]) for v in COMPILED_VARIANTS}
+    return {
+        "n": timing["n"],
+        "batch": timing["batch"],
+        "mode": timing["mode"],
+        "eager_compiled_median_ms": medians["eager"] * 1e3,
+        "ea_compiled_median_ms": medians["ea"] * 1e3,
+        "ea_over_eager_compiled_time": medians["ea"] / medians["eager"],
+        "steps": timing["repeats"],
+    }
+
+
+def compiled_table(row: dict) -> str:
+    header = ["N", "batch", "mode", "compiled eager ms", "compiled EA ms", "EA/eager time, both compiled"]
+    cells = [str(row["n"]), str(row["batch"]), row["mode"], number(row["eager_compiled_median_ms"], 1)]
+    cells += [number(row["ea_compiled_median_ms"], 1), number(row["ea_over_eager_compiled_time"], 3)]
+    return "\n".join([table_row(header), "|" + "|".join(["---:"] * 2 + ["---"] + ["---:"] * 3) + "|", table_row(cells)])
 
 
 def run_result_process(command: list[str], threads: int, what: str) -> dict:
@@ -371,7 +422,9 @@ def merge_rounds(rounds: list[dict]) -> dict:
     }
 
 
-def compare(results: list[dict], paired: list[dict], lengths: list[int]) -> list[dict]:
+def compare(
+    results: list[dict], paired: list[dict], lengths: list[int], batches: dict[int, int] | None = None
+) -> list[dict]:
     """One row per (N, mode): time medians and ratios from the paired runs, peaks and memory ratios from the
     separate processes (rounds pooled; their time ratios are kept too, as ``*_separate``)."""
     paired_by_key = {(r["n"], r["mode"]): r["times_s"] for r in paired}
@@ -386,7 +439,7 @@ def compare(results: list[dict], paired: list[dict], lengths: list[int]) -> list
             times = paired_by_key[(length, mode)]
             medians = {v: statistics.median(times[v]) for v in VARIANTS}
             eager = cases["eager"]
-            row = {"n": length, "mode": mode}
+            row = {"n": length, "batch": (batches or {}).get(length), "mode": mode}
             for v in VARIANTS:
                 row[f"{v}_median_ms"] = medians[v] * 1e3
                 row[f"{v}_median_ms_separate"] = cases[v]["median_s"] * 1e3
@@ -404,10 +457,11 @@ def compare(results: list[dict], paired: list[dict], lengths: list[int]) -> list
                 row[f"{v}_over_eager_memory_increment"] = (
                     cases[v]["increment_mib"] / eager["increment_mib"] if eager["increment_mib"] > 0 else None
                 )
-            for metric, ratio_key in (("time", "ea_over_eager_time"), ("memory", "ea_over_eager_peak_memory")):
+            for metric, ratio_key in (("time", "ea_over_eager_time"), ("memory", "ea_over_eager_memory_increment")):
                 target = TARGETS.get((metric, mode, length))
                 row[f"ea_{metric}_target"] = target
-                row[f"ea_{metric}_pass"] = None if target is None else row[ratio_key] <= target
+                value = row[ratio_key]
+                row[f"ea_{metric}_pass"] = None if target is None or value is None else value <= target
             rows.append(row)
     return rows
 
@@ -438,33 +492,43 @@ def target_cell(target: float | None, passed: bool | None) -> str:
 def markdown_table(rows: list[dict]) -> str:
     header = [
         "N",
+        "batch",
         "mode",
         "eager ms",
         "sdpa ms",
         "EA ms",
         "EA/eager time",
         "time target",
+        "EA/sdpa time",
         "EA/eager time, separate processes",
+        "eager step MiB",
+        "EA step MiB",
+        "EA/eager step memory",
+        "memory target",
         "eager peak MiB",
         "EA peak MiB",
-        "EA/eager memory",
-        "memory target",
+        "EA/eager total RSS",
     ]
-    lines = [table_row(header), "|" + "|".join(["---:"] * 1 + ["---"] + ["---:"] * 10) + "|"]
+    lines = [table_row(header), "|" + "|".join(["---:"] * 2 + ["---"] + ["---:"] * 14) + "|"]
     for r in rows:
         cells = [
             str(r["n"]),
+            "-" if r.get("batch") is None else str(r["batch"]),
             r["mode"],
             f"{r['eager_median_ms']:.1f}",
             f"{r['sdpa_median_ms']:.1f}",
             f"{r['ea_median_ms']:.1f}",
             f"{r['ea_over_eager_time']:.3f}",
             target_cell(r["ea_time_target"], r["ea_time_pass"]),
+            number(ratio(r["ea_median_ms"], r["sdpa_median_ms"]), 3),
             f"{r['ea_over_eager_time_separate']:.3f}",
+            f"{r['eager_increment_mib']:.0f}",
+            f"{r['ea_increment_mib']:.0f}",
+            number(r["ea_over_eager_memory_increment"], 3),
+            target_cell(r["ea_memory_target"], r["ea_memory_pass"]),
             f"{r['eager_peak_mib']:.0f}",
             f"{r['ea_peak_mib']:.0f}",
             f"{r['ea_over_eager_peak_memory']:.3f}",
-            target_cell(r["ea_memory_target"], r["ea_memory_pass"]),
         ]
         lines.append(table_row(cells))
     return "\n".join(lines) + "\n"
@@ -476,15 +540,15 @@ def plot(rows: list[dict], info: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [f"N={r['n']}\n{r['mode']}" for r in rows]
+    groups = [f"N={r['n']}, batch {r.get('batch') or '-'}\n{r['mode']}" for r in rows]
     positions = list(range(len(rows)))
     width = 0.38
-    memory_label = "peak GPU memory" if info["device"] == "cuda" else "peak RSS"
+    memory_label = "step memory (peak above the loaded model)"
     figure, axes = plt.subplots(1, 2, figsize=(max(11.0, 2.4 * len(rows) + 3), 4.8))
-    panels = (("time", "time", "median time / eager"), ("memory", "peak_memory", f"{memory_label} / eager"))
+    panels = (("time", "time", "median time / eager"), ("memory", "memory_increment", f"{memory_label} / eager"))
     for axis, (metric, key, ylabel) in zip(axes, panels, strict=True):
         for offset, variant, colour in ((-width / 2, "sdpa", "#7f9fbf"), (width / 2, "ea", "#d9822b")):
-            values = [r[f"{variant}_over_eager_{key}"] for r in rows]
+            values = [r[f"{variant}_over_eager_{key}"] or 0.0 for r in rows]
             label = f"{LABELS[variant]} / eager"
             bars = axis.bar([p + offset for p in positions], values, width, label=label, color=colour)
             axis.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
@@ -498,10 +562,10 @@ def plot(rows: list[dict], info: dict, path: Path) -> None:
         axis.set_xticks(positions, groups)
         axis.set_ylabel(ylabel)
         axis.set_title(f"{metric} ratio against eager (lower is better)")
-        top = max(max(r[f"ea_over_eager_{key}"], r[f"sdpa_over_eager_{key}"]) for r in rows)
+        top = max(max(r[f"ea_over_eager_{key}"] or 0.0, r[f"sdpa_over_eager_{key}"] or 0.0) for r in rows)
         axis.set_ylim(0, max(top, 1.35) * 1.15)
         axis.legend(loc="upper left", fontsize=8)
-    figure.suptitle(f"BERT-Base, batch {info['batch']}: eager vs sdpa vs Evolving Attention", fontsize=10)
+    figure.suptitle("BERT-Base: eager vs sdpa vs Evolving Attention", fontsize=10)
     figure.text(0.5, 0.005, machine_line(info), ha="center", fontsize=7, color="#555555")
     figure.tight_layout(rect=(0, 0.03, 1, 0.97))
     figure.savefig(path, dpi=120)
@@ -511,7 +575,8 @@ def plot(rows: list[dict], info: dict, path: Path) -> None:
 def main_parent(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     info = machine_info(args.threads)
-    info["batch"] = args.batch
+    batches = {length: batch_of(args, length) for length in args.lengths}
+    info["batch"] = batches
     device = info["device"]
     suffix = "_quick" if args.quick else ""
     out = Path(args.out)
@@ -524,7 +589,7 @@ def main_parent(args: argparse.Namespace) -> None:
     results, paired = [], []
     for length in args.lengths:
         for mode in MODES:
-            timing = spawn(["--paired", str(length), mode], args, f"paired timing N={length} {mode}")
+            timing = spawn(["--paired", str(length), mode], args, f"paired timing N={length} {mode}", length)
             paired.append(timing)
             print(
                 f"  paired N={length:<4} {mode:<9} medians "
@@ -545,8 +610,16 @@ def main_parent(args: argparse.Namespace) -> None:
                     f"[{result['process_wall_s']:.0f} s]",
                     flush=True,
                 )
-    rows = compare(results, paired, args.lengths)
+    rows = compare(results, paired, args.lengths, batches)
     table = markdown_table(rows)
+    compiled = None
+    if args.compiled:
+        length, mode = args.compiled
+        if length not in args.lengths:
+            args.lengths.append(length)  # batch_of looks the length up
+        what = f"compiled timing N={length} {mode}"
+        compiled = compiled_row(spawn(["--compiled-timing", str(length), mode], args, what, length))
+        table += "\nBoth compiled (torch.compile, inductor):\n\n" + compiled_table(compiled) + "\n"
     wall = time.perf_counter() - start
     report = {
         "benchmark": "BERT-Base (BertConfig defaults, random weights, fp32): eager vs sdpa vs ea_hf Evolving Attention",
@@ -562,7 +635,9 @@ def main_parent(args: argparse.Namespace) -> None:
                 "ea": f"ea_hf.patch(BertModel(BertConfig()), alpha={EA_ALPHA}, beta={EA_BETA}) "
                 '(attn_implementation="evolving_attention", kernel 3)',
             },
-            "batch": args.batch,
+            "batch": batches,
+            "compiled": "eager and EA each through torch.compile (inductor, default options), paired like the "
+            "table's times; warm-up steps (at least 2) include the compilation",
             "threads": args.threads,
             "repeats": args.repeats,
             "rounds": args.rounds,
@@ -585,6 +660,7 @@ def main_parent(args: argparse.Namespace) -> None:
         "cases": results,
         "paired_timing": paired,
         "comparison": rows,
+        "compiled": compiled,
         "markdown_table": table,
         "wall_time_s": wall,
     }
@@ -612,7 +688,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="paired timing: keep stepping until the timed steps took this long (default 60)",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs per case")
-    parser.add_argument("--batch", type=int, default=1, help="batch size")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        help="batch size per length in --lengths, or one for all (default: 8 at N=128, 2 at N=512, else 1)",
+    )
+    parser.add_argument(
+        "--compiled",
+        nargs=2,
+        metavar=("N", "MODE"),
+        default=["128", "training"],
+        help="also time compiled eager against compiled EA at this length and mode (default 128 training)",
+    )
+    parser.add_argument(
+        "--compiled-timing", nargs=2, metavar=("N", "MODE"), help="internal: run the compiled paired timing"
+    )
+    parser.add_argument("--no-compiled", dest="compiled", action="store_const", const=None, help="skip it")
+    parser.add_argument("--batch", type=int, default=1, help="internal: the batch size of a child process")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every case")
     parser.add_argument("--quick", action="store_true", help="smoke test: N=64, 2 repeats, 1 warm-up")
     parser.add_argument("--markdown", metavar="PATH", help="also write the Markdown table here (default: in --out)")
@@ -623,12 +716,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.repeats, args.warmup, args.rounds, args.paired_seconds = [64], 2, 1, 1, 0.0
+        args.compiled = None
     if args.case:
         variant, length, mode = args.case
         if variant not in VARIANTS or mode not in MODES:
             parser.error(f"--case expects VARIANT in {VARIANTS} and MODE in {MODES}")
         args.case = (variant, int(length), mode)
-    if min(args.repeats, args.rounds, args.batch, args.threads) < 1 or args.warmup < 0:
+    if args.compiled:
+        if args.compiled[1] not in MODES:
+            parser.error(f"--compiled expects N and MODE in {MODES}")
+        args.compiled = (int(args.compiled[0]), args.compiled[1])
+    if args.batches and len(args.batches) not in (1, len(args.lengths)):
+        parser.error("--batches takes one batch size per length in --lengths, or one for all")
+    if min(args.repeats, args.rounds, args.batch, args.threads, *(args.batches or [1])) < 1 or args.warmup < 0:
         parser.error("--repeats, --rounds, --batch and --threads must be positive, --warmup non-negative")
     return args
 
@@ -643,6 +743,12 @@ def main(argv: list[str] | None = None) -> None:
         length, mode = int(args.paired[0]), args.paired[1]
         result = run_paired(
             length, mode, args.repeats * args.rounds, args.warmup, args.batch, args.threads, args.paired_seconds
+        )
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+    elif args.compiled_timing:
+        length, mode = int(args.compiled_timing[0]), args.compiled_timing[1]
+        result = run_paired(
+            length, mode, args.repeats, args.warmup, args.batch, args.threads, args.paired_seconds / 2, compiled=True
         )
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     else:

@@ -20,13 +20,32 @@ from .history import ConvolutionHistory
 
 
 class FusedKernel(Protocol):
-    """What a fused implementation of the evolution step provides (see ``ea_hf.ops.cpu`` for one)."""
+    """What a fused implementation of the evolution step provides (see ``ea_hf.ops.cpu`` for one).
+
+    ``evolve`` is the forward step with beta-scaled weights: (A_logit, the bool ReLU gate), or with ``in_place``
+    A_logit written over ``scores`` and no gate; ``convolve`` a plain correlation plus bias whose output row i
+    reads input rows ``i + row_shift ..``; ``backward`` the step's gradients (see ``ea_hf.ops.cpu.backward``).
+    """
 
     def applicable(
         self, *tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor
     ) -> bool: ...
 
-    def correlate(self, scores: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, **options: Any) -> Any: ...
+    def evolve(
+        self,
+        scores: torch.Tensor,
+        previous: torch.Tensor | None,
+        keep: torch.Tensor | None,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        alpha: float,
+        blend: float,
+        context_rows: int,
+        *,
+        in_place: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> Any: ...
 
     def backward(self, *args: Any) -> tuple[Any, ...]: ...
 
@@ -191,22 +210,10 @@ def evolve_step(
         history = None
     kernel = None if history is not None else fused_kernel(scores, previous, keep=keep, weight=scaled_weight)
     if kernel is not None:
-        gate = torch.empty_like(scores, dtype=torch.bool) if for_backward else None
-        logits = kernel.correlate(
-            scores,
-            scaled_weight,
-            scaled_bias,
-            row_shift=-context_rows,
-            lerp_end=previous,
-            lerp_weight=alpha,
-            in_keep=keep,
-            relu=True,
-            saved=gate,
-            blend=scores,
-            blend_coef=blend,
-            in_place=not for_backward,  # without autograd S is not needed afterwards
+        # Without autograd S is not needed afterwards: the kernel writes A_logit over it.
+        return kernel.evolve(
+            scores, previous, keep, scaled_weight, scaled_bias, alpha, blend, context_rows, in_place=not for_backward
         )
-        return logits, gate
     attention_in = scores
     if previous is not None:
         attention_in = torch.lerp(scores, previous, alpha) if for_backward else scores.lerp_(previous, alpha)
@@ -220,7 +227,7 @@ def evolve_step(
         # and the ReLU below runs on them alone.
         kernel = fused_kernel(conv_input, weight=scaled_weight) if causal else None
     if kernel is not None:
-        convolved = kernel.correlate(conv_input, scaled_weight, scaled_bias, row_shift=-context_rows)
+        convolved = kernel.convolve(conv_input, scaled_weight, scaled_bias, row_shift=-context_rows)
     else:
         # Padding `context_rows` on both sides: a causal kernel (its last row at the centre) then produces
         # `context_rows` extra rows at the bottom, and output row i reads input rows i - c .. i. Autocast off:

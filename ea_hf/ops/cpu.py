@@ -6,6 +6,10 @@ pass: the forward step ``ReLU(Conv(A_in * keep)) + (1 - beta) * A_in`` and the i
 On CPU it is faster than torch's convolution for H-channel maps, which reorders NCHW maps to a blocked
 layout and back around every call, and it allocates nothing but its output.
 
+The kernel runs as torch operators (``torch.ops.ea_hf.*``, declared with ``torch.library.custom_op``, with fake
+implementations and a registered autograd formula), so ``torch.compile`` and ``torch.export`` see it as one
+node of the graph instead of stopping at a ctypes call.
+
 It is built with the system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``) for the machine it
 runs on (``-march=native``) into ``$EA_HF_CACHE`` (default ``~/.cache/ea_hf``), keyed by source, compiler
 and CPU, and loaded with ctypes. Without a compiler, or with ``EA_HF_KERNELS=0``, :func:`cpu_kernel`
@@ -26,6 +30,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from .fused_step import evolve_by_correlation
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +131,15 @@ def kernel_keep(keep: torch.Tensor | None, batch: int, rows: int, cols: int) -> 
     return keep.to(torch.float32).expand(batch, 1, rows, cols).contiguous()
 
 
+@torch.compiler.assume_constant_result
+def kernel_available() -> bool:
+    """Whether the kernel is built and loaded (building it the first time). torch.compile calls this once while
+    tracing and keeps the answer, instead of tracing the build (a lock, a subprocess, ctypes)."""
+    return cpu_kernel() is not None
+
+
 def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor) -> bool:
-    """Whether the CPU kernel can take these maps and this kernel: float32 on CPU, a mask shared by the heads,
-    and not while torch.compile traces (the ctypes call is opaque to it; compiled graphs use torch operations)."""
-    if torch.compiler.is_compiling():
-        return False
+    """Whether the CPU kernel can take these maps and this kernel: float32 on CPU, a mask shared by the heads."""
     if weight.shape[-2] > MAX_KERNEL_ROWS or weight.shape[-1] // 2 > MAX_KERNEL_COLUMNS // 2:
         return False
     maps = [t for t in tensors if t is not None]
@@ -139,7 +149,7 @@ def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, 
         return False
     if keep is not None and keep.dim() == 4 and keep.shape[1] != 1:
         return False
-    return cpu_kernel() is not None
+    return kernel_available()
 
 
 def correlate(
@@ -158,7 +168,8 @@ def correlate(
     blend_coef: float = 0.0,
     in_place: bool = False,
 ) -> torch.Tensor:
-    """One fused pass of the kernel (see ``csrc/evolve_cpu.cpp``); callers check :func:`applicable` first.
+    """One fused pass of the kernel (see ``csrc/evolve_cpu.cpp``), called directly (the operators below wrap
+    it); callers check :func:`applicable` first.
 
     Output row i reads rows ``i + row_shift .. i + row_shift + kh - 1`` of ``x`` (zeros outside) and columns
     ``j - kw // 2 .. j + kw // 2``. With ``lerp_end``, ``x`` and ``blend`` are first mixed with it:
@@ -218,11 +229,29 @@ def backward(
     context_rows: int,
     beta: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The evolution step's whole backward (the operator ``ea_hf::evolve_backward``); see :func:`_backward`."""
+    grad_scores, grad_previous, grad_weight, grad_bias = torch.ops.ea_hf.evolve_backward(
+        scores, previous, keep, grad, gate, scaled_weight, alpha, 1.0 - beta, context_rows
+    )
+    return grad_scores, None if previous is None else grad_previous, grad_weight, grad_bias
+
+
+def _backward(
+    scores: torch.Tensor,
+    previous: torch.Tensor | None,
+    alpha: float,
+    keep: torch.Tensor | None,
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    scaled_weight: torch.Tensor,
+    context_rows: int,
+    blend: float,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's whole backward in one pass over the rows (see ``ea_backward``).
 
     Returns the gradients of S, of A_prev (``None`` without ``previous``), and of the beta-scaled kernel's
     weight and bias, for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha),
-    the ReLU gate ``gate`` and the output gradient ``grad``; callers check :func:`applicable`.
+    the ReLU gate ``gate``, the output gradient ``grad`` and blend = 1 - beta; callers check :func:`applicable`.
     """
     library = cpu_kernel()
     batch, heads, rows, cols = scores.shape
@@ -251,7 +280,7 @@ def backward(
         kernel_cols,
         -context_rows,
         -(kernel_rows - 1 - context_rows),
-        1.0 - beta,
+        blend,
         grad_scores.data_ptr(),
         1.0 if previous is None else 1.0 - alpha,
         _pointer(grad_previous),
@@ -263,3 +292,130 @@ def backward(
     if status != 0:
         raise RuntimeError(f"ea_hf CPU kernel rejected a map with {heads} heads")
     return grad_scores, grad_previous, grad_weight, grad_bias
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The kernel as torch operators: what the evolution calls (see ``ea_hf.modeling.convolution.FusedKernel``).
+# --------------------------------------------------------------------------------------------------------------
+
+#: The operators' schemas. Maps are float32 [B, H, Q, K] on CPU; ``keep`` is a float mask broadcastable to
+#: [B, 1, Q, K]; ``weight`` and ``bias`` are the beta-scaled kernel; ``blend`` is 1 - beta.
+EVOLVE_SCHEMA = (
+    "(Tensor scores, Tensor? previous, Tensor? keep, Tensor weight, Tensor bias, float alpha, float blend, "
+    "int context_rows) -> (Tensor, Tensor)"
+)
+EVOLVE_IN_PLACE_SCHEMA = (
+    "(Tensor(a!) scores, Tensor? previous, Tensor? keep, Tensor weight, Tensor bias, float alpha, float blend, "
+    "int context_rows) -> ()"
+)
+CONVOLVE_SCHEMA = "(Tensor x, Tensor weight, Tensor bias, int row_shift) -> Tensor"
+EVOLVE_BACKWARD_SCHEMA = (
+    "(Tensor scores, Tensor? previous, Tensor? keep, Tensor grad, Tensor gate, Tensor weight, float alpha, "
+    "float blend, int context_rows) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op("ea_hf::evolve", mutates_args=(), device_types="cpu", schema=EVOLVE_SCHEMA)
+def evolve_operator(scores, previous, keep, weight, bias, alpha, blend, context_rows):
+    """(ReLU(Conv(A_in * keep)) + blend * A_in, its bool ReLU gate), A_in = lerp(S, A_prev, alpha): the
+    evolution step's forward pass, differentiable (its backward is ``ea_hf::evolve_backward``)."""
+    return evolve_by_correlation(
+        correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=False
+    )
+
+
+@evolve_operator.register_fake
+def _(scores, previous, keep, weight, bias, alpha, blend, context_rows):
+    return scores.new_empty(scores.shape), scores.new_empty(scores.shape, dtype=torch.bool)
+
+
+def _save_for_evolve_backward(ctx, inputs, output):
+    scores, previous, keep, weight, _, alpha, blend, context_rows = inputs
+    ctx.save_for_backward(scores, previous, keep, output[1], weight)
+    ctx.constants = (alpha, blend, context_rows)
+
+
+def _evolve_backward(ctx, grad_logits, _grad_gate):
+    scores, previous, keep, gate, weight = ctx.saved_tensors
+    alpha, blend, context_rows = ctx.constants
+    grad_scores, grad_previous, grad_weight, grad_bias = torch.ops.ea_hf.evolve_backward(
+        scores, previous, keep, grad_logits, gate, weight, alpha, blend, context_rows
+    )
+    return grad_scores, None if previous is None else grad_previous, None, grad_weight, grad_bias, None, None, None
+
+
+evolve_operator.register_autograd(_evolve_backward, setup_context=_save_for_evolve_backward)
+
+
+@torch.library.custom_op("ea_hf::evolve_", mutates_args=("scores",), device_types="cpu", schema=EVOLVE_IN_PLACE_SCHEMA)
+def evolve_in_place_operator(scores, previous, keep, weight, bias, alpha, blend, context_rows):
+    """``ea_hf::evolve`` written over ``scores``, without the gate (inference: one map less)."""
+    if scores.is_contiguous():
+        evolve_by_correlation(
+            correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=True
+        )
+    else:
+        scores.copy_(evolve_operator(scores, previous, keep, weight, bias, alpha, blend, context_rows)[0])
+
+
+@evolve_in_place_operator.register_fake
+def _(scores, previous, keep, weight, bias, alpha, blend, context_rows):
+    return None
+
+
+@torch.library.custom_op("ea_hf::convolve", mutates_args=(), device_types="cpu", schema=CONVOLVE_SCHEMA)
+def convolve_operator(x, weight, bias, row_shift):
+    """A plain correlation plus bias whose output row i reads rows ``i + row_shift ..`` of ``x``."""
+    return correlate(x, weight, bias, row_shift=row_shift)
+
+
+@convolve_operator.register_fake
+def _(x, weight, bias, row_shift):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("ea_hf::evolve_backward", mutates_args=(), device_types="cpu", schema=EVOLVE_BACKWARD_SCHEMA)
+def evolve_backward_operator(scores, previous, keep, grad, gate, weight, alpha, blend, context_rows):
+    """Gradients of S, A_prev (empty without it), the weight and the bias of ``ea_hf::evolve``."""
+    grad_scores, grad_previous, grad_weight, grad_bias = _backward(
+        scores, previous, alpha, keep, grad, gate, weight, context_rows, blend
+    )
+    return grad_scores, scores.new_empty(0) if grad_previous is None else grad_previous, grad_weight, grad_bias
+
+
+@evolve_backward_operator.register_fake
+def _(scores, previous, keep, grad, gate, weight, alpha, blend, context_rows):
+    grad_previous = scores.new_empty(0) if previous is None else scores.new_empty(scores.shape)
+    heads = scores.shape[1]
+    return (
+        scores.new_empty(scores.shape),
+        grad_previous,
+        scores.new_empty(heads, heads, *weight.shape[-2:]),
+        scores.new_empty(heads),
+    )
+
+
+def evolve(
+    scores: torch.Tensor,
+    previous: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: float,
+    blend: float,
+    context_rows: int,
+    *,
+    in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The evolution step's forward (see ``ea_hf.modeling.convolution.FusedKernel``) through the operators;
+    in place only outside torch.compile (a compiled graph plans its own buffers)."""
+    if in_place and not torch.compiler.is_compiling():
+        torch.ops.ea_hf.evolve_(scores, previous, keep, weight, bias, alpha, blend, context_rows)
+        return scores, None
+    logits, gate = torch.ops.ea_hf.evolve(scores, previous, keep, weight, bias, alpha, blend, context_rows)
+    return logits, None if in_place else gate
+
+
+def convolve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> torch.Tensor:
+    """A plain correlation plus bias (the kept rows of a decoding step), through ``ea_hf::convolve``."""
+    return torch.ops.ea_hf.convolve(x, weight, bias, row_shift)

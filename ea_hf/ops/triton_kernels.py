@@ -33,6 +33,8 @@ from types import SimpleNamespace
 
 import torch
 
+from .fused_step import evolve_by_correlation
+
 try:  # optional dependency: the module must import (and decline every map) without it
     import triton
     import triton.language as tl
@@ -537,3 +539,26 @@ if tl is not None:
         weight_at = program * (BLOCK_C * BLOCK_R * BLOCK_K) + channels[:, None, None] * (BLOCK_R * BLOCK_K)
         tl.store(partial_weight_ptr + weight_at + tile[None, :, :], acc)
         tl.store(partial_bias_ptr + program * (BLOCK_R * BLOCK_K) + tile, acc_bias)
+
+
+def evolve(
+    scores: torch.Tensor,
+    previous: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: float,
+    blend: float,
+    context_rows: int,
+    *,
+    in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The evolution step's forward pass (see ``ea_hf.modeling.convolution.FusedKernel``) in one launch."""
+    return evolve_by_correlation(
+        correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=in_place
+    )
+
+
+def convolve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> torch.Tensor:
+    """A plain correlation plus bias (the kept rows of a decoding step), as :func:`correlate` computes it."""
+    return correlate(x, weight, bias, row_shift=row_shift)

@@ -1,19 +1,21 @@
 """``torch.compile(model, fullgraph=True)`` of EA models: no graph break in inference or a training step, and the
 same outputs and gradients as eager mode.
 
-Under compilation the evolution runs as torch operations (the CPU kernel is a ctypes call that dynamo cannot
-trace, so it declines while compiling) and the map-reuse of inference is skipped before it reads a reference
-count. The backend is ``aot_eager``: it traces forward and backward through AOTAutograd like inductor does, in
-seconds rather than the minute inductor's C++ build takes here (inductor gave the same outputs to 3e-9 and
-gradients to 1.5e-8 on the tiny BERT).
+Compiled graphs call the CPU kernel as the torch operators ``ea_hf::evolve`` and ``ea_hf::evolve_backward``
+(asserted below), and the map-reuse of inference is skipped before it reads a reference count. The backend is
+``aot_eager``: it traces forward and backward through AOTAutograd like inductor does, in seconds rather than
+the minute inductor's C++ build takes here (inductor gave the same outputs to 3e-9 and gradients to 1.5e-8 on
+the tiny BERT). ``torch.export`` of an EA encoder is tested at the end.
 """
 
 import pytest
 import torch
 import transformers
 from testing import SEQ2SEQ_ARCHITECTURES, defined, patched_model, tiny_inputs
+from torch._dynamo.backends.common import aot_autograd
 
 import ea_hf
+from ea_hf.ops import cpu
 
 #: One family of each kind: encoder, vision, encoder-decoder (forward), decoder-only.
 FAMILIES = {
@@ -67,6 +69,44 @@ def test_fullgraph_compile_matches_eager_in_inference_and_training(model_type):
     assert any(".evolving_attention." in name for name in eager_grads)  # the evolution is trained through it
     for name, grad in eager_grads.items():
         assert (compiled_grads[name] - grad).abs().max() <= TOLERANCE, name
+
+
+@pytest.mark.skipif(cpu.cpu_kernel() is None, reason="no C++ compiler on this machine: no CPU kernel to call")
+def test_compiled_graphs_call_the_kernel_operators():
+    """The forward graph of inference and the forward and backward graphs of a training step call the kernel
+    (one operator per layer each), not a torch-operations copy of it."""
+    model = patched_model("bert", {"alpha": 0.3, "beta": 0.4})
+    inputs = tiny_inputs("bert")
+    called: list[str] = []
+
+    def record(graph, example_inputs):
+        called.extend(str(node.target) for node in graph.graph.nodes if str(node.target).startswith("ea_hf."))
+        return graph
+
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+    with torch.no_grad():
+        torch.compile(model, fullgraph=True, backend=backend)(**inputs)
+    assert called == ["ea_hf.evolve.default"] * 3
+    called.clear()
+    torch.compile(model, fullgraph=True, backend=backend)(**inputs)[0].pow(2).mean().backward()
+    assert sorted(called) == ["ea_hf.evolve.default"] * 3 + ["ea_hf.evolve_backward.default"] * 3
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_of_an_ea_encoder(tmp_path, strict):
+    """torch.export of a patched BERT: the exported program computes what the model does, also after a save
+    and load, and holds the kernel operator where there is one."""
+    model = patched_model("bert", {"alpha": 0.3, "beta": 0.4})
+    inputs = tiny_inputs("bert")
+    with torch.no_grad():
+        expected = model(**inputs).last_hidden_state
+        program = torch.export.export(model, args=(), kwargs=inputs, strict=strict)
+        torch.export.save(program, tmp_path / "bert.pt2")
+        loaded = torch.export.load(tmp_path / "bert.pt2")
+        for exported in (program, loaded):
+            assert (exported.module()(**inputs).last_hidden_state - expected).abs().max() <= TOLERANCE
+    operators = [str(node.target) for node in program.graph.nodes if str(node.target).startswith("ea_hf.")]
+    assert operators == (["ea_hf.evolve.default"] * 3 if cpu.cpu_kernel() is not None else [])
 
 
 @pytest.mark.slow

@@ -161,3 +161,52 @@ def test_in_place_output_equals_a_separate_one(batch, heads, rows, kernel_rows, 
         torch.set_num_threads(before)
     assert result.data_ptr() == overwritten.data_ptr()
     assert torch.equal(result, separate)
+
+
+def operator_samples(requires_grad: bool):
+    """Arguments of ``ea_hf::evolve`` (beta-scaled kernel, blend = 1 - beta): with and without A_prev and a
+    padding mask, centred and causal kernels."""
+    torch.manual_seed(3)
+    samples = []
+    for previous, masked, kernel_rows in [(True, True, 3), (False, False, 3), (True, False, 2), (False, True, 2)]:
+        scores = torch.randn(2, 4, 6, 7, requires_grad=requires_grad)
+        end = torch.randn(2, 4, 6, 7, requires_grad=requires_grad) if previous else None
+        keep = (torch.rand(2, 1, 6, 7) > 0.3).float() if masked else None
+        weight = (torch.randn(4, 4, kernel_rows, 3) * 0.3).requires_grad_(requires_grad)
+        bias = (torch.randn(4) * 0.1).requires_grad_(requires_grad)
+        samples.append((scores, end, keep, weight, bias, 0.3, 0.6, 1))
+    return samples
+
+
+@needs_compiler
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_the_operators_pass_opcheck(requires_grad):
+    """Schemas, fake (meta) implementations, the autograd registration and AOT dispatch of every operator."""
+    for scores, end, keep, weight, bias, alpha, blend, rows in operator_samples(requires_grad):
+        arguments = (scores, end, keep, weight, bias, alpha, blend, rows)
+        torch.library.opcheck(torch.ops.ea_hf.evolve.default, arguments)
+        detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in arguments)
+        torch.library.opcheck(torch.ops.ea_hf.evolve_.default, (detached[0].clone(), *detached[1:]))
+        torch.library.opcheck(torch.ops.ea_hf.convolve.default, (detached[0], detached[3], detached[4], -rows))
+        logits, gate = torch.ops.ea_hf.evolve(*detached)
+        backward_arguments = (detached[0], detached[1], keep, torch.randn_like(logits), gate, detached[3])
+        torch.library.opcheck(torch.ops.ea_hf.evolve_backward.default, (*backward_arguments, alpha, blend, rows))
+
+
+@needs_compiler
+@pytest.mark.parametrize("sample", range(4))
+def test_the_evolve_operator_differentiates_like_the_torch_formulation(sample):
+    """``ea_hf::evolve`` with its registered autograd against autograd through the same steps as torch
+    operations (float32, so 1e-5)."""
+    scores, end, keep, weight, bias, alpha, blend, rows = operator_samples(True)[sample]
+    upstream = torch.randn(scores.shape)
+    leaves = [t for t in (scores, end, weight, bias) if t is not None]
+    options = dict(lerp_end=end, lerp_weight=alpha, in_keep=keep, relu=True, blend=scores, blend_coef=blend)
+    ours = torch.ops.ea_hf.evolve(scores, end, keep, weight, bias, alpha, blend, rows)[0]
+    reference = correlate_with_torch(scores, weight, bias, -rows, **options)[0]
+    for got, expected in zip(
+        [ours.detach(), *torch.autograd.grad(ours, leaves, upstream)],
+        [reference.detach(), *torch.autograd.grad(reference, leaves, upstream)],
+        strict=True,
+    ):
+        assert (got - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())

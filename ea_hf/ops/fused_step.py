@@ -1,0 +1,42 @@
+"""The evolution step's forward in terms of a kernel's general fused correlation, shared by the kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def evolve_by_correlation(
+    correlate: Callable[..., torch.Tensor],
+    scores: torch.Tensor,
+    previous: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: float,
+    blend: float,
+    context_rows: int,
+    *,
+    in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(ReLU(Conv(A_in * keep)) + blend * A_in, the bool gate where the ReLU output is positive) with
+    A_in = lerp(S, A_prev, alpha), in one pass of ``correlate`` (``ea_hf.ops.cpu.correlate`` or the Triton one);
+    ``in_place`` writes the result over ``scores`` and keeps no gate (inference). Row i reads input rows
+    ``i - context_rows ..``."""
+    gate = None if in_place else scores.new_empty(scores.shape, dtype=torch.bool)
+    logits = correlate(
+        scores,
+        weight,
+        bias,
+        row_shift=-context_rows,
+        lerp_end=previous,
+        lerp_weight=alpha,
+        in_keep=keep,
+        relu=True,
+        saved=gate,
+        blend=scores,
+        blend_coef=blend,
+        in_place=in_place,
+    )
+    return logits, gate
