@@ -1,10 +1,12 @@
 """Optional fused kernels of the evolution step, apart from the modeling core.
 
-Each kernel module provides ``applicable``, ``correlate`` and ``backward`` (see
+Each kernel module provides ``applicable``, ``evolve``, ``convolve`` and ``backward`` (see
 ``ea_hf.modeling.convolution.FusedKernel``) and is registered with the core by ``ea_hf``'s ``__init__``; where
 none applies, the core runs the same steps as torch operations.
 
-- :mod:`ea_hf.ops.cpu`: a C++/OpenMP kernel compiled on first use (``EA_HF_KERNELS=0`` turns it off).
+- :mod:`ea_hf.ops.cpu`: a C++/OpenMP kernel compiled on first use (``EA_HF_KERNELS=0`` turns it off), called as
+  the torch operators ``torch.ops.ea_hf.evolve`` (differentiable), ``evolve_``, ``convolve`` and
+  ``evolve_backward``, so that ``torch.compile`` and ``torch.export`` keep it in their graphs.
 - :mod:`ea_hf.ops.triton_kernels`: Triton kernels for GPUs (the ``gpu`` extra), opt-in with ``EA_HF_TRITON=1``:
   verified only with Triton's CPU interpreter so far, never on a GPU, so not the default.
 """
