@@ -45,7 +45,7 @@ def run_card(run_dir: str | Path, repo_id: str | None = None) -> ModelCard:
         )
     config = transformers.AutoConfig.from_pretrained(run_dir)
     saved = config.to_dict()
-    details = kind.model_details(saved)
+    details = kind.model_details(saved, recipe)
     if details:
         details = (*details, ("parameters", f"{parameters_in(run_dir):,}"))
     return render_card(

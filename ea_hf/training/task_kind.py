@@ -100,9 +100,10 @@ class TaskKind:
         """What the model card says about the task. *Required*."""
         raise NotImplementedError
 
-    def model_details(self, config: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-        """What the model card's "Model" table says of a finished run's model, from its saved config (a
-        checkpoint's architecture needs no more than its name; a model built from a config says its sizes)."""
+    def model_details(self, config: dict[str, Any], recipe: Recipe) -> tuple[tuple[str, str], ...]:
+        """What the model card's "Model" table says of a finished run's model, from its saved config and its
+        recipe (a checkpoint's architecture needs no more than its name; a model built from a config says its
+        sizes and where its weights came from)."""
         return ()
 
     def model_config(self, recipe: Recipe, label_names: tuple[str, ...] | None) -> dict[str, Any]:

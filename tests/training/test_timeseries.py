@@ -23,6 +23,7 @@ from ea_hf.training.kinds.timeseries import (
     load_uea,
     series_dataset,
     standardise,
+    weights_origin,
 )
 from ea_hf.training.recipe import RecipeError, expand_sweep, load_recipe, recipe_from_dict
 from ea_hf.training.run_dir import read_metrics
@@ -148,6 +149,17 @@ def test_ts_files_standardising_and_padding(tmp_path):
         series_dataset({"train": (values, labels[:2])})
     with pytest.raises(FileNotFoundError, match="no .ts file"):
         load_ts_file(tmp_path / "missing.ts")
+
+
+def test_the_card_says_where_the_weights_came_from():
+    base = {"name": "t", "kind": "timeseries", "data": {"archive": "JapaneseVowels", "source": "uea"}}
+    assert weights_origin(recipe_from_dict(base)) == "trained from scratch"
+    pretrained = weights_origin(recipe_from_dict(base, ["pretrain.epochs=3"]))
+    assert pretrained == (
+        "pre-trained by masked value reconstruction on the training series (3 epochs), then trained on the task"
+    )
+    given = recipe_from_dict({**base, "model": {"name_or_path": "org/ea-dc-transformer"}})
+    assert weights_origin(given) == "fine-tuned from org/ea-dc-transformer"
 
 
 def test_timeseries_recipes_are_checked():

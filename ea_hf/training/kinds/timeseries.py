@@ -298,7 +298,7 @@ class TimeSeriesKind(TaskKind):
             dataset_type=data.archive if data.source == "uea" else "local",
         )
 
-    def model_details(self, config: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    def model_details(self, config: dict[str, Any], recipe: Recipe) -> tuple[tuple[str, str], ...]:
         evolving = bool(config.get("alpha") or config.get("beta"))
         name = "EA-DC-Transformer" if evolving else "DC-Transformer"
         if not evolving and config.get("attention_ratio") == 1.0:
@@ -307,7 +307,7 @@ class TimeSeriesKind(TaskKind):
         width = round(ratio * config["hidden_size"])
         evolution = f"alpha {config['alpha']:g}, beta {config['beta']:g}, kernel {config['evolution_kernel_size']}"
         return (
-            ("model", f"{name} (TPAMI 2023, section 3.3), trained from scratch"),
+            ("model", f"{name} (TPAMI 2023, section 3.3), {weights_origin(recipe)}"),
             ("hidden size d", str(config["hidden_size"])),
             ("blocks n", str(config["num_layers"])),
             ("attention ratio p", f"{ratio:g} ({width} of d to attention, {heads} heads)"),
@@ -340,6 +340,19 @@ class TimeSeriesKind(TaskKind):
 def series_task(data: TimeSeriesData) -> str:
     """The task of a recipe's data: as stated, or the archive's own (classification when aeon does not know it)."""
     return resolved_task(data.archive if data.source == "uea" else None, data.task)
+
+
+def weights_origin(recipe: Recipe) -> str:
+    """Where a run's weights came from, as the card says it: a checkpoint, the run's own pre-training, or
+    nothing (trained from scratch)."""
+    if recipe.model.name_or_path:
+        return f"fine-tuned from {recipe.model.name_or_path}"
+    if recipe.pretrain.epochs > 0:
+        return (
+            f"pre-trained by masked value reconstruction on the training series ({recipe.pretrain.epochs:g} "
+            "epochs), then trained on the task"
+        )
+    return "trained from scratch"
 
 
 def series_model(recipe: Recipe, label_names: tuple[str, ...] | None, data, name_or_path: str | None):
