@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .convolution import evolve_backward, evolve_step, scale_kernel
+from .convolution import evolve_backward, evolve_for_backward, scale_kernel
 
 
 def attention_scores(
@@ -103,23 +103,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
     ):
         scores = full_precision(attention_scores(query, key, scaling, position_bias, softcap))
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
-        scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
-        logits, gate = evolve_step(
-            scores,
-            keep,
-            scaled_weight,
-            scaled_bias,
-            beta,
-            causal,
-            None,
-            context_rows,
-            previous=previous,
-            alpha=alpha,
-            for_backward=True,
-        )
+        logits, gate, _ = evolve_for_backward(scores, previous, keep, weight, bias, alpha, beta, causal, context_rows)
         del scores
-        if gate.dtype != torch.bool:  # torch operations return the ReLU output: keep a quarter of its memory
-            gate = gate > 0
         probabilities = torch.softmax(masked_logits(logits, allowed, additive), dim=-1).to(value.dtype)
         dropout_mask = None
         if dropout > 0.0:

@@ -86,19 +86,8 @@ class EvolveConvolution(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, previous, keep, weight, bias, alpha, beta, causal, context_rows):
-        scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
-        logits, gate = evolve_step(
-            scores,
-            keep,
-            scaled_weight,
-            scaled_bias,
-            beta,
-            causal,
-            None,
-            context_rows,
-            previous=previous,
-            alpha=alpha,
-            for_backward=True,
+        logits, gate, scaled_weight = evolve_for_backward(
+            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows
         )
         ctx.save_for_backward(scores, previous, gate, scaled_weight, keep)
         ctx.alpha, ctx.beta, ctx.context_rows = alpha, beta, context_rows
@@ -123,6 +112,36 @@ class EvolveConvolution(torch.autograd.Function):
             needs_kernel=ctx.needs_input_grad[3] or ctx.needs_input_grad[4],
         )
         return grad_scores, grad_previous, None, grad_weight, grad_bias, None, None, None, None
+
+
+def evolve_for_backward(
+    scores: torch.Tensor,
+    previous: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    alpha: float,
+    beta: float,
+    causal: bool,
+    context_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(A_logit, the bool ReLU gate, the beta-scaled weight) of a step that :func:`evolve_backward` will
+    differentiate; S is left as it is (backward needs it or recomputes it)."""
+    scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
+    logits, gate = evolve_step(
+        scores,
+        keep,
+        scaled_weight,
+        scaled_bias,
+        beta,
+        causal,
+        None,
+        context_rows,
+        previous=previous,
+        alpha=alpha,
+        for_backward=True,
+    )
+    return logits, gate, scaled_weight
 
 
 def evolve_backward(
@@ -198,7 +217,7 @@ def evolve_step(
 
     A_in is S, or with ``previous`` the residual mix lerp(S, previous, alpha): the CPU kernel mixes as it
     reads; elsewhere it is computed in S's storage, or in a new tensor ``for_backward`` (which keeps S). The
-    gate is the ReLU output, or for the kernel a bool map of where it is positive. Row i of a causal
+    gate is a bool map of where the ReLU output is positive (a quarter of a float map's memory). Row i of a causal
     convolution reads input rows i - c .. i (c = ``context_rows``); ``history`` supplies the earlier rows of
     step-by-step decoding.
     """
@@ -240,7 +259,7 @@ def evolve_step(
         convolved = convolved[..., rows_before : rows_before + rows, columns_before : columns_before + columns]
     convolved = convolved.relu_()
     if for_backward:
-        return torch.add(convolved, attention_in, alpha=blend), convolved
+        return torch.add(convolved, attention_in, alpha=blend), convolved > 0
     return convolved.add_(attention_in, alpha=blend), None
 
 
@@ -295,11 +314,9 @@ def convolution_input_grad(
     return (grad_in if scales[0] == 1.0 else grad_in.mul_(scales[0])), second
 
 
-def relu_gate(grad: torch.Tensor, relu: torch.Tensor) -> torch.Tensor:
-    """The gradient through the ReLU, given its output or the bool map of where that is positive."""
-    if relu.dtype == torch.bool:
-        return grad * relu
-    return torch.ops.aten.threshold_backward(grad, relu, 0)
+def relu_gate(grad: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gradient through the ReLU, given the bool map of where its output is positive."""
+    return grad * gate
 
 
 def evolve_convolution(
