@@ -326,9 +326,11 @@ def spawn(internal: list[str], args: argparse.Namespace, what: str, length: int)
 
 def batch_of(args: argparse.Namespace, length: int) -> int:
     """The batch size of sequence length ``length``: ``--batches`` (one per length, or one for all), else the
-    default of that length, else 1."""
-    if args.batches:
-        return args.batches[args.lengths.index(length)] if len(args.batches) > 1 else args.batches[0]
+    default of that length, else 1 (also for a ``--compiled`` length outside ``--lengths``)."""
+    if args.batches and len(args.batches) == 1:
+        return args.batches[0]
+    if args.batches and length in args.lengths:
+        return args.batches[args.lengths.index(length)]
     return DEFAULT_BATCHES.get(length, 1)
 
 
@@ -615,8 +617,6 @@ def main_parent(args: argparse.Namespace) -> None:
     compiled = None
     if args.compiled:
         length, mode = args.compiled
-        if length not in args.lengths:
-            args.lengths.append(length)  # batch_of looks the length up
         what = f"compiled timing N={length} {mode}"
         compiled = compiled_row(spawn(["--compiled-timing", str(length), mode], args, what, length))
         table += "\nBoth compiled (torch.compile, inductor):\n\n" + compiled_table(compiled) + "\n"

@@ -60,6 +60,7 @@ def test_batches_follow_the_lengths(bench):
     assert [bench.batch_of(bench.parse_args(["--batches", "4"]), n) for n in (128, 512)] == [4, 4]
     chosen = bench.parse_args(["--lengths", "64", "256", "--batches", "3", "5"])
     assert [bench.batch_of(chosen, n) for n in (64, 256)] == [3, 5]
+    assert [bench.batch_of(chosen, n) for n in (128, 96)] == [8, 1]  # a --compiled length outside --lengths
     with pytest.raises(SystemExit):
         bench.parse_args(["--lengths", "64", "256", "512", "--batches", "3", "5"])
 
