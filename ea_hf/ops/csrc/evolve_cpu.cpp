@@ -309,9 +309,61 @@ void correlate(const Input& in, const Output& given, int threads) {
     }
 }
 
+// Vector registers of the target and how many of them one vfloat takes: the register blocking of the weight
+// gradient must fit, or the compiler spills accumulators to the stack inside the innermost loop.
+#if defined(__AVX512F__)
+constexpr int kVectorRegisters = 32, kRegistersPerVector = 1;
+#elif defined(__AVX__)
+constexpr int kVectorRegisters = 16, kRegistersPerVector = 2;
+#else
+constexpr int kVectorRegisters = 16, kRegistersPerVector = 4;
+#endif
+
+// The most output heads whose Cols dot products (with the Cols shifted input vectors and one gradient vector)
+// stay in registers, among the divisors of Heads up to 6; 0 when not even one fits.
+template <int Heads, int Cols>
+constexpr int weight_grad_group() {
+    for (int group = 6; group >= 1; --group)
+        if (Heads % group == 0 && (group * Cols + Cols + 1) * kRegistersPerVector <= kVectorRegisters - 2)
+            return group;
+    return 0;
+}
+
+// grad_w[g][dx] += sum over the columns of gy[g][j] * line[j + dx] for Group output heads: the Cols shifted
+// input vectors are loaded once per column vector and serve all Group heads (Group x Cols accumulators in
+// registers), so the loop is bound by multiply-adds rather than by loads. `grad_w` advances by `head_stride`
+// per head and by one per tap.
+template <int Group, int Cols>
+inline void weight_grad_block(const float* line, const float* const* gy, int vectors, vfloat* grad_w,
+                              size_t head_stride) {
+    vfloat acc[Group][Cols] = {};
+    const float* rows[Group];
+    for (int g = 0; g < Group; ++g) rows[g] = gy[g];
+    for (int v = 0; v < vectors; ++v) {
+        vfloat x[Cols];
+#pragma GCC unroll 8
+        for (int dx = 0; dx < Cols; ++dx) {
+            vfloat value = load(line + dx + v * kLanes);
+            // Keep the loaded vectors in registers: folded into each multiply-add as memory operands, the
+            // loads (the shifted ones mostly straddling cache lines) would be repeated for every product and
+            // the loop would wait on loads.
+            __asm__("" : "+v"(value));
+            x[dx] = value;
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < Group; ++g) {
+            vfloat gradient = load(rows[g] + v * kLanes);
+            __asm__("" : "+v"(gradient));
+#pragma GCC unroll 8
+            for (int dx = 0; dx < Cols; ++dx) acc[g][dx] += gradient * x[dx];
+        }
+    }
+    for (int g = 0; g < Group; ++g)
+        for (int dx = 0; dx < Cols; ++dx) grad_w[g * head_stride + dx] += acc[g][dx];
+}
+
 // Weight and bias gradient contributions of output row (b, i), added to per-thread vector accumulators
-// grad_w[o][c][dy][dx] and grad_b[o]. Per (c, dy, dx) the H row dot products run over the columns with
-// their accumulators in registers.
+// grad_w[o][c][dy][dx] and grad_b[o].
 // `gy[h]` is row i of the gated output gradient of head h, 64-byte aligned and zero beyond the last column
 // up to whole vectors.
 template <int Heads, int Cols>
@@ -324,37 +376,18 @@ void weight_grad_row(const Input& in, const float* const* gy, int b, int i, RowR
     prepare_rows(in, b, i, ring);
     for (int h = 0; h < heads; ++h)
         for (int v = 0; v < vectors; ++v) grad_b[h] += load(gy[h] + v * kLanes);
-    if (Heads > 0 && Cols > 0 && Heads % 4 == 0) {
-        // Register blocking: per input vector, the Cols shifted loads serve 4 heads (4 x Cols accumulators),
-        // so the loop is bound by multiply-adds rather than by loads.
-        constexpr int kGroup = 4;
-        for (int c = 0; c < heads; ++c) {
-            for (int dy = 0; dy < kr; ++dy) {
-                const float* line = ring.lines[c * kr + dy] - pad;
-                for (int h0 = 0; h0 < heads; h0 += kGroup) {
-                    vfloat acc[kGroup][Cols > 0 ? Cols : 1] = {};
-                    for (int v = 0; v < vectors; ++v) {
-                        vfloat x[Cols > 0 ? Cols : 1];
-#pragma GCC unroll 8
-                        for (int dx = 0; dx < kernel_cols; ++dx) x[dx] = load(line + dx + v * kLanes);
-#pragma GCC unroll 4
-                        for (int g = 0; g < kGroup; ++g) {
-                            vfloat gradient = load(gy[h0 + g] + v * kLanes);
-                            // Keep it in a register: folded into each multiply-add as a memory operand, it
-                            // would be loaded once per tap and the loop would wait on loads.
-                            __asm__("" : "+v"(gradient));
-#pragma GCC unroll 8
-                            for (int dx = 0; dx < kernel_cols; ++dx) acc[g][dx] += gradient * x[dx];
-                        }
-                    }
-                    for (int g = 0; g < kGroup; ++g)
-                        for (int dx = 0; dx < kernel_cols; ++dx)
-                            grad_w[(static_cast<size_t>(h0 + g) * heads + c) * taps + dy * kernel_cols + dx] += acc[g][dx];
-                }
-            }
-        }
+    constexpr int kGroup = Heads > 0 && Cols > 0 ? weight_grad_group<Heads, Cols>() : 0;
+    if constexpr (kGroup > 0) {
+        for (int c = 0; c < heads; ++c)
+            for (int dy = 0; dy < kr; ++dy)
+                for (int h0 = 0; h0 < heads; h0 += kGroup)
+                    weight_grad_block<kGroup, Cols>(ring.lines[c * kr + dy] - pad, gy + h0, vectors,
+                                                    grad_w.data() + (static_cast<size_t>(h0) * heads + c) * taps + dy * Cols,
+                                                    static_cast<size_t>(heads) * taps);
         return;
     }
+    // Any size: per (c, dy, dx) the H row dot products run over the columns with their accumulators in
+    // registers.
     for (int c = 0; c < heads; ++c) {
         for (int dy = 0; dy < kr; ++dy) {
             const float* line = ring.lines[c * kr + dy] - pad;
