@@ -103,7 +103,10 @@ class EvolvingAttentionCore(torch.autograd.Function):
     ):
         scores = full_precision(attention_scores(query, key, scaling, position_bias, softcap))
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
-        logits, gate, _ = evolve_for_backward(scores, previous, keep, weight, bias, alpha, beta, causal, context_rows)
+        # S is recomputed in backward: the fused kernel may write A_logit over it (one map less to allocate).
+        logits, gate, _ = evolve_for_backward(
+            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, spend_scores=True
+        )
         del scores
         probabilities = torch.softmax(masked_logits(logits, allowed, additive), dim=-1).to(value.dtype)
         dropout_mask = None
@@ -152,8 +155,12 @@ class EvolvingAttentionCore(torch.autograd.Function):
             grad_attention += grad_probabilities
         if mask is not None:
             grad_attention = torch.ops.aten.native_dropout_backward(grad_attention, mask, dropout_scale)
-        grad_evolved = torch._softmax_backward_data(grad_attention.to(full.dtype), full, -1, full.dtype)
-        del full, grad_attention
+        # The softmax's gradient P * (G - rowsum(G * P)), computed in G's storage: a training step then
+        # allocates no more [B, H, Q, K] maps in backward than eager attention does (P, G and S; the
+        # evolution's gradients are written over G and P below).
+        grad_evolved = grad_attention.to(full.dtype).mul_(full)
+        grad_evolved.addcmul_(full, grad_evolved.sum(-1, keepdim=True), value=-1.0)
+        del grad_attention
         if additive is None and allowed is not None:  # masked_fill passes no gradient to the filled entries
             grad_evolved = grad_evolved.masked_fill_(~allowed, 0.0)
         if grad_logits is not None:
@@ -179,8 +186,9 @@ class EvolvingAttentionCore(torch.autograd.Function):
             context_rows,
             needs_input=any(ctx.needs_input_grad[i] for i in (0, 1, 3, 4)),
             needs_kernel=ctx.needs_input_grad[5] or ctx.needs_input_grad[6],
+            spent=full,
         )
-        del grad_evolved
+        del grad_evolved, full
         wanted = [t for t in leaves if t is not None and t.requires_grad]
         grads = {}
         if grad_scores is not None and wanted:

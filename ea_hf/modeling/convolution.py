@@ -23,8 +23,9 @@ class FusedKernel(Protocol):
     """What a fused implementation of the evolution step provides (see ``ea_hf.ops.cpu`` for one).
 
     ``evolve`` is the forward step with beta-scaled weights: (A_logit, the bool ReLU gate), or with ``in_place``
-    A_logit written over ``scores`` and no gate; ``convolve`` a plain correlation plus bias whose output row i
-    reads input rows ``i + row_shift ..``; ``backward`` the step's gradients (see ``ea_hf.ops.cpu.backward``).
+    A_logit written over ``scores`` and no gate unless ``gate``; ``convolve`` a plain correlation plus bias whose
+    output row i reads input rows ``i + row_shift ..``; ``backward`` the step's gradients (see
+    ``ea_hf.ops.cpu.backward``).
     """
 
     def applicable(
@@ -43,6 +44,7 @@ class FusedKernel(Protocol):
         context_rows: int,
         *,
         in_place: bool,
+        gate: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> Any: ...
@@ -124,9 +126,12 @@ def evolve_for_backward(
     beta: float,
     causal: bool,
     context_rows: int,
+    *,
+    spend_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(A_logit, the bool ReLU gate, the beta-scaled weight) of a step that :func:`evolve_backward` will
-    differentiate; S is left as it is (backward needs it or recomputes it)."""
+    differentiate. S is left as it is (backward needs it), or with ``spend_scores`` (backward recomputes it)
+    the fused kernel may write A_logit over it."""
     scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
     logits, gate = evolve_step(
         scores,
@@ -140,6 +145,7 @@ def evolve_for_backward(
         previous=previous,
         alpha=alpha,
         for_backward=True,
+        spend_scores=spend_scores,
     )
     return logits, gate, scaled_weight
 
@@ -157,20 +163,24 @@ def evolve_backward(
     *,
     needs_input: bool = True,
     needs_kernel: bool = True,
+    spent: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of S, A_prev, the weight and the bias (of the parameters, not the beta-scaled kernel) of
     A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha), given the
     ReLU gate of the forward step and the gradient of A_logit.
 
     On a fused kernel one pass gives all four (it applies the ReLU gate and the residual mix as it reads;
-    nothing is materialised but the gradients); elsewhere torch operations compute what is asked for.
+    nothing is materialised but the gradients); elsewhere torch operations compute what is asked for. With
+    ``spent`` (a map the caller no longer needs) ``grad_logits`` is the caller's own too: the kernel may write
+    the gradients of S and A_prev over the two instead of allocating maps.
     """
     kernel_rows, kernel_columns = scaled_weight.shape[-2:]
     grad_scores = grad_previous = grad_weight = grad_bias = None
     kernel = fused_kernel(scores, previous, grad_logits, keep=keep, weight=scaled_weight)
     if kernel is not None:
+        into = (None, None) if spent is None else (grad_logits, spent)
         grad_scores, grad_previous, grad_weight, grad_bias = kernel.backward(
-            scores, previous, alpha, keep, grad_logits, gate, scaled_weight, context_rows, beta
+            scores, previous, alpha, keep, grad_logits, gate, scaled_weight, context_rows, beta, into
         )
     else:
         # Gradients of A_in go to S and A_prev in the proportions of the residual mix.
@@ -211,12 +221,14 @@ def evolve_step(
     previous: torch.Tensor | None = None,
     alpha: float = 0.0,
     for_backward: bool = False,
+    spend_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(A_logit, the ReLU gate for backward if ``for_backward``) for the rows of S, with beta-scaled kernel
     weights.
 
     A_in is S, or with ``previous`` the residual mix lerp(S, previous, alpha): the CPU kernel mixes as it
-    reads; elsewhere it is computed in S's storage, or in a new tensor ``for_backward`` (which keeps S). The
+    reads; elsewhere it is computed in S's storage, or in a new tensor ``for_backward`` (which keeps S; the
+    fused kernel writes A_logit over S all the same with ``spend_scores``). The
     gate is a bool map of where the ReLU output is positive (a quarter of a float map's memory). Row i of a causal
     convolution reads input rows i - c .. i (c = ``context_rows``); ``history`` supplies the earlier rows of
     step-by-step decoding.
@@ -230,8 +242,9 @@ def evolve_step(
     kernel = None if history is not None else fused_kernel(scores, previous, keep=keep, weight=scaled_weight)
     if kernel is not None:
         # Without autograd S is not needed afterwards: the kernel writes A_logit over it.
+        in_place, gate = spend_scores or not for_backward, for_backward
         return kernel.evolve(
-            scores, previous, keep, scaled_weight, scaled_bias, alpha, blend, context_rows, in_place=not for_backward
+            scores, previous, keep, scaled_weight, scaled_bias, alpha, blend, context_rows, in_place=in_place, gate=gate
         )
     attention_in = scores
     if previous is not None:

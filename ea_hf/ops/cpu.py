@@ -228,12 +228,32 @@ def backward(
     scaled_weight: torch.Tensor,
     context_rows: int,
     beta: float,
+    into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The evolution step's whole backward (the operator ``ea_hf::evolve_backward``); see :func:`_backward`."""
+    """The evolution step's whole backward (the operator ``ea_hf::evolve_backward``); see :func:`_backward`.
+
+    With ``into`` (outside torch.compile: a compiled graph plans its own buffers) the gradients of S and of
+    A_prev are written to those spent maps where they fit instead of two new ones."""
+    if into != (None, None) and not torch.compiler.is_compiling():
+        return _backward(scores, previous, alpha, keep, grad, gate, scaled_weight, context_rows, 1.0 - beta, into)
     grad_scores, grad_previous, grad_weight, grad_bias = torch.ops.ea_hf.evolve_backward(
         scores, previous, keep, grad, gate, scaled_weight, alpha, 1.0 - beta, context_rows
     )
     return grad_scores, None if previous is None else grad_previous, grad_weight, grad_bias
+
+
+def _reusable(
+    buffer: torch.Tensor | None, like: torch.Tensor, read: tuple[torch.Tensor | None, ...]
+) -> torch.Tensor | None:
+    """``buffer`` if the kernel can write a map like ``like`` there and it shares no memory with the maps in
+    ``read`` (which the kernel reads while it writes), else ``None``."""
+    if buffer is None or buffer.shape != like.shape or buffer.dtype != torch.float32 or not buffer.is_contiguous():
+        return None
+    start, stop = buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes
+    for tensor in read:
+        if tensor is not None and tensor.data_ptr() < stop and start < tensor.data_ptr() + tensor.nbytes:
+            return None
+    return buffer
 
 
 def _backward(
@@ -246,12 +266,15 @@ def _backward(
     scaled_weight: torch.Tensor,
     context_rows: int,
     blend: float,
+    into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's whole backward in one pass over the rows (see ``ea_backward``).
 
     Returns the gradients of S, of A_prev (``None`` without ``previous``), and of the beta-scaled kernel's
     weight and bias, for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha),
     the ReLU gate ``gate``, the output gradient ``grad`` and blend = 1 - beta; callers check :func:`applicable`.
+    ``into`` names maps the caller no longer needs that the gradients of S and of A_prev may be written to
+    (``grad`` itself may hold the first: each row is read before it is overwritten).
     """
     library = cpu_kernel()
     batch, heads, rows, cols = scores.shape
@@ -260,8 +283,12 @@ def _backward(
     scores, grad, gate = scores.contiguous(), grad.contiguous(), gate.contiguous()
     previous = None if previous is None else previous.contiguous()
     keep = kernel_keep(keep, batch, rows, cols)
-    grad_scores = torch.empty_like(scores)
-    grad_previous = None if previous is None else torch.empty_like(scores)
+    grad_scores = _reusable(into[0], scores, (scores, previous))
+    grad_scores = torch.empty_like(scores) if grad_scores is None else grad_scores
+    grad_previous = None
+    if previous is not None:
+        grad_previous = _reusable(into[1], scores, (scores, previous, grad, grad_scores))
+        grad_previous = torch.empty_like(scores) if grad_previous is None else grad_previous
     grad_weight = torch.empty(heads, heads, kernel_rows, kernel_cols)
     grad_bias = torch.empty(heads)
     status = library.ea_backward(
@@ -406,14 +433,20 @@ def evolve(
     context_rows: int,
     *,
     in_place: bool,
+    gate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The evolution step's forward (see ``ea_hf.modeling.convolution.FusedKernel``) through the operators;
     in place only outside torch.compile (a compiled graph plans its own buffers)."""
+    gate = not in_place if gate is None else gate
     if in_place and not torch.compiler.is_compiling():
+        if gate:  # the attention core's forward (never compiled): S is spent, A_logit and the gate are kept
+            return evolve_by_correlation(
+                correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=True, gate=True
+            )
         torch.ops.ea_hf.evolve_(scores, previous, keep, weight, bias, alpha, blend, context_rows)
         return scores, None
-    logits, gate = torch.ops.ea_hf.evolve(scores, previous, keep, weight, bias, alpha, blend, context_rows)
-    return logits, None if in_place else gate
+    logits, saved = torch.ops.ea_hf.evolve(scores, previous, keep, weight, bias, alpha, blend, context_rows)
+    return logits, saved if gate else None
 
 
 def convolve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> torch.Tensor:

@@ -19,12 +19,13 @@ def evolve_by_correlation(
     context_rows: int,
     *,
     in_place: bool,
+    gate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(ReLU(Conv(A_in * keep)) + blend * A_in, the bool gate where the ReLU output is positive) with
     A_in = lerp(S, A_prev, alpha), in one pass of ``correlate`` (``ea_hf.ops.cpu.correlate`` or the Triton one);
-    ``in_place`` writes the result over ``scores`` and keeps no gate (inference). Row i reads input rows
+    ``in_place`` writes the result over ``scores`` and keeps no gate (inference) unless ``gate``. Row i reads input rows
     ``i - context_rows ..``."""
-    gate = None if in_place else scores.new_empty(scores.shape, dtype=torch.bool)
+    gate = None if (in_place if gate is None else not gate) else scores.new_empty(scores.shape, dtype=torch.bool)
     logits = correlate(
         scores,
         weight,

@@ -213,8 +213,10 @@ def backward(
     scaled_weight: torch.Tensor,
     context_rows: int,
     beta: float,
+    into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's backward, as :func:`ea_hf.ops.cpu.backward`; callers check :func:`applicable`.
+    (``into``, the spent maps the CPU kernel may write to, is not used: the gradients get new maps.)
 
     Returns the gradients of S, of A_prev (``None`` without ``previous``), and of the beta-scaled kernel's
     weight and bias (float32), for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with
@@ -552,10 +554,11 @@ def evolve(
     context_rows: int,
     *,
     in_place: bool,
+    gate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The evolution step's forward pass (see ``ea_hf.modeling.convolution.FusedKernel``) in one launch."""
     return evolve_by_correlation(
-        correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=in_place
+        correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=in_place, gate=gate
     )
 
 

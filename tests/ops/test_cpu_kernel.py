@@ -164,6 +164,56 @@ def test_in_place_output_equals_a_separate_one(batch, heads, rows, kernel_rows, 
     assert torch.equal(result, separate)
 
 
+@needs_compiler
+@pytest.mark.parametrize(
+    ("batch", "heads", "rows", "kernel_rows", "context_rows"),
+    [(2, 12, 9, 3, 1), (3, 4, 5, 5, 2), (1, 3, 2, 3, 1), (2, 4, 7, 2, 1)],
+)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_spent_maps_take_the_results_bit_identically(batch, heads, rows, kernel_rows, context_rows, threads):
+    """What the attention core does to allocate fewer maps: the forward step writes A_logit over S and still
+    keeps the gate; backward writes the gradient of S over the incoming gradient (rows a neighbouring thread
+    has overwritten are read from copies) and that of A_prev into a spent map. Same bits as new maps."""
+    torch.manual_seed(0)
+    scores, previous, grad, spent = (torch.randn(batch, heads, rows, 37) for _ in range(4))
+    keep = (torch.rand(batch, 1, rows, 37) > 0.2).float()
+    weight, bias = torch.randn(heads, heads, kernel_rows, 3) * 0.3, torch.randn(heads) * 0.1
+    step = (previous, keep, weight, bias, 0.3, 0.6, context_rows)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        logits, gate = kernels.evolve(scores, *step, in_place=False)
+        overwritten = scores.clone()
+        logits_over, gate_over = kernels.evolve(overwritten, *step, in_place=True, gate=True)
+        backward = (scores, previous, 0.3, keep)
+        expected = kernels.backward(*backward, grad, gate, weight, context_rows, 0.4)
+        consumed = grad.clone()
+        got = kernels.backward(*backward, consumed, gate, weight, context_rows, 0.4, into=(consumed, spent))
+    finally:
+        torch.set_num_threads(before)
+    assert logits_over.data_ptr() == overwritten.data_ptr()
+    assert torch.equal(logits_over, logits) and torch.equal(gate_over, gate)
+    assert got[0].data_ptr() == consumed.data_ptr() and got[1].data_ptr() == spent.data_ptr()
+    for got_one, expected_one in zip(got, expected, strict=True):
+        assert torch.equal(got_one, expected_one)
+
+
+@needs_compiler
+def test_maps_that_backward_reads_are_never_written():
+    """A spent map that overlaps S or A_prev (which backward reads while it writes) is not used."""
+    torch.manual_seed(0)
+    scores, previous, grad = (torch.randn(1, 4, 6, 8) for _ in range(3))
+    weight = torch.randn(4, 4, 3, 3)
+    gate = torch.rand(1, 4, 6, 8) > 0.5
+    expected = kernels.backward(scores, previous, 0.3, None, grad, gate, weight, 1, 0.4)
+    kept = scores.clone(), previous.clone()
+    got = kernels.backward(scores, previous, 0.3, None, grad, gate, weight, 1, 0.4, into=(scores, previous))
+    assert torch.equal(scores, kept[0]) and torch.equal(previous, kept[1])
+    assert got[0].data_ptr() != scores.data_ptr() and got[1].data_ptr() != previous.data_ptr()
+    for got_one, expected_one in zip(got, expected, strict=True):
+        assert torch.equal(got_one, expected_one)
+
+
 def operator_samples(requires_grad: bool):
     """Arguments of ``ea_hf::evolve`` (beta-scaled kernel, blend = 1 - beta): with and without A_prev and a
     padding mask, centred and causal kernels."""

@@ -405,42 +405,58 @@ void weight_grad_row(const Input& in, const float* const* gy, int b, int i, RowR
     }
 }
 
-// Adds one thread's vector accumulators to the weight and bias gradients (inside a parallel region).
-inline void reduce(const std::vector<vfloat>& grad_w, const std::vector<vfloat>& grad_b, float* grad_weight,
-                   float* grad_bias, int heads) {
-#pragma omp critical
-    {
-        for (size_t k = 0; k < grad_w.size(); ++k) grad_weight[k] += lanes_sum(grad_w[k]);
-        for (int h = 0; h < heads; ++h) grad_bias[h] += lanes_sum(grad_b[h]);
-    }
+// One thread's vector accumulators summed to floats: `sums` receives the weight gradient, then the bias's.
+inline void lanes_sums(const std::vector<vfloat>& grad_w, const std::vector<vfloat>& grad_b, std::vector<float>& sums) {
+    sums.resize(grad_w.size() + grad_b.size());
+    for (size_t k = 0; k < grad_w.size(); ++k) sums[k] = lanes_sum(grad_w[k]);
+    for (size_t h = 0; h < grad_b.size(); ++h) sums[grad_w.size() + h] = lanes_sum(grad_b[h]);
 }
 
 // The whole backward of the evolution step in one pass over the rows: for row i, the input gradient (the
 // transposed convolution of the gated gradient, as ea_correlate computes it) from a ring of gated gradient
-// rows, then the weight and bias contributions of gradient row i, which that ring already holds gated.
+// rows, then the weight and bias contributions of gradient row i, which that ring already holds gated. The
+// input gradient may be written over the incoming gradient (out == grad), as ea_correlate writes over its input.
 template <int Heads, int Cols>
 void backward(const Input& grad_in, const Output& grad_out, const Input& forward_in, float* grad_weight,
               float* grad_bias, int threads) {
     const int heads = grad_in.heads, taps = grad_in.kernel_rows * grad_in.kernel_cols;
-    const int tasks = grad_in.batch * grad_in.rows, kr = grad_in.kernel_rows, own_row = -grad_in.row_shift;
+    const long tasks = static_cast<long>(grad_in.batch) * grad_in.rows;
+    const int kr = grad_in.kernel_rows, own_row = -grad_in.row_shift;
     const size_t weights = static_cast<size_t>(heads) * heads * taps;
-    std::fill(grad_weight, grad_weight + weights, 0.0f);
-    std::fill(grad_bias, grad_bias + heads, 0.0f);
     std::vector<float> reordered;
     const Output out = with_reordered_weights(grad_out, heads, taps, reordered);
+    const bool in_place = out.out == grad_in.x;
+    // Each thread's weight and bias gradients, added up in thread order afterwards: the same bits on every
+    // run with the same thread count (an atomic or critical sum would depend on which thread finishes first).
+    std::vector<std::vector<float>> partial(std::max(threads, 1));
+    int team = 1;
 #pragma omp parallel num_threads(threads)
     {
+        const long count = omp_get_num_threads(), id = omp_get_thread_num();
+#pragma omp single
+        team = static_cast<int>(count);
+        const long begin = tasks * id / count, end = tasks * (id + 1) / count;
         RowRing gradient_ring, input_ring;
+        Halo halo;
+        if (in_place) {
+            halo.capture(grad_in, begin, end);
+#pragma omp barrier
+        }
         std::vector<vfloat> grad_w(weights, vfloat{}), grad_b(heads, vfloat{});
         const float* rows[kMaxHeads];
-#pragma omp for schedule(static) nowait
-        for (int t = 0; t < tasks; ++t) {
-            const int b = t / grad_in.rows, i = t % grad_in.rows;
-            output_row<Heads, Cols>(grad_in, out, b, i, gradient_ring);
+        for (long t = begin; t < end; ++t) {
+            const int b = static_cast<int>(t / grad_in.rows), i = static_cast<int>(t % grad_in.rows);
+            output_row<Heads, Cols>(grad_in, out, b, i, gradient_ring, in_place ? &halo : nullptr);
             for (int h = 0; h < heads; ++h) rows[h] = gradient_ring.lines[h * kr + own_row];
             weight_grad_row<Heads, Cols>(forward_in, rows, b, i, input_ring, grad_w, grad_b);
         }
-        reduce(grad_w, grad_b, grad_weight, grad_bias, heads);
+        lanes_sums(grad_w, grad_b, partial[id]);
+    }
+    std::fill(grad_weight, grad_weight + weights, 0.0f);
+    std::fill(grad_bias, grad_bias + heads, 0.0f);
+    for (int id = 0; id < team; ++id) {
+        for (size_t k = 0; k < weights; ++k) grad_weight[k] += partial[id][k];
+        for (int h = 0; h < heads; ++h) grad_bias[h] += partial[id][weights + h];
     }
 }
 
@@ -484,7 +500,7 @@ int ea_correlate(const float* x, const float* lerp_end, float lerp_weight, const
 // The evolution step's backward: gradients of S (out, times out_scale) and of A_prev (out2, times
 // out2_scale) from grad, the bool ReLU gate and the flipped, transposed kernel w_t (rows read from
 // i - row_shift_t on), and the weight and bias gradients of the beta-scaled kernel, whose input is S mixed
-// with A_prev and masked, read from row i + row_shift on.
+// with A_prev and masked, read from row i + row_shift on. `out` may be `grad` (written over it).
 int ea_backward(const float* scores, const float* previous, float alpha, const float* keep, const float* grad,
                 const unsigned char* gate, const float* w_t, int batch, int heads, int rows, int cols,
                 int kernel_rows, int kernel_cols, int row_shift, int row_shift_t, float blend_coef, float* out,
