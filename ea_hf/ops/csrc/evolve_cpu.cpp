@@ -129,6 +129,25 @@ struct Halo {
     }
 };
 
+// The consecutive output rows [begin, end) of the calling thread of a parallel region, out of batch x rows.
+// When the output replaces the input, `halo` holds the rows of neighbouring threads that these rows read,
+// copied before any thread writes: every thread of the team must call this (it waits at a barrier).
+struct ThreadRows {
+    long begin, end;
+    Halo halo;
+};
+
+inline ThreadRows thread_rows(const Input& in, bool in_place) {
+    const long tasks = static_cast<long>(in.batch) * in.rows;
+    const long count = omp_get_num_threads(), id = omp_get_thread_num();
+    ThreadRows own{tasks * id / count, tasks * (id + 1) / count, {}};
+    if (in_place) {
+        own.halo.capture(in, own.begin, own.end);
+#pragma omp barrier
+    }
+    return own;
+}
+
 void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo = nullptr) {
     const int heads = in.heads, kr = in.kernel_rows;
     const int width = padded_width(in);
@@ -287,7 +306,7 @@ Output with_reordered_weights(const Output& given, int heads, int taps, std::vec
 
 template <int Heads, int Cols>
 void correlate(const Input& in, const Output& given, int threads) {
-    const int tasks = in.batch * in.rows, heads = in.heads, taps = in.kernel_rows * in.kernel_cols;
+    const int heads = in.heads, taps = in.kernel_rows * in.kernel_cols;
     std::vector<float> reordered;
     const Output o = with_reordered_weights(given, heads, taps, reordered);
     // Each thread takes consecutive rows. Writing the output over the input is safe within a thread (an input
@@ -296,16 +315,10 @@ void correlate(const Input& in, const Output& given, int threads) {
     const bool in_place = o.out == in.x;
 #pragma omp parallel num_threads(threads)
     {
-        const long count = omp_get_num_threads(), id = omp_get_thread_num();
-        const long begin = tasks * id / count, end = tasks * (id + 1) / count;
+        const ThreadRows own = thread_rows(in, in_place);
         RowRing ring;
-        Halo halo;
-        if (in_place) {
-            halo.capture(in, begin, end);
-#pragma omp barrier
-        }
-        for (long t = begin; t < end; ++t)
-            output_row<Heads, Cols>(in, o, t / in.rows, t % in.rows, ring, in_place ? &halo : nullptr);
+        for (long t = own.begin; t < own.end; ++t)
+            output_row<Heads, Cols>(in, o, t / in.rows, t % in.rows, ring, in_place ? &own.halo : nullptr);
     }
 }
 
@@ -406,7 +419,8 @@ void weight_grad_row(const Input& in, const float* const* gy, int b, int i, RowR
 }
 
 // One thread's vector accumulators summed to floats: `sums` receives the weight gradient, then the bias's.
-inline void lanes_sums(const std::vector<vfloat>& grad_w, const std::vector<vfloat>& grad_b, std::vector<float>& sums) {
+inline void lanes_sums(const std::vector<vfloat>& grad_w, const std::vector<vfloat>& grad_b,
+                       std::vector<float>& sums) {
     sums.resize(grad_w.size() + grad_b.size());
     for (size_t k = 0; k < grad_w.size(); ++k) sums[k] = lanes_sum(grad_w[k]);
     for (size_t h = 0; h < grad_b.size(); ++h) sums[grad_w.size() + h] = lanes_sum(grad_b[h]);
@@ -420,7 +434,6 @@ template <int Heads, int Cols>
 void backward(const Input& grad_in, const Output& grad_out, const Input& forward_in, float* grad_weight,
               float* grad_bias, int threads) {
     const int heads = grad_in.heads, taps = grad_in.kernel_rows * grad_in.kernel_cols;
-    const long tasks = static_cast<long>(grad_in.batch) * grad_in.rows;
     const int kr = grad_in.kernel_rows, own_row = -grad_in.row_shift;
     const size_t weights = static_cast<size_t>(heads) * heads * taps;
     std::vector<float> reordered;
@@ -432,21 +445,16 @@ void backward(const Input& grad_in, const Output& grad_out, const Input& forward
     int team = 1;
 #pragma omp parallel num_threads(threads)
     {
-        const long count = omp_get_num_threads(), id = omp_get_thread_num();
+        const int id = omp_get_thread_num();
 #pragma omp single
-        team = static_cast<int>(count);
-        const long begin = tasks * id / count, end = tasks * (id + 1) / count;
+        team = omp_get_num_threads();
+        const ThreadRows own = thread_rows(grad_in, in_place);
         RowRing gradient_ring, input_ring;
-        Halo halo;
-        if (in_place) {
-            halo.capture(grad_in, begin, end);
-#pragma omp barrier
-        }
         std::vector<vfloat> grad_w(weights, vfloat{}), grad_b(heads, vfloat{});
         const float* rows[kMaxHeads];
-        for (long t = begin; t < end; ++t) {
+        for (long t = own.begin; t < own.end; ++t) {
             const int b = static_cast<int>(t / grad_in.rows), i = static_cast<int>(t % grad_in.rows);
-            output_row<Heads, Cols>(grad_in, out, b, i, gradient_ring, in_place ? &halo : nullptr);
+            output_row<Heads, Cols>(grad_in, out, b, i, gradient_ring, in_place ? &own.halo : nullptr);
             for (int h = 0; h < heads; ++h) rows[h] = gradient_ring.lines[h * kr + own_row];
             weight_grad_row<Heads, Cols>(forward_in, rows, b, i, input_ring, grad_w, grad_b);
         }
