@@ -228,10 +228,9 @@ def evolve_step(
 
     A_in is S, or with ``previous`` the residual mix lerp(S, previous, alpha): the CPU kernel mixes as it
     reads; elsewhere it is computed in S's storage, or in a new tensor ``for_backward`` (which keeps S; the
-    fused kernel writes A_logit over S all the same with ``spend_scores``). The
-    gate is a bool map of where the ReLU output is positive (a quarter of a float map's memory). Row i of a causal
-    convolution reads input rows i - c .. i (c = ``context_rows``); ``history`` supplies the earlier rows of
-    step-by-step decoding.
+    fused kernel writes A_logit over S all the same with ``spend_scores``). The gate is a bool map of where
+    the ReLU output is positive (a quarter of a float map's memory). Row i of a causal convolution reads input
+    rows i - c .. i (c = ``context_rows``); ``history`` supplies the earlier rows of step-by-step decoding.
     """
     blend = 1.0 - beta
     if history is not None and history.rows is None:
@@ -241,11 +240,10 @@ def evolve_step(
         history = None
     kernel = None if history is not None else fused_kernel(scores, previous, keep=keep, weight=scaled_weight)
     if kernel is not None:
-        # Without autograd S is not needed afterwards: the kernel writes A_logit over it.
-        in_place, gate = spend_scores or not for_backward, for_backward
-        return kernel.evolve(
-            scores, previous, keep, scaled_weight, scaled_bias, alpha, blend, context_rows, in_place=in_place, gate=gate
-        )
+        # Without autograd, or with spend_scores (backward recomputes it), S is not needed afterwards: the
+        # kernel writes A_logit over it.
+        step = (scores, previous, keep, scaled_weight, scaled_bias, alpha, blend, context_rows)
+        return kernel.evolve(*step, in_place=spend_scores or not for_backward, gate=for_backward)
     attention_in = scores
     if previous is not None:
         attention_in = torch.lerp(scores, previous, alpha) if for_backward else scores.lerp_(previous, alpha)

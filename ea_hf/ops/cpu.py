@@ -242,17 +242,15 @@ def backward(
     return grad_scores, None if previous is None else grad_previous, grad_weight, grad_bias
 
 
-def _reusable(
-    buffer: torch.Tensor | None, like: torch.Tensor, read: tuple[torch.Tensor | None, ...]
-) -> torch.Tensor | None:
+def _output_map(buffer: torch.Tensor | None, like: torch.Tensor, read: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
     """``buffer`` if the kernel can write a map like ``like`` there and it shares no memory with the maps in
-    ``read`` (which the kernel reads while it writes), else ``None``."""
+    ``read`` (which the kernel reads while it writes), else a new map."""
     if buffer is None or buffer.shape != like.shape or buffer.dtype != torch.float32 or not buffer.is_contiguous():
-        return None
+        return torch.empty_like(like)
     start, stop = buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes
     for tensor in read:
         if tensor is not None and tensor.data_ptr() < stop and start < tensor.data_ptr() + tensor.nbytes:
-            return None
+            return torch.empty_like(like)
     return buffer
 
 
@@ -283,12 +281,8 @@ def _backward(
     scores, grad, gate = scores.contiguous(), grad.contiguous(), gate.contiguous()
     previous = None if previous is None else previous.contiguous()
     keep = kernel_keep(keep, batch, rows, cols)
-    grad_scores = _reusable(into[0], scores, (scores, previous))
-    grad_scores = torch.empty_like(scores) if grad_scores is None else grad_scores
-    grad_previous = None
-    if previous is not None:
-        grad_previous = _reusable(into[1], scores, (scores, previous, grad, grad_scores))
-        grad_previous = torch.empty_like(scores) if grad_previous is None else grad_previous
+    grad_scores = _output_map(into[0], scores, (scores, previous))
+    grad_previous = None if previous is None else _output_map(into[1], scores, (scores, previous, grad, grad_scores))
     grad_weight = torch.empty(heads, heads, kernel_rows, kernel_cols)
     grad_bias = torch.empty(heads)
     status = library.ea_backward(

@@ -23,9 +23,10 @@ def evolve_by_correlation(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(ReLU(Conv(A_in * keep)) + blend * A_in, the bool gate where the ReLU output is positive) with
     A_in = lerp(S, A_prev, alpha), in one pass of ``correlate`` (``ea_hf.ops.cpu.correlate`` or the Triton one);
-    ``in_place`` writes the result over ``scores`` and keeps no gate (inference) unless ``gate``. Row i reads input rows
-    ``i - context_rows ..``."""
-    gate = None if (in_place if gate is None else not gate) else scores.new_empty(scores.shape, dtype=torch.bool)
+    ``in_place`` writes the result over ``scores``. The gate is kept if ``gate`` (default: unless in place, i.e.
+    inference). Row i reads input rows ``i - context_rows ..``."""
+    keep_gate = not in_place if gate is None else gate
+    saved = scores.new_empty(scores.shape, dtype=torch.bool) if keep_gate else None
     logits = correlate(
         scores,
         weight,
@@ -35,9 +36,9 @@ def evolve_by_correlation(
         lerp_weight=alpha,
         in_keep=keep,
         relu=True,
-        saved=gate,
+        saved=saved,
         blend=scores,
         blend_coef=blend,
         in_place=in_place,
     )
-    return logits, gate
+    return logits, saved
