@@ -132,6 +132,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         # S is recomputed under the autocast state it was computed under (a matmul may run in half precision).
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.constants = (scaling, softcap, alpha, beta, context_rows, dropout)
+        ctx.set_materialize_grads(False)
         return output, logits, probabilities
 
     @staticmethod
@@ -144,22 +145,29 @@ class EvolvingAttentionCore(torch.autograd.Function):
         scaling, softcap, alpha, beta, context_rows, dropout = ctx.constants
         # P again, bit-identical to forward's; then the gradients of dropout(P) @ V and of the softmax.
         full = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
-        probabilities = full.to(value.dtype)
         dropout_scale = 1.0 / (1.0 - dropout) if dropout > 0.0 else 1.0
-        if mask is not None:
-            probabilities = torch.ops.aten.native_dropout_backward(probabilities, mask, dropout_scale)
-        grad_value = torch.matmul(probabilities.transpose(-1, -2), grad_output)
-        del probabilities
-        grad_attention = torch.matmul(grad_output, value.transpose(-1, -2))
-        if grad_probabilities is not None:
-            grad_attention += grad_probabilities
+        # Outputs without a gradient come as None (see forward): the attention weights usually, the last
+        # layer's A_logit, both without a map of zeros to allocate and add.
+        grad_value, grad_attention = None, grad_probabilities
+        if grad_output is not None:
+            probabilities = full.to(value.dtype)
+            if mask is not None:
+                probabilities = torch.ops.aten.native_dropout_backward(probabilities, mask, dropout_scale)
+            grad_value = torch.matmul(probabilities.transpose(-1, -2), grad_output)
+            del probabilities
+            product = torch.matmul(grad_output, value.transpose(-1, -2))
+            grad_attention = product if grad_probabilities is None else product.add_(grad_probabilities)
+        elif grad_attention is not None:  # autograd's own tensor: the steps below write over it
+            grad_attention = grad_attention.clone()
+        else:  # only A_logit's gradient flows back: none passes through the softmax
+            grad_attention = torch.zeros_like(full)
         if mask is not None:
             grad_attention = torch.ops.aten.native_dropout_backward(grad_attention, mask, dropout_scale)
-        # The softmax's gradient P * (G - rowsum(G * P)), computed in G's storage: a training step then
-        # allocates no more [B, H, Q, K] maps in backward than eager attention does (P, G and S; the
-        # evolution's gradients are written over G and P below).
-        grad_evolved = grad_attention.to(full.dtype).mul_(full)
-        grad_evolved.addcmul_(full, grad_evolved.sum(-1, keepdim=True), value=-1.0)
+        # The softmax's gradient P * (G - rowsum(G * P)), by eager attention's fused kernel, written over G: a
+        # training step then allocates no more [B, H, Q, K] maps in backward than eager attention does (P, G
+        # and S; the evolution's gradients are written over G and P below).
+        grad_evolved = grad_attention.to(full.dtype)
+        torch.ops.aten._softmax_backward_data.out(grad_evolved, full, -1, full.dtype, grad_input=grad_evolved)
         del grad_attention
         if additive is None and allowed is not None:  # masked_fill passes no gradient to the filled entries
             grad_evolved = grad_evolved.masked_fill_(~allowed, 0.0)

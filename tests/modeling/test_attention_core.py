@@ -53,18 +53,23 @@ def run_core(evolution, q, k, v, previous, position_bias, allowed, additive, con
     )  # fmt: skip
 
 
-def outputs_and_gradients(function, leaves, evolution, generator_seed=5):
-    """The three outputs and the gradients of every input and parameter, for a fixed random upstream."""
+def outputs_and_gradients(function, leaves, evolution, generator_seed=5, used=(0, 1, 2)):
+    """The three outputs and the gradients of every input and parameter (None: none flows to it), for a fixed
+    random upstream on the ``used`` outputs."""
     outputs = function()
     generator = torch.Generator().manual_seed(generator_seed)
     upstream = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in outputs]
     parameters = [evolution.weight, evolution.bias]
-    grads = torch.autograd.grad(outputs, [*leaves, *parameters], upstream)
+    chosen = [outputs[i] for i in used], [upstream[i] for i in used]
+    grads = torch.autograd.grad(*chosen[:1], [*leaves, *parameters], *chosen[1:], allow_unused=True)
     return [o.detach() for o in outputs], list(grads)
 
 
 def assert_close(got, expected, tolerance):
     for index, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert (a is None) == (b is None), index
+        if b is None:
+            continue
         scale = max(1.0, b.abs().max().item())
         assert (a - b).abs().max().item() <= tolerance * scale, index
 
@@ -90,6 +95,23 @@ def test_core_matches_the_papers_equations_with_every_gradient(evolution_path, r
     reference = outputs_and_gradients(lambda: unfused_layer(*arguments, None), used, evolution)
     assert_close(core[0], reference[0], 1e-5)
     assert_close(core[1], reference[1], 1e-5)
+
+
+@pytest.mark.parametrize(
+    "used", [(0,), (0, 1), (1,), (2,), (1, 2)], ids=["output", "output+logits", "logits", "weights", "logits+weights"]
+)
+def test_core_gradients_when_only_some_outputs_carry_one(evolution_path, used):
+    """Outputs without a gradient reach backward as None (no map of zeros): the attention weights of a usual
+    layer, the last layer's A_logit, or the output itself when only the maps are trained on."""
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, position=1, previous=0)
+    leaves, allowed, conv_mask = layer_inputs("encoder")
+    q, k, v, previous, _ = leaves
+    arguments = (evolution, q, k, v, previous, None, allowed, None, conv_mask, None)
+    core = outputs_and_gradients(lambda: run_core(*arguments), leaves[:4], evolution, used=used)
+    reference = outputs_and_gradients(lambda: unfused_layer(*arguments, None), leaves[:4], evolution, used=used)
+    assert_close(core[1], reference[1], 1e-5)
+    assert (core[1][2] is None) == (0 not in used)  # the values get a gradient through the output alone
 
 
 def test_dropout_uses_one_mask_forward_and_backward():
