@@ -35,7 +35,6 @@
 namespace {
 
 constexpr int kLanes = 16;  // one 512-bit vector of floats (the compiler splits it where vectors are narrower)
-constexpr int kBlocks = 2;  // vectors of columns per step: 2 x H accumulators stay in registers for H <= 12
 constexpr int kMaxHeads = 64;
 constexpr int kMaxKernelRows = 8;
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
@@ -88,13 +87,10 @@ struct RowRing {
 };
 
 // Each ring row: a zero border of one vector (at least kernel_cols / 2 columns) on the left, so that column 0
-// is aligned, then the columns rounded up to whole steps, then a zero border for the last step's reads.
+// is aligned, then the columns rounded up to whole vectors, then a zero border for the last vector's reads.
 constexpr int kLead = kLanes;
 
-inline int padded_width(const Input& in) {
-    const int step = kLanes * kBlocks;
-    return kLead + ((in.cols + step - 1) / step) * step + step + kLanes;
-}
+inline int padded_width(const Input& in) { return kLead + ((in.cols + kLanes - 1) / kLanes) * kLanes + 2 * kLanes; }
 
 // Copies of input rows that other threads overwrite when the output replaces the input (ea_correlate with
 // out == x): the rows just outside a thread's own rows that its first and last output rows read.
@@ -226,68 +222,73 @@ inline void finish(const Input& in, const Output& o, vfloat y, size_t at, const 
     store(o.out + at, y);
 }
 
+// Output heads computed together by output_row: 6 where the head count allows (else 4, else all), one vector
+// of columns each. Measured on AMD EPYC (Zen 4) against 12 heads x 2 vectors at once (24 accumulators): 4 to 9 %
+// faster forward and backward at H = 12, N = 128 and 512; as fast at H = 8. Fewer accumulators leave the
+// compiler registers for the loaded vectors and broadcasts.
+template <int Heads>
+constexpr int output_group() {
+    if constexpr (Heads > 0 && Heads % 6 == 0) return 6;
+    else if constexpr (Heads > 0 && Heads % 4 == 0) return 4;
+    else return Heads;
+}
+
 // One output row (b, i) for all heads. `Heads` and `Cols` > 0 fix the head count and kernel width at compile
 // time (accumulators in registers, taps unrolled); 0 reads them at run time (any size, slower).
 template <int Heads, int Cols>
 void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, const Halo* halo = nullptr) {
     const int heads = Heads > 0 ? Heads : in.heads;
+    constexpr int kGroup = output_group<Heads>();
+    const int group = kGroup > 0 ? kGroup : heads;
     const int kernel_cols = Cols > 0 ? Cols : in.kernel_cols;
     const int pad = kernel_cols / 2, kr = in.kernel_rows;
-    const int step = kLanes * kBlocks;
     const size_t map = static_cast<size_t>(in.rows) * in.cols, row = static_cast<size_t>(i) * in.cols;
     prepare_rows(in, b, i, ring, halo);
     const float* out_keep = o.out_keep ? o.out_keep + b * map + row : nullptr;
-    for (int j0 = 0; j0 < in.cols; j0 += step) {
-        vfloat acc[Heads > 0 ? Heads : kMaxHeads][kBlocks];
-        for (int h = 0; h < heads; ++h)
-            for (int k = 0; k < kBlocks; ++k) acc[h][k] = vfloat{} + (o.bias ? o.bias[h] : 0.0f);
-        for (int c = 0; c < heads; ++c) {
-            for (int dy = 0; dy < kr; ++dy) {
-                const float* line = ring.lines[c * kr + dy] + j0 - pad;
+    for (int j0 = 0; j0 < in.cols; j0 += kLanes) {
+        for (int h0 = 0; h0 < heads; h0 += group) {
+            vfloat acc[kGroup > 0 ? kGroup : kMaxHeads];
+            for (int g = 0; g < group; ++g) acc[g] = vfloat{} + (o.bias ? o.bias[h0 + g] : 0.0f);
+            for (int c = 0; c < heads; ++c) {
+                for (int dy = 0; dy < kr; ++dy) {
+                    const float* line = ring.lines[c * kr + dy] + j0 - pad;
 #pragma GCC unroll 8
-                for (int dx = 0; dx < kernel_cols; ++dx) {
-                    vfloat v[kBlocks];
-                    for (int k = 0; k < kBlocks; ++k) v[k] = load(line + dx + k * kLanes);
-                    // The H weights of one tap are contiguous: broadcasts need no per-head offsets.
-                    const float* weight = o.w + ((static_cast<size_t>(c) * kr + dy) * kernel_cols + dx) * heads;
+                    for (int dx = 0; dx < kernel_cols; ++dx) {
+                        const vfloat v = load(line + dx);
+                        // The H weights of one tap are contiguous: broadcasts need no per-head offsets.
+                        const float* weight = o.w + ((static_cast<size_t>(c) * kr + dy) * kernel_cols + dx) * heads + h0;
 #pragma GCC unroll 16
-                    for (int h = 0; h < heads; ++h) {
-                        const float w = weight[h];
-                        for (int k = 0; k < kBlocks; ++k) acc[h][k] += w * v[k];
+                        for (int g = 0; g < group; ++g) acc[g] += weight[g] * v;
                     }
                 }
             }
-        }
-        const int valid = std::min(step, in.cols - j0);
-        for (int h = 0; h < heads; ++h) {
-            const size_t at = (static_cast<size_t>(b) * heads + h) * map + row + j0;
-            if (valid == step) {
-                for (int k = 0; k < kBlocks; ++k) finish(in, o, acc[h][k], at + k * kLanes, out_keep ? out_keep + j0 + k * kLanes : nullptr);
-                continue;
-            }
-            float values[kLanes * kBlocks];
-            for (int k = 0; k < kBlocks; ++k) {
-                vfloat y = acc[h][k];
-                if (o.relu) y = y > 0.0f ? y : 0.0f;
-                store(values + k * kLanes, y);
-            }
-            if (o.saved)
-                for (int j = 0; j < valid; ++j) o.saved[at + j] = values[j] > 0.0f;
-            if (out_keep)
-                for (int j = 0; j < valid; ++j) values[j] *= out_keep[j0 + j];
-            if (o.blend && in.lerp_end) {
-                for (int j = 0; j < valid; ++j) {
-                    const float mixed = o.blend[at + j] + in.lerp_weight * (in.lerp_end[at + j] - o.blend[at + j]);
-                    values[j] += o.blend_coef * mixed;
+            const int valid = std::min(kLanes, in.cols - j0);
+            for (int g = 0; g < group; ++g) {
+                const size_t at = (static_cast<size_t>(b) * heads + h0 + g) * map + row + j0;
+                if (valid == kLanes) {
+                    finish(in, o, acc[g], at, out_keep ? out_keep + j0 : nullptr);
+                    continue;
                 }
-            } else if (o.blend) {
-                for (int j = 0; j < valid; ++j) values[j] += o.blend_coef * o.blend[at + j];
+                float values[kLanes];
+                store(values, o.relu ? (acc[g] > 0.0f ? acc[g] : 0.0f) : acc[g]);
+                if (o.saved)
+                    for (int j = 0; j < valid; ++j) o.saved[at + j] = values[j] > 0.0f;
+                if (out_keep)
+                    for (int j = 0; j < valid; ++j) values[j] *= out_keep[j0 + j];
+                if (o.blend && in.lerp_end) {
+                    for (int j = 0; j < valid; ++j) {
+                        const float mixed = o.blend[at + j] + in.lerp_weight * (in.lerp_end[at + j] - o.blend[at + j]);
+                        values[j] += o.blend_coef * mixed;
+                    }
+                } else if (o.blend) {
+                    for (int j = 0; j < valid; ++j) values[j] += o.blend_coef * o.blend[at + j];
+                }
+                if (o.out2)
+                    for (int j = 0; j < valid; ++j) o.out2[at + j] = o.out2_scale * values[j];
+                if (o.out_scale != 1.0f)
+                    for (int j = 0; j < valid; ++j) values[j] *= o.out_scale;
+                std::memcpy(o.out + at, values, sizeof(float) * valid);
             }
-            if (o.out2)
-                for (int j = 0; j < valid; ++j) o.out2[at + j] = o.out2_scale * values[j];
-            if (o.out_scale != 1.0f)
-                for (int j = 0; j < valid; ++j) values[j] *= o.out_scale;
-            std::memcpy(o.out + at, values, sizeof(float) * valid);
         }
     }
 }
@@ -522,5 +523,5 @@ int ea_backward(const float* scores, const float* previous, float alpha, const f
     EA_DISPATCH(backward, heads, kernel_cols, grad_in, grad_out, forward_in, grad_weight, grad_bias, threads);
 }
 
-int ea_kernel_version() { return 5; }
+int ea_kernel_version() { return 6; }
 }
