@@ -163,7 +163,7 @@ def test_the_generated_recipes_are_the_ones_shipped():
 @pytest.mark.slow
 def test_an_installed_wheel_ships_the_recipes(tmp_path):
     """Built and installed without the repository around it, the package still lists and loads the recipes
-    (and has its model card template)."""
+    (and has its model card template and the CPU kernel's source)."""
     # Build from a copy: setuptools builds in place and would leave build/ in the repository.
     source = tmp_path / "source"
     skip = shutil.ignore_patterns(".*", "__pycache__", "*.egg-info", "build", "dist", "runs")
@@ -177,6 +177,7 @@ def test_an_installed_wheel_ships_the_recipes(tmp_path):
     shipped = {f"ea_hf/recipes/{path.relative_to(RECIPES_DIR).as_posix()}" for path in needed}
     assert shipped <= names and len(shipped) >= 4 * 9 + 4 + 2
     assert "ea_hf/model_cards/model_card.md" in names  # the model card template ships too
+    assert "ea_hf/ops/csrc/evolve_cpu.cpp" in names  # and the CPU kernel's source, compiled on first use
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     script = "from ea_hf.training.recipe import RECIPES_DIR, list_recipes, load_recipe\n"
     script += "print(RECIPES_DIR, len(list_recipes()), load_recipe('quickstart').data.files['train'])"
