@@ -684,8 +684,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--paired-seconds",
         type=float,
-        default=60.0,
-        help="paired timing: keep stepping until the timed steps took this long (default 60)",
+        default=300.0,
+        help="paired timing: keep stepping until the timed steps of all variants took this long (default 300: "
+        "about 30 steps of each at the training sizes; with fewer, the host's noise moves a ratio by 1 to 2 %%)",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs per case")
     parser.add_argument(

@@ -51,7 +51,7 @@ def test_quick_mode_is_a_short_smoke_run(bench):
     assert (args.lengths, args.repeats, args.rounds, args.paired_seconds) == ([64], 2, 1, 0.0)
     assert args.compiled is None
     defaults = bench.parse_args([])
-    assert defaults.paired_seconds == 60.0 and defaults.compiled == (128, "training")
+    assert defaults.paired_seconds == 300.0 and defaults.compiled == (128, "training")
 
 
 def test_batches_follow_the_lengths(bench):
