@@ -60,8 +60,8 @@ def outputs_and_gradients(function, leaves, evolution, generator_seed=5, used=(0
     generator = torch.Generator().manual_seed(generator_seed)
     upstream = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in outputs]
     parameters = [evolution.weight, evolution.bias]
-    chosen = [outputs[i] for i in used], [upstream[i] for i in used]
-    grads = torch.autograd.grad(*chosen[:1], [*leaves, *parameters], *chosen[1:], allow_unused=True)
+    used_outputs, used_upstream = [outputs[i] for i in used], [upstream[i] for i in used]
+    grads = torch.autograd.grad(used_outputs, [*leaves, *parameters], used_upstream, allow_unused=True)
     return [o.detach() for o in outputs], list(grads)
 
 
