@@ -203,8 +203,8 @@ struct Output {
     float out2_scale;
 };
 
-// The epilogue of one vector of outputs at `at` (see the file comment), for whole vectors; the same steps as
-// the scalar code for a row's last, partial block.
+// The epilogue of one whole vector of outputs at flat offset `at` (see the file comment; `out_keep`: the mask
+// at its columns).
 inline void finish(const Input& in, const Output& o, vfloat y, size_t at, const float* out_keep) {
     if (o.relu) y = y > 0.0f ? y : 0.0f;
     if (o.saved) {
@@ -220,6 +220,34 @@ inline void finish(const Input& in, const Output& o, vfloat y, size_t at, const 
     if (o.out2) store(o.out2 + at, o.out2_scale * y);
     if (o.out_scale != 1.0f) y *= o.out_scale;
     store(o.out + at, y);
+}
+
+// A row's last, partial vector (`valid` < kLanes columns): finish's steps on zero-padded copies, of which the
+// valid columns are written back. Out of line: it runs once per row and head, and inlined into the column loop
+// it would slow the whole vectors' path.
+__attribute__((noinline, cold)) void finish_partial(const Input& in, const Output& o, vfloat y, size_t at,
+                                                    const float* out_keep, int valid) {
+    float keep[kLanes] = {}, blend[kLanes] = {}, end[kLanes] = {}, out[kLanes], out2[kLanes];
+    unsigned char saved[kLanes];
+    const size_t floats = sizeof(float) * valid;
+    Input copies_in = in;  // what finish reads and writes, moved to the copies (at offset 0)
+    Output copies = o;
+    copies.out = out;
+    copies.out2 = o.out2 ? out2 : nullptr;
+    copies.saved = o.saved ? saved : nullptr;
+    if (out_keep) std::memcpy(keep, out_keep, floats);
+    if (o.blend) {
+        std::memcpy(blend, o.blend + at, floats);
+        copies.blend = blend;
+        if (in.lerp_end) {
+            std::memcpy(end, in.lerp_end + at, floats);
+            copies_in.lerp_end = end;
+        }
+    }
+    finish(copies_in, copies, y, 0, out_keep ? keep : nullptr);
+    std::memcpy(o.out + at, out, floats);
+    if (o.out2) std::memcpy(o.out2 + at, out2, floats);
+    if (o.saved) std::memcpy(o.saved + at, saved, valid);
 }
 
 // Output heads computed together by output_row: 6 where the head count allows (else 4, else all), one vector
@@ -265,29 +293,8 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
             const int valid = std::min(kLanes, in.cols - j0);
             for (int g = 0; g < group; ++g) {
                 const size_t at = (static_cast<size_t>(b) * heads + h0 + g) * map + row + j0;
-                if (valid == kLanes) {
-                    finish(in, o, acc[g], at, out_keep ? out_keep + j0 : nullptr);
-                    continue;
-                }
-                float values[kLanes];
-                store(values, o.relu ? (acc[g] > 0.0f ? acc[g] : 0.0f) : acc[g]);
-                if (o.saved)
-                    for (int j = 0; j < valid; ++j) o.saved[at + j] = values[j] > 0.0f;
-                if (out_keep)
-                    for (int j = 0; j < valid; ++j) values[j] *= out_keep[j0 + j];
-                if (o.blend && in.lerp_end) {
-                    for (int j = 0; j < valid; ++j) {
-                        const float mixed = o.blend[at + j] + in.lerp_weight * (in.lerp_end[at + j] - o.blend[at + j]);
-                        values[j] += o.blend_coef * mixed;
-                    }
-                } else if (o.blend) {
-                    for (int j = 0; j < valid; ++j) values[j] += o.blend_coef * o.blend[at + j];
-                }
-                if (o.out2)
-                    for (int j = 0; j < valid; ++j) o.out2[at + j] = o.out2_scale * values[j];
-                if (o.out_scale != 1.0f)
-                    for (int j = 0; j < valid; ++j) values[j] *= o.out_scale;
-                std::memcpy(o.out + at, values, sizeof(float) * valid);
+                if (valid == kLanes) finish(in, o, acc[g], at, out_keep ? out_keep + j0 : nullptr);
+                else finish_partial(in, o, acc[g], at, out_keep ? out_keep + j0 : nullptr, valid);
             }
         }
     }
