@@ -49,13 +49,16 @@ def test_the_kernel_builds_and_is_cached(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("kernel_rows", "kernel_cols", "row_shift"), [(3, 3, -1), (2, 3, -1), (2, 3, 0), (1, 1, 0), (5, 5, -2)]
 )
-def test_correlate_matches_torch(heads, kernel_rows, kernel_cols, row_shift):
+# The blend is the input itself (as every caller has it; the kernel reads it from its row ring) or another map.
+@pytest.mark.parametrize("blend_is_input", [True, False])
+def test_correlate_matches_torch(heads, kernel_rows, kernel_cols, row_shift, blend_is_input):
     torch.manual_seed(0)
     batch, rows, cols = 2, 9, 37  # 37 columns: a partial last vector block
-    x, end = (torch.randn(batch, heads, rows, cols) for _ in range(2))
+    x, end, other = (torch.randn(batch, heads, rows, cols) for _ in range(3))
     weight, bias = torch.randn(heads, heads, kernel_rows, kernel_cols), torch.randn(heads)
     keep = (torch.rand(batch, 1, rows, cols) > 0.2).float()
-    options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=x, blend_coef=0.6)
+    blend = x if blend_is_input else other
+    options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=blend, blend_coef=0.6)
     saved = torch.empty_like(x, dtype=torch.bool)
     out = kernels.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
     expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)

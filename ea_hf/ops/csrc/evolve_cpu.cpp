@@ -84,6 +84,10 @@ struct RowRing {
     std::vector<long> tags;  // which (batch, row) each slot holds; -1 empty, -2 the zero row outside the map
     int width = 0;
     const float* lines[kMaxHeads * kMaxKernelRows];  // [c][dy] -> column 0 of that row, 64-byte aligned
+    // With `keep_plain`: the same rows before the gate and the mask (`plain_data` when either applies, else the
+    // rows above): the blend's A_in (forward) or incoming gradient (backward), read by the epilogue from here.
+    AlignedFloats plain_data;
+    const float* plain[kMaxHeads * kMaxKernelRows];
 };
 
 // Each ring row: a zero border of one vector (at least kernel_cols / 2 columns) on the left, so that column 0
@@ -144,30 +148,39 @@ inline ThreadRows thread_rows(const Input& in, bool in_place) {
     return own;
 }
 
-void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo = nullptr) {
+// Fills the ring with the input rows of output row (b, i) (`keep_plain`: also as they were before the gate
+// and the mask, see RowRing).
+void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo = nullptr, bool keep_plain = false) {
     const int heads = in.heads, kr = in.kernel_rows;
     const int width = padded_width(in);
     const size_t map = static_cast<size_t>(in.rows) * in.cols;
+    const bool separate_plain = keep_plain && (in.gate || in.in_keep);
     if (ring.width != width) {
         ring.width = width;
         ring.data.assign_zeros(static_cast<size_t>(heads) * kr * width);
         ring.tags.assign(kr, -1);
+        if (separate_plain) ring.plain_data.assign_zeros(static_cast<size_t>(heads) * kr * width);
     }
     for (int dy = 0; dy < kr; ++dy) {
         const int r = i + dy + in.row_shift;
         const int slot = ((r % kr) + kr) % kr;
         const bool inside = r >= 0 && r < in.rows;
         const long tag = inside ? static_cast<long>(b) * in.rows + r : -2;
-        for (int c = 0; c < heads; ++c)
-            ring.lines[c * kr + dy] = ring.data.data + (static_cast<size_t>(c) * kr + slot) * width + kLead;
+        for (int c = 0; c < heads; ++c) {
+            const size_t offset = (static_cast<size_t>(c) * kr + slot) * width + kLead;
+            ring.lines[c * kr + dy] = ring.data.data + offset;
+            ring.plain[c * kr + dy] = (separate_plain ? ring.plain_data.data : ring.data.data) + offset;
+        }
         if (ring.tags[slot] == tag) continue;
         ring.tags[slot] = tag;
         const size_t row = static_cast<size_t>(r) * in.cols;
         const float* keep = in.in_keep && inside ? in.in_keep + b * map + row : nullptr;
         for (int c = 0; c < heads; ++c) {
             float* dst = ring.data.data + (static_cast<size_t>(c) * kr + slot) * width + kLead;
+            float* plain = separate_plain ? ring.plain_data.data + (dst - ring.data.data) : nullptr;
             if (!inside) {
                 std::memset(dst, 0, sizeof(float) * in.cols);
+                if (plain) std::memset(plain, 0, sizeof(float) * in.cols);
                 continue;
             }
             const size_t start = (static_cast<size_t>(b) * heads + c) * map + row;
@@ -179,6 +192,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
             } else {
                 std::memcpy(dst, src, sizeof(float) * in.cols);
             }
+            if (plain) std::memcpy(plain, dst, sizeof(float) * in.cols);
             if (in.gate) {
                 const unsigned char* gate = in.gate + start;
                 for (int j = 0; j < in.cols; ++j) dst[j] = gate[j] ? dst[j] : 0.0f;
@@ -205,7 +219,8 @@ struct Output {
 
 // The epilogue of one whole vector of outputs at flat offset `at` (see the file comment; `out_keep`: the mask
 // at its columns).
-inline void finish(const Input& in, const Output& o, vfloat y, size_t at, const float* out_keep) {
+inline void finish(const Input& in, const Output& o, vfloat y, size_t at, const float* out_keep,
+                   const float* mixed_row = nullptr) {
     if (o.relu) y = y > 0.0f ? y : 0.0f;
     if (o.saved) {
         const vbyte positive = __builtin_convertvector(y > 0.0f, vbyte) & 1;
@@ -213,8 +228,13 @@ inline void finish(const Input& in, const Output& o, vfloat y, size_t at, const 
     }
     if (out_keep) y *= load(out_keep);
     if (o.blend) {
-        vfloat mixed = load(o.blend + at);
-        if (in.lerp_end) mixed += in.lerp_weight * (load(in.lerp_end + at) - mixed);
+        vfloat mixed;
+        if (mixed_row) {
+            mixed = load(mixed_row);  // the blend, already mixed, from the ring
+        } else {
+            mixed = load(o.blend + at);
+            if (in.lerp_end) mixed += in.lerp_weight * (load(in.lerp_end + at) - mixed);
+        }
         y += o.blend_coef * mixed;
     }
     if (o.out2) store(o.out2 + at, o.out2_scale * y);
@@ -226,7 +246,7 @@ inline void finish(const Input& in, const Output& o, vfloat y, size_t at, const 
 // valid columns are written back. Out of line: it runs once per row and head, and inlined into the column loop
 // it would slow the whole vectors' path.
 __attribute__((noinline, cold)) void finish_partial(const Input& in, const Output& o, vfloat y, size_t at,
-                                                    const float* out_keep, int valid) {
+                                                    const float* out_keep, int valid, const float* mixed_row) {
     float keep[kLanes] = {}, blend[kLanes] = {}, end[kLanes] = {}, out[kLanes], out2[kLanes];
     unsigned char saved[kLanes];
     const size_t floats = sizeof(float) * valid;
@@ -236,7 +256,7 @@ __attribute__((noinline, cold)) void finish_partial(const Input& in, const Outpu
     copies.out2 = o.out2 ? out2 : nullptr;
     copies.saved = o.saved ? saved : nullptr;
     if (out_keep) std::memcpy(keep, out_keep, floats);
-    if (o.blend) {
+    if (o.blend && !mixed_row) {  // (a ring row is zero beyond the last column: read as it is)
         std::memcpy(blend, o.blend + at, floats);
         copies.blend = blend;
         if (in.lerp_end) {
@@ -244,7 +264,7 @@ __attribute__((noinline, cold)) void finish_partial(const Input& in, const Outpu
             copies_in.lerp_end = end;
         }
     }
-    finish(copies_in, copies, y, 0, out_keep ? keep : nullptr);
+    finish(copies_in, copies, y, 0, out_keep ? keep : nullptr, mixed_row);
     std::memcpy(o.out + at, out, floats);
     if (o.out2) std::memcpy(o.out2 + at, out2, floats);
     if (o.saved) std::memcpy(o.saved + at, saved, valid);
@@ -263,6 +283,14 @@ constexpr int output_group() {
 
 // One output row (b, i) for all heads. `Heads` and `Cols` > 0 fix the head count and kernel width at compile
 // time (accumulators in registers, taps unrolled); 0 reads them at run time (any size, slower).
+//
+// Direct form on purpose. Winograd's F(2, 3) along the columns (4 products per 2 outputs and kernel row instead
+// of 6, on inputs transformed once per row) was built and measured on AMD EPYC (Zen 4), H = 12, N = 512, B = 2,
+// against this form (before the blend was read from the ring): its multiply-adds took two thirds of the time,
+// but the forward pass was only 8 to 16 % faster (9.7 -> 8.9 ms out of place, 9.1 -> 7.7 ms in place as in
+// training) and the backward pass 0 to 3 % (this input gradient plus the weight gradient): the pass is bound as
+// much by moving the maps as by the arithmetic. About 0.5 % of a training step, not worth a second numerical
+// path.
 template <int Heads, int Cols>
 void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, const Halo* halo = nullptr) {
     const int heads = Heads > 0 ? Heads : in.heads;
@@ -271,7 +299,14 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
     const int kernel_cols = Cols > 0 ? Cols : in.kernel_cols;
     const int pad = kernel_cols / 2, kr = in.kernel_rows;
     const size_t map = static_cast<size_t>(in.rows) * in.cols, row = static_cast<size_t>(i) * in.cols;
-    prepare_rows(in, b, i, ring, halo);
+    // The blend is this row of the input as prepared before the gate and the mask (A_in in forward, the
+    // incoming gradient in backward): read from the ring rather than from the maps again. The maps' rows of
+    // different heads lie 1 MiB apart at N = 512 (and S, A_prev and the output often at equal offsets modulo
+    // that), so they share cache sets, and rows read one row earlier were mostly evicted again: measured on
+    // AMD EPYC, the forward pass took 12.1 to 25 ms instead of 9.3 with the maps at such offsets.
+    const int own = -in.row_shift;
+    const bool blend_in_ring = o.blend == in.x && own >= 0 && own < kr;
+    prepare_rows(in, b, i, ring, halo, blend_in_ring);
     const float* out_keep = o.out_keep ? o.out_keep + b * map + row : nullptr;
     for (int j0 = 0; j0 < in.cols; j0 += kLanes) {
         for (int h0 = 0; h0 < heads; h0 += group) {
@@ -293,8 +328,9 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
             const int valid = std::min(kLanes, in.cols - j0);
             for (int g = 0; g < group; ++g) {
                 const size_t at = (static_cast<size_t>(b) * heads + h0 + g) * map + row + j0;
-                if (valid == kLanes) finish(in, o, acc[g], at, out_keep ? out_keep + j0 : nullptr);
-                else finish_partial(in, o, acc[g], at, out_keep ? out_keep + j0 : nullptr, valid);
+                const float* mixed = blend_in_ring ? ring.plain[(h0 + g) * kr + own] + j0 : nullptr;
+                if (valid == kLanes) finish(in, o, acc[g], at, out_keep ? out_keep + j0 : nullptr, mixed);
+                else finish_partial(in, o, acc[g], at, out_keep ? out_keep + j0 : nullptr, valid, mixed);
             }
         }
     }
@@ -530,5 +566,5 @@ int ea_backward(const float* scores, const float* previous, float alpha, const f
     EA_DISPATCH(backward, heads, kernel_cols, grad_in, grad_out, forward_in, grad_weight, grad_bias, threads);
 }
 
-int ea_kernel_version() { return 6; }
+int ea_kernel_version() { return 7; }
 }
