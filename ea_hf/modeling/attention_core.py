@@ -101,6 +101,10 @@ class EvolvingAttentionCore(torch.autograd.Function):
         context_rows,
         dropout,
     ):
+        # Keys and values as contiguous [B, H, K, D] (they arrive as views of the projections' [B, K, H * D]
+        # outputs): every product with them, here and in backward, then reads them in place instead of copying
+        # them first, and the copies saved for backward free the projections' outputs, so memory is unchanged.
+        key, value = key.contiguous(), value.contiguous()
         scores = full_precision(attention_scores(query, key, scaling, position_bias, softcap))
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
         # S is recomputed in backward: the fused kernel may write A_logit over it (one map less to allocate).
@@ -150,6 +154,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         # layer's A_logit, both without a map of zeros to allocate and add.
         grad_value, grad_attention = None, grad_probabilities
         if grad_output is not None:
+            grad_output = grad_output.contiguous()  # a view of [B, Q, H * D]: copied once for both products
             probabilities = full.to(value.dtype)
             if mask is not None:
                 probabilities = torch.ops.aten.native_dropout_backward(probabilities, mask, dropout_scale)
@@ -174,8 +179,10 @@ class EvolvingAttentionCore(torch.autograd.Function):
         if grad_logits is not None:
             grad_evolved += grad_logits
         # S again, with autograd, to carry its gradient to Q, K and the positional bias as the forward ops do.
+        # Which of them need a gradient comes from the inputs (the saved keys are a contiguous copy of them).
         leaves = [
-            None if t is None else t.detach().requires_grad_(t.requires_grad) for t in (query, key, position_bias)
+            None if t is None else t.detach().requires_grad_(ctx.needs_input_grad[index])
+            for t, index in ((query, 0), (key, 1), (position_bias, 4))
         ]
         device, autocast, autocast_dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
