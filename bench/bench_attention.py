@@ -77,6 +77,13 @@ def system_cpu_seconds() -> tuple[float, float]:
     return (user + nice + system + irq + softirq) / hertz, steal / hertz
 
 
+def minor_faults() -> int:
+    """Minor page faults of this process so far: first touches of memory the allocator got fresh from the
+    kernel. On this kind of VM each costs microseconds, and how many a step takes depends on the heap's state
+    (glibc returns freed memory at the top of its heap to the kernel), so they are reported beside the times."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (ru_maxrss is in KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -258,10 +265,11 @@ def run_paired(
         models = {v: torch.compile(model) for v, model in models.items()}
         warmup = max(warmup, 2)
 
-    def step(model) -> float:
+    def step(model) -> tuple[float, int]:
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
+        faults = minor_faults()
         start = time.perf_counter()
         if mode == "inference":
             with torch.no_grad():
@@ -270,16 +278,18 @@ def run_paired(
             model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float().pow(2).mean().backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, minor_faults() - faults
 
     times: dict[str, list[float]] = {v: [] for v in variants}
+    faults: dict[str, list[int]] = {v: [] for v in variants}
     index = 0
     while index < warmup + repeats or sum(map(sum, times.values())) < min_seconds:
         order = variants[index % len(variants) :] + variants[: index % len(variants)]
         for variant in order:
-            elapsed = step(models[variant])
+            elapsed, step_faults = step(models[variant])
             if index >= warmup:
                 times[variant].append(elapsed)
+                faults[variant].append(step_faults)
         index += 1
     return {
         "n": length,
@@ -290,6 +300,7 @@ def run_paired(
         "min_seconds": min_seconds,
         "warmup": warmup,
         "times_s": times,
+        "minor_faults": faults,
     }
 
 
@@ -430,6 +441,7 @@ def compare(
     """One row per (N, mode): time medians and ratios from the paired runs, peaks and memory ratios from the
     separate processes (rounds pooled; their time ratios are kept too, as ``*_separate``)."""
     paired_by_key = {(r["n"], r["mode"]): r["times_s"] for r in paired}
+    faults_by_key = {(r["n"], r["mode"]): r.get("minor_faults") for r in paired}
     by_key: dict[tuple, list[dict]] = {}
     for r in results:
         by_key.setdefault((r["variant"], r["n"], r["mode"]), []).append(r)
@@ -442,8 +454,10 @@ def compare(
             medians = {v: statistics.median(times[v]) for v in VARIANTS}
             eager = cases["eager"]
             row = {"n": length, "batch": (batches or {}).get(length), "mode": mode}
+            faults = faults_by_key[(length, mode)]
             for v in VARIANTS:
                 row[f"{v}_median_ms"] = medians[v] * 1e3
+                row[f"{v}_minor_faults_per_step_median"] = statistics.median(faults[v]) if faults else None
                 row[f"{v}_median_ms_separate"] = cases[v]["median_s"] * 1e3
                 row[f"{v}_peak_mib"] = cases[v]["peak_mib"]
                 row[f"{v}_increment_mib"] = cases[v]["increment_mib"]
@@ -596,6 +610,8 @@ def main_parent(args: argparse.Namespace) -> None:
             print(
                 f"  paired N={length:<4} {mode:<9} medians "
                 + "  ".join(f"{LABELS[v]} {statistics.median(timing['times_s'][v]) * 1e3:.1f} ms" for v in VARIANTS)
+                + "; minor faults per step (median) "
+                + "  ".join(f"{LABELS[v]} {statistics.median(timing['minor_faults'][v]):.0f}" for v in VARIANTS)
                 + f"  [{timing['process_wall_s']:.0f} s]",
                 flush=True,
             )
@@ -651,7 +667,9 @@ def main_parent(args: argparse.Namespace) -> None:
             "timing": "time.perf_counter around one step. The table's times and time ratios: the three models in "
             "one process, one step of each in turn (order rotating), at least repeats x rounds steps each after "
             "the warm-ups and more until the timed steps took paired_seconds, medians. Also reported (*_separate): "
-            "each variant alone in fresh processes, rounds interleaved, repetitions pooled",
+            "each variant alone in fresh processes, rounds interleaved, repetitions pooled. Each paired step's "
+            "minor page faults (getrusage ru_minflt) are kept too (paired_timing[].minor_faults, and their median "
+            "per step in the comparison rows)",
             "memory": "each case in a fresh subprocess; CPU: peak RSS (ru_maxrss) of that process, before = VmRSS "
             "after model creation; CUDA: torch.cuda.max_memory_allocated; the highest peak over the rounds",
             "quick": args.quick,

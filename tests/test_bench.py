@@ -19,6 +19,7 @@ def test_ratios_come_from_the_paired_steps_and_memory_from_the_separate_processe
             "n": 512,
             "mode": mode,
             "times_s": {"eager": [1.0, 2.0, 1.0], "sdpa": [0.9, 1.8, 0.9], "ea": [1.1, 2.6, 1.2]},
+            "minor_faults": {"eager": [0, 6144, 12288], "sdpa": [5, 0, 0], "ea": [30000, 2, 1]},
         }
         for mode in bench.MODES
     ]
@@ -35,6 +36,8 @@ def test_ratios_come_from_the_paired_steps_and_memory_from_the_separate_processe
     assert training["ea_over_eager_time_min"] == pytest.approx(1.1)
     assert training["ea_over_eager_time_paired_median"] == pytest.approx(1.2)  # ratios 1.1, 1.3, 1.2
     assert training["ea_over_eager_time_separate"] == pytest.approx(1.0)  # 0.6 / median(0.5, 0.7, 0.5, 0.7)
+    faults = [training[f"{v}_minor_faults_per_step_median"] for v in ("eager", "sdpa", "ea")]
+    assert faults == [6144, 0, 2]
     assert training["ea_over_eager_peak_memory"] == pytest.approx(1300.0 / 1010.0)  # highest peaks
     assert training["ea_over_eager_memory_increment"] == pytest.approx(500.0 / 210.0)
     assert training["ea_time_target"] == 1.12 and training["ea_time_pass"] is False
