@@ -440,8 +440,7 @@ def compare(
 ) -> list[dict]:
     """One row per (N, mode): time medians and ratios from the paired runs, peaks and memory ratios from the
     separate processes (rounds pooled; their time ratios are kept too, as ``*_separate``)."""
-    paired_by_key = {(r["n"], r["mode"]): r["times_s"] for r in paired}
-    faults_by_key = {(r["n"], r["mode"]): r.get("minor_faults") for r in paired}
+    paired_by_key = {(r["n"], r["mode"]): r for r in paired}
     by_key: dict[tuple, list[dict]] = {}
     for r in results:
         by_key.setdefault((r["variant"], r["n"], r["mode"]), []).append(r)
@@ -450,11 +449,11 @@ def compare(
     for length in lengths:
         for mode in MODES:
             cases = {v: by_key[(v, length, mode)] for v in VARIANTS}
-            times = paired_by_key[(length, mode)]
+            times = paired_by_key[(length, mode)]["times_s"]
+            faults = paired_by_key[(length, mode)].get("minor_faults")  # absent from runs before it was recorded
             medians = {v: statistics.median(times[v]) for v in VARIANTS}
             eager = cases["eager"]
             row = {"n": length, "batch": (batches or {}).get(length), "mode": mode}
-            faults = faults_by_key[(length, mode)]
             for v in VARIANTS:
                 row[f"{v}_median_ms"] = medians[v] * 1e3
                 row[f"{v}_minor_faults_per_step_median"] = statistics.median(faults[v]) if faults else None
