@@ -12,6 +12,10 @@ mask (a softmax, bit-identical to the forward one). Backward then runs the same 
 (the shared :func:`~.convolution.evolve_backward` for the evolution). The recomputation costs about one
 QK^T matmul and one softmax per layer and step.
 
+Where S is small it is kept instead (:func:`keeps_scores`): when its map is no larger than the layer's keys and
+values, which the core keeps anyway (N <= 2 * head_dim for self-attention: N <= 128 with 64-dimensional heads),
+one more map costs at most as much memory as those, and backward saves the matmul and its autograd graph.
+
 This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
 transformers and sibling files (single-dot relative imports).
 """
@@ -68,6 +72,51 @@ def masked_logits(logits: torch.Tensor, allowed: torch.Tensor | None, additive: 
     return logits
 
 
+def keeps_scores(
+    query: torch.Tensor, key: torch.Tensor, position_bias: torch.Tensor | None, softcap: float | None
+) -> bool:
+    """Whether :class:`EvolvingAttentionCore` keeps S for backward instead of recomputing it: when the
+    [B, H, Q, K] map is no larger than the keys and values it keeps anyway (Q <= 2 * head_dim), and S is the
+    plain product (no positional bias or soft-capping, no upcast or autocast), whose gradients
+    :func:`scores_backward` computes directly.
+
+    Example:
+        >>> q, k = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
+        >>> keeps_scores(q, k, None, None), keeps_scores(torch.randn(1, 2, 512, 64), k, None, None)
+        (True, False)
+    """
+    if position_bias is not None or softcap is not None or query.dtype in (torch.float16, torch.bfloat16):
+        return False
+    if torch.is_autocast_enabled(query.device.type):
+        return False
+    return query.shape[-2] <= 2 * key.shape[-1]
+
+
+def scores_backward(
+    grad_scores: torch.Tensor, query: torch.Tensor, key: torch.Tensor, scaling: float, needs: tuple[bool, bool]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of Q and K (where ``needs`` says) of :func:`attention_scores` without bias or soft-capping,
+    as autograd computes them through its operations.
+
+    Example:
+        >>> q, k = torch.randn(1, 2, 3, 4, requires_grad=True), torch.randn(1, 2, 5, 4, requires_grad=True)
+        >>> g = torch.randn(1, 2, 3, 5)
+        >>> expected = torch.autograd.grad(attention_scores(q, k, 0.5), (q, k), g)
+        >>> got = scores_backward(g, q.detach(), k.detach(), 0.5, (True, True))
+        >>> all(torch.allclose(a, b) for a, b in zip(got, expected))
+        True
+    """
+    if math.frexp(scaling)[0] == 0.5:  # S = (Q * scaling) @ K^T
+        scaled_query = query * scaling if scaling != 1.0 and needs[1] else query
+        grad_query = torch.matmul(grad_scores, key) * scaling if needs[0] else None
+        grad_key = torch.matmul(grad_scores.transpose(-1, -2), scaled_query) if needs[1] else None
+        return grad_query, grad_key
+    grad_product = grad_scores * scaling  # S = (Q @ K^T) * scaling
+    grad_query = torch.matmul(grad_product, key) if needs[0] else None
+    grad_key = torch.matmul(grad_product.transpose(-1, -2), query) if needs[1] else None
+    return grad_query, grad_key
+
+
 class EvolvingAttentionCore(torch.autograd.Function):
     """(output [B, H, Q, D], A_logit, attention weights) of one evolving attention layer, keeping A_logit, the
     ReLU gate and the dropout mask for backward (see the module docstring).
@@ -107,11 +156,14 @@ class EvolvingAttentionCore(torch.autograd.Function):
         key, value = key.contiguous(), value.contiguous()
         scores = full_precision(attention_scores(query, key, scaling, position_bias, softcap))
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
-        # S is recomputed in backward: the fused kernel may write A_logit over it (one map less to allocate).
+        # S is kept where it is small; elsewhere it is recomputed in backward, and the fused kernel may write
+        # A_logit over it (one map less to allocate).
+        kept_scores = keeps_scores(query, key, position_bias, softcap)
         logits, gate, _ = evolve_for_backward(
-            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, spend_scores=True
+            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, spend_scores=not kept_scores
         )
-        del scores
+        if not kept_scores:
+            scores = None
         probabilities = torch.softmax(masked_logits(logits, allowed, additive), dim=-1).to(value.dtype)
         dropout_mask = None
         if dropout > 0.0:
@@ -131,6 +183,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
             allowed,
             additive,
             dropout_mask,
+            scores,
         )
         device = query.device.type
         # S is recomputed under the autocast state it was computed under (a matmul may run in half precision).
@@ -143,9 +196,11 @@ class EvolvingAttentionCore(torch.autograd.Function):
     @torch.autocast("cpu", enabled=False)
     @torch.autocast("cuda", enabled=False)
     def backward(ctx, grad_output, grad_logits, grad_probabilities):
+        saved = ctx.saved_tensors
         (query, key, value, previous, position_bias, weight, bias, logits, gate, conv_mask, allowed, additive, mask) = (
-            ctx.saved_tensors
+            saved[:13]
         )
+        kept_scores = saved[13]
         scaling, softcap, alpha, beta, context_rows, dropout = ctx.constants
         # P again, bit-identical to forward's; then the gradients of dropout(P) @ V and of the softmax.
         full = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
@@ -178,15 +233,18 @@ class EvolvingAttentionCore(torch.autograd.Function):
             grad_evolved = grad_evolved.masked_fill_(~allowed, 0.0)
         if grad_logits is not None:
             grad_evolved += grad_logits
-        # S again, with autograd, to carry its gradient to Q, K and the positional bias as the forward ops do.
-        # Which of them need a gradient comes from the inputs (the saved keys are a contiguous copy of them).
-        leaves = [
-            None if t is None else t.detach().requires_grad_(ctx.needs_input_grad[index])
-            for t, index in ((query, 0), (key, 1), (position_bias, 4))
-        ]
-        device, autocast, autocast_dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
-            scores = full_precision(attention_scores(leaves[0], leaves[1], scaling, leaves[2], softcap))
+        # Which of Q, K and the positional bias need a gradient comes from the inputs (the saved keys are a
+        # contiguous copy of them).
+        if kept_scores is not None:
+            scores = kept_scores
+        else:  # S again, with autograd, to carry its gradient to Q, K and the positional bias as forward's ops do
+            leaves = [
+                None if t is None else t.detach().requires_grad_(ctx.needs_input_grad[index])
+                for t, index in ((query, 0), (key, 1), (position_bias, 4))
+            ]
+            device, autocast, autocast_dtype = ctx.autocast
+            with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
+                scores = full_precision(attention_scores(leaves[0], leaves[1], scaling, leaves[2], softcap))
         scaled_weight, _ = scale_kernel(weight, bias, beta, scores.dtype)
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
         grad_scores, grad_previous, grad_weight, grad_bias = evolve_backward(
@@ -204,11 +262,17 @@ class EvolvingAttentionCore(torch.autograd.Function):
             spent=full,
         )
         del grad_evolved, full
-        wanted = [t for t in leaves if t is not None and t.requires_grad]
-        grads = {}
-        if grad_scores is not None and wanted:
-            grads = dict(zip(map(id, wanted), torch.autograd.grad(scores, wanted, grad_scores), strict=True))
-        grad_query, grad_key, grad_positions = (None if t is None else grads.get(id(t)) for t in leaves)
+        if kept_scores is not None:
+            grad_query, grad_key, grad_positions = None, None, None
+            if grad_scores is not None:
+                needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+                grad_query, grad_key = scores_backward(grad_scores, query, key, scaling, needs)
+        else:
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            grads = {}
+            if grad_scores is not None and wanted:
+                grads = dict(zip(map(id, wanted), torch.autograd.grad(scores, wanted, grad_scores), strict=True))
+            grad_query, grad_key, grad_positions = (None if t is None else grads.get(id(t)) for t in leaves)
         if grad_weight is not None:
             grad_weight, grad_bias = grad_weight.to(weight.dtype), grad_bias.to(bias.dtype)
         return (grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias, *[None] * 10)

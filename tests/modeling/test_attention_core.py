@@ -7,7 +7,14 @@ import transformers
 from testing import ALL_ARCHITECTURES, defined, first_output, patched_model, tiny_config, tiny_inputs
 
 import ea_hf
-from ea_hf.modeling.attention_core import EvolvingAttentionCore, attention_scores, masked_logits
+from ea_hf.modeling import attention_core
+from ea_hf.modeling.attention_core import (
+    EvolvingAttentionCore,
+    attention_scores,
+    keeps_scores,
+    masked_logits,
+    scores_backward,
+)
 from ea_hf.modeling.evolution import AttentionMapEvolution
 
 B, H, D = 2, 3, 5
@@ -46,6 +53,15 @@ def unfused_layer(evolution, q, k, v, previous, position_bias, allowed, additive
 DROPOUT = 0.3
 
 
+@pytest.fixture(params=["kept", "recomputed"])
+def scores_path(request, monkeypatch):
+    """Run a test with S kept for backward where the core keeps it (maps no larger than the keys and values, as
+    in these tests) and with S recomputed in backward everywhere."""
+    if request.param == "recomputed":
+        monkeypatch.setattr(attention_core, "keeps_scores", lambda *arguments: False)
+    return request.param
+
+
 def run_core(evolution, q, k, v, previous, position_bias, allowed, additive, conv_mask, softcap, dropout=0.0):
     return EvolvingAttentionCore.apply(
         q, k, v, previous, position_bias, evolution.weight, evolution.bias, conv_mask, allowed, additive,
@@ -77,7 +93,7 @@ def assert_close(got, expected, tolerance):
 @pytest.mark.parametrize("role", ["encoder", "decoder", "cross"])
 @pytest.mark.parametrize("mask", ["none", "bool", "additive"])
 @pytest.mark.parametrize("extras", ["plain", "position-bias-and-softcap"])
-def test_core_matches_the_papers_equations_with_every_gradient(evolution_path, role, mask, extras):
+def test_core_matches_the_papers_equations_with_every_gradient(evolution_path, scores_path, role, mask, extras):
     torch.manual_seed(0)
     evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, role=role, position=1, previous=0)
     leaves, allowed, conv_mask = layer_inputs(role)
@@ -100,7 +116,7 @@ def test_core_matches_the_papers_equations_with_every_gradient(evolution_path, r
 @pytest.mark.parametrize(
     "used", [(0,), (0, 1), (1,), (2,), (1, 2)], ids=["output", "output+logits", "logits", "weights", "logits+weights"]
 )
-def test_core_gradients_when_only_some_outputs_carry_one(evolution_path, used):
+def test_core_gradients_when_only_some_outputs_carry_one(evolution_path, scores_path, used):
     """Outputs without a gradient reach backward as None (no map of zeros): the attention weights of a usual
     layer, the last layer's A_logit, or the output itself when only the maps are trained on."""
     torch.manual_seed(0)
@@ -130,17 +146,42 @@ def test_dropout_uses_one_mask_forward_and_backward():
     assert_close(core[1], reference[1], 1e-12)
 
 
+@pytest.mark.parametrize("scaling", [1.0, 0.125, 64**-0.5 * 0.9], ids=["one", "power-of-two", "other"])
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)], ids=["both", "query", "key"])
+def test_scores_backward_gives_autograd_gradients(scaling, needs):
+    """The gradients of Q and K from a kept S are autograd's through attention_scores, to the last bit, for each
+    way it scales (the queries by a power of two, else the product)."""
+    generator = torch.Generator().manual_seed(0)
+    query, key = torch.randn(2, 3, 7, 16, generator=generator), torch.randn(2, 3, 9, 16, generator=generator)
+    grad = torch.randn(2, 3, 7, 9, generator=generator)
+    leaves = (query.clone().requires_grad_(needs[0]), key.clone().requires_grad_(needs[1]))
+    wanted = [t for t in leaves if t.requires_grad]
+    expected = iter(torch.autograd.grad(attention_scores(*leaves, scaling), wanted, grad))
+    got = scores_backward(grad, query, key, scaling, needs)
+    for need, gradient in zip(needs, got, strict=True):
+        assert (gradient is None) != need
+        if need:
+            assert torch.equal(gradient, next(expected))
+
+
 @pytest.mark.parametrize("role", ["encoder", "decoder"])
-def test_core_passes_gradcheck(role):
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["scores-kept", "softcap-scores-recomputed"])
+def test_core_passes_gradcheck(role, softcap):
     torch.manual_seed(0)
     evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, role=role).double()
     leaves, allowed, conv_mask = layer_inputs(role, dtype=torch.float64, queries=5)
     q, k, v, previous, position_bias = leaves
+    if softcap is None:  # S is kept (5 queries, 5-dimensional heads) only without a positional bias
+        leaves = leaves[:4]
+        position_bias = None
+    assert keeps_scores(q, k, position_bias, softcap) == (softcap is None)
 
-    def core(q, k, v, previous, position_bias, weight, bias):
+    def core(q, k, v, previous, *parameters):
+        bias_or_none = parameters[0] if softcap is not None else None
+        weight, bias = parameters[-2:]
         return EvolvingAttentionCore.apply(
-            q, k, v, previous, position_bias, weight, bias, conv_mask, allowed, None,
-            D**-0.5, 2.0, 0.3, 0.4, evolution.causal, evolution.context_rows, 0.0,
+            q, k, v, previous, bias_or_none, weight, bias, conv_mask, allowed, None,
+            D**-0.5, softcap, 0.3, 0.4, evolution.causal, evolution.context_rows, 0.0,
         )  # fmt: skip
 
     assert torch.autograd.gradcheck(core, (*leaves, evolution.weight, evolution.bias))
@@ -160,27 +201,35 @@ def saved_bytes(model, inputs) -> int:
     return sum(storages.values())
 
 
-def test_training_keeps_a_quarter_map_per_layer_more_than_eager(monkeypatch):
-    """Eager attention keeps P (one map per layer); the core keeps A_logit and a bool gate instead. The
+@pytest.mark.parametrize(
+    "length, extra_maps",
+    [(64, (0.2, 0.3)), (16, (1.2, 1.4))],
+    ids=["recomputes-S-beyond-2-head-dims", "keeps-S-up-to-2-head-dims"],
+)
+def test_training_keeps_what_eager_keeps_plus_a_quarter_map_or_S(monkeypatch, length, extra_maps):
+    """Eager attention keeps P (one map per layer); the core keeps A_logit and a bool gate instead, and S too
+    where its map is no larger than the keys and values (8-dimensional heads here: up to 16 tokens). The
     unfused layer kept S, A_logit, the gate and P."""
-    layers, heads, length, batch = 2, 4, 64, 2
+    layers, heads, batch = 2, 4, 2
     config = tiny_config("bert", num_hidden_layers=layers, num_attention_heads=heads)
+    assert config.hidden_size // heads == 8
     inputs = {"input_ids": torch.randint(5, 99, (batch, length))}
     # Eval mode (no dropout) with autograd on: what is kept for backward without dropout's masks.
     eager = transformers.AutoModel.from_config(config, attn_implementation="eager").eval()
     evolving = ea_hf.patch(transformers.AutoModel.from_config(config), alpha=0.3, beta=0.4).eval()
     map_bytes = batch * heads * length * length * 4
     extra = (saved_bytes(evolving, inputs) - saved_bytes(eager, inputs)) / (map_bytes * layers)
-    assert 0.2 <= extra <= 0.3  # the bool gate, and the convolution's few weights
+    assert extra_maps[0] <= extra <= extra_maps[1]  # the bool gate, the convolution's few weights (and S)
     monkeypatch.setattr(AttentionMapEvolution, "fuses_attention", lambda self, history: False)
     unfused_extra = (saved_bytes(evolving, inputs) - saved_bytes(eager, inputs)) / (map_bytes * layers)
     assert unfused_extra >= 1.2
 
 
 @pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
-def test_whole_models_train_the_same_through_the_core(model_type, monkeypatch):
+def test_whole_models_train_the_same_through_the_core(model_type, scores_path, monkeypatch):
     """A training step of every architecture gives the same outputs and gradients through the core as through
-    the unfused layers (padding, causal masks, cross attention, T5's position bias, Gemma's soft-capping)."""
+    the unfused layers (padding, causal masks, cross attention, T5's position bias, Gemma's soft-capping), with S
+    kept or recomputed."""
     model = patched_model(model_type, dict(alpha=0.3, beta=0.4))  # eval: no dropout, autograd on
     inputs = tiny_inputs(model_type)
     fused_calls = []
