@@ -147,10 +147,11 @@ def sole_storage_user(tensor: torch.Tensor) -> bool:
 def pass_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """Forward pre-hook for a causal attention module: hand its KV cache on to the attention function.
 
-    Attention modules consume ``past_key_values`` themselves; the convolution needs it too, to keep the
-    earlier rows of its input between decoding steps.
+    Attention modules consume the cache themselves; the convolution needs it too, to keep the earlier rows of
+    its input between decoding steps. Transformers 5.24 renamed the argument from ``past_key_values`` to
+    ``cache``; either is handed on.
     """
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None:
         kwargs[CACHE_KWARG] = cache
     return args, kwargs
