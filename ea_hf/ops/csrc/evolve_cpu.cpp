@@ -193,7 +193,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
                 // The next row of each head's maps, which the next output row prepares. The rows of all heads of
                 // S, A_prev, the gradient and the gate are more streams at once than the hardware prefetchers
                 // follow: measured on Intel Xeon with the maps out of cache (as in a training step), backward
-                // 3.77 -> 3.41 ms at N = 128, B = 8 and 15.0 -> 13.8 ms at N = 512, B = 2; forward unchanged.
+                // 3.65 -> 3.38 ms at N = 128, B = 8 and 15.4 -> 13.7 ms at N = 512, B = 2; forward unchanged.
                 const size_t bytes = sizeof(float) * in.cols;
                 prefetch_line_by_line(in.x + start + in.cols, bytes);
                 if (in.lerp_end) prefetch_line_by_line(in.lerp_end + start + in.cols, bytes);
@@ -343,6 +343,7 @@ inline void output_block(const Input& in, const Output& o, int b, int i, int j0,
                 vfloat v[V];
 #pragma GCC unroll 4
                 for (int u = 0; u < V; ++u) v[u] = load(line + dx + u * kLanes);
+                // The H weights of one tap are contiguous: broadcasts need no per-head offsets.
                 const float* weight = o.w + ((static_cast<size_t>(c) * kr + dy) * kernel_cols + dx) * heads + h0;
 #pragma GCC unroll 16
                 for (int g = 0; g < group; ++g) {
@@ -353,9 +354,8 @@ inline void output_block(const Input& in, const Output& o, int b, int i, int j0,
             }
         }
     }
-    for (int u = 0; u < V; ++u) {
+    for (int u = 0; u < V; ++u) {  // (only a block of one vector can reach past the last column)
         const int ju = j0 + u * kLanes;
-        if (ju >= in.cols) break;
         const int valid = std::min(kLanes, in.cols - ju);
         for (int g = 0; g < group; ++g) {
             const size_t at = (static_cast<size_t>(b) * heads + h0 + g) * map + row + ju;
