@@ -17,7 +17,8 @@ Where S is small it is kept instead (:func:`keeps_scores`): when its map is no l
 values, which the core keeps anyway (N <= 2 * head_dim for self-attention: N <= 128 with 64-dimensional heads),
 one more map costs at most as much memory as those, and backward saves the matmul and its autograd graph. On
 BERT-Base at N = 128, batch 8 (Intel Xeon, profiler), that is about 30 ms of a 1.8 s training step (the matmuls
-and copies EA added fell from 33 to 1 ms); the step's memory went from 1.00x to 1.05x eager attention's.
+and copies EA added fell from 33 to 1 ms); the step's memory went from 1.00x eager attention's to 1.03x (the
+benchmark; 1.05x in one separate run).
 
 This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
 transformers and sibling files (single-dot relative imports).
