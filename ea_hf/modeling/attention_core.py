@@ -1,4 +1,4 @@
-"""One evolving attention layer's core as a single autograd node that keeps one map for backward (two where
+"""One evolving attention layer's core as a single autograd node that keeps one map for backward (three where
 the maps are small).
 
 For S = QK^T * scaling (+ positional bias, soft-capped), the evolution A_logit = beta * ReLU(Conv(A_in * keep))
@@ -13,12 +13,13 @@ mask (a softmax, bit-identical to the forward one). Backward then runs the same 
 (the shared :func:`~.convolution.evolve_backward` for the evolution). The recomputation costs about one
 QK^T matmul and one softmax per layer and step.
 
-Where S is small it is kept instead (:func:`keeps_scores`): when its map is no larger than the layer's keys and
-values, which the core keeps anyway (N <= 2 * head_dim for self-attention: N <= 128 with 64-dimensional heads),
-one more map costs at most as much memory as those, and backward saves the matmul and its autograd graph. On
-BERT-Base at N = 128, batch 8 (Intel Xeon, profiler), that is about 30 ms of a 1.8 s training step (the matmuls
-and copies EA added fell from 33 to 1 ms); the step's memory went from 1.00x eager attention's to 1.03x (the
-benchmark; 1.05x in one separate run).
+Where the maps are small, S and P are kept instead (:func:`keeps_small_maps`): when a map is no larger than
+the layer's keys and values, which the core keeps anyway (N <= 2 * head_dim for self-attention: N <= 128 with
+64-dimensional heads), two more maps cost at most twice as much memory as those. Backward then saves the matmul,
+its autograd graph and the softmax, and the queries are kept contiguous and pre-scaled
+(:func:`contiguous_query`), which saves a copy forward and a scaling and a copy backward. On BERT-Base at
+N = 128, batch 8 (Intel Xeon, profiler), keeping S saved about 30 ms of a 1.8 s training step and the softmax
+kept P saves about 12 ms more.
 
 This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
 transformers and sibling files (single-dot relative imports).
@@ -31,6 +32,17 @@ import math
 import torch
 
 from .convolution import evolve_backward, evolve_for_backward, scale_kernel
+
+
+def exact_scaling(scaling: float) -> bool:
+    """Whether multiplying by ``scaling`` is exact (a power of two, such as 1/8 for 64-dimensional heads): the
+    queries may then be scaled instead of their product with the keys, with the same numbers.
+
+    Example:
+        >>> exact_scaling(0.125), exact_scaling(64**-0.5 * 0.9)
+        (True, False)
+    """
+    return math.frexp(scaling)[0] == 0.5
 
 
 def attention_scores(
@@ -47,7 +59,7 @@ def attention_scores(
         >>> torch.allclose(attention_scores(q, k, 0.5), q @ k.transpose(-1, -2) * 0.5)
         True
     """
-    if math.frexp(scaling)[0] == 0.5:
+    if exact_scaling(scaling):
         # A power of two (1/8 for 64-dimensional heads) scales exactly: scaling the queries instead of the
         # [B, H, Q, K] product gives eager attention's numbers with one pass less over the map.
         scores = torch.matmul(query * scaling if scaling != 1.0 else query, key.transpose(-1, -2))
@@ -76,17 +88,17 @@ def masked_logits(logits: torch.Tensor, allowed: torch.Tensor | None, additive: 
     return logits
 
 
-def keeps_scores(
+def keeps_small_maps(
     query: torch.Tensor, key: torch.Tensor, position_bias: torch.Tensor | None, softcap: float | None
 ) -> bool:
-    """Whether :class:`EvolvingAttentionCore` keeps S for backward instead of recomputing it: when the
+    """Whether :class:`EvolvingAttentionCore` keeps S and P for backward instead of recomputing them: when a
     [B, H, Q, K] map is no larger than the keys and values it keeps anyway (Q <= 2 * head_dim), and S is the
     plain product (no positional bias or soft-capping, no upcast or autocast), whose gradients
     :func:`scores_backward` computes directly.
 
     Example:
         >>> q, k = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
-        >>> keeps_scores(q, k, None, None), keeps_scores(torch.randn(1, 2, 512, 64), k, None, None)
+        >>> keeps_small_maps(q, k, None, None), keeps_small_maps(torch.randn(1, 2, 512, 64), k, None, None)
         (True, False)
     """
     if position_bias is not None or softcap is not None or query.dtype in (torch.float16, torch.bfloat16):
@@ -96,11 +108,34 @@ def keeps_scores(
     return query.shape[-2] <= 2 * key.shape[-1]
 
 
+def contiguous_query(query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, float]:
+    """(the queries as a contiguous tensor, scaled where :func:`exact_scaling`; the scaling left for the product)
+    in one pass: the queries arrive as a view of the projection's [B, Q, H * D] output, which the product with
+    the keys would copy anyway (and ``query * scaling`` keeps that layout, so it would copy the scaled queries).
+
+    Example:
+        >>> q = torch.randn(1, 3, 2, 4).transpose(1, 2)
+        >>> scaled, rest = contiguous_query(q, 0.5)
+        >>> scaled.is_contiguous(), torch.equal(scaled, q * 0.5), rest
+        (True, True, 1.0)
+    """
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if exact_scaling(scaling):
+        return torch.mul(query, scaling, out=out), 1.0
+    return out.copy_(query), scaling
+
+
 def scores_backward(
-    grad_scores: torch.Tensor, query: torch.Tensor, key: torch.Tensor, scaling: float, needs: tuple[bool, bool]
+    grad_scores: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    needs: tuple[bool, bool],
+    prescaled: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The gradients of Q and K (where ``needs`` says) of :func:`attention_scores` without bias or soft-capping,
-    as autograd computes them through its operations.
+    as autograd computes them through its operations. ``prescaled``: ``query`` is Q * scaling already (an
+    :func:`exact_scaling`, see :func:`contiguous_query`).
 
     Example:
         >>> q, k = torch.randn(1, 2, 3, 4, requires_grad=True), torch.randn(1, 2, 5, 4, requires_grad=True)
@@ -110,9 +145,11 @@ def scores_backward(
         >>> all(torch.allclose(a, b) for a, b in zip(got, expected))
         True
     """
-    if math.frexp(scaling)[0] == 0.5:  # S = (Q * scaling) @ K^T
-        scaled_query = query * scaling if scaling != 1.0 and needs[1] else query
-        grad_query = torch.matmul(grad_scores, key) * scaling if needs[0] else None
+    if exact_scaling(scaling):  # S = (Q * scaling) @ K^T
+        grad_query = torch.matmul(grad_scores, key) if needs[0] else None
+        if grad_query is not None and scaling != 1.0:
+            grad_query.mul_(scaling)  # in place: the product is a fresh tensor
+        scaled_query = query * scaling if scaling != 1.0 and needs[1] and not prescaled else query
         grad_key = torch.matmul(grad_scores.transpose(-1, -2), scaled_query) if needs[1] else None
         return grad_query, grad_key
     grad_product = grad_scores * scaling  # S = (Q @ K^T) * scaling
@@ -158,37 +195,31 @@ class EvolvingAttentionCore(torch.autograd.Function):
         # outputs): every product with them, here and in backward, then reads them in place instead of copying
         # them first, and the copies saved for backward free the projections' outputs, so memory is unchanged.
         key, value = key.contiguous(), value.contiguous()
-        scores = full_precision(attention_scores(query, key, scaling, position_bias, softcap))
+        # S and P are kept where they are small; elsewhere both are recomputed in backward, and the fused kernel
+        # may write A_logit over S (one map less to allocate).
+        small = keeps_small_maps(query, key, position_bias, softcap)
+        if small:  # the queries kept contiguous (and scaled, where exact) for the gradient of the keys
+            query, product_scaling = contiguous_query(query, scaling)
+            scores = attention_scores(query, key, product_scaling)
+        else:
+            scores = full_precision(attention_scores(query, key, scaling, position_bias, softcap))
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
-        # S is kept where it is small; elsewhere it is recomputed in backward, and the fused kernel may write
-        # A_logit over it (one map less to allocate).
-        kept_scores = keeps_scores(query, key, position_bias, softcap)
         logits, gate, _ = evolve_for_backward(
-            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, spend_scores=not kept_scores
+            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, spend_scores=not small
         )
-        if not kept_scores:
-            scores = None
-        probabilities = torch.softmax(masked_logits(logits, allowed, additive), dim=-1).to(value.dtype)
+        full = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
+        probabilities = full.to(value.dtype)
         dropout_mask = None
         if dropout > 0.0:
             probabilities, dropout_mask = torch.native_dropout(probabilities, dropout, True)
         output = torch.matmul(probabilities, value)
+        # Kept: S and P (A_logit is kept by the next layer, as its A_prev). Else A_logit, to recompute P from.
+        kept = (scores, full, None) if small else (None, None, logits)
         ctx.save_for_backward(
-            query,
-            key,
-            value,
-            previous,
-            position_bias,
-            weight,
-            bias,
-            logits,
-            gate,
-            conv_mask,
-            allowed,
-            additive,
-            dropout_mask,
-            scores,
-        )
+            query, key, value, previous, position_bias, weight, bias, gate, conv_mask, allowed, additive, dropout_mask,
+            *kept,
+        )  # fmt: skip
+        ctx.prescaled = small and exact_scaling(scaling)
         device = query.device.type
         # S is recomputed under the autocast state it was computed under (a matmul may run in half precision).
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -201,13 +232,15 @@ class EvolvingAttentionCore(torch.autograd.Function):
     @torch.autocast("cuda", enabled=False)
     def backward(ctx, grad_output, grad_logits, grad_probabilities):
         saved = ctx.saved_tensors  # unpacked once: non-reentrant checkpointing refuses a second unpack
-        (query, key, value, previous, position_bias, weight, bias, logits, gate, conv_mask, allowed, additive, mask) = (
-            saved[:13]
-        )
-        kept_scores = saved[13]  # S where forward kept it (keeps_scores), else None
+        query, key, value, previous, position_bias, weight, bias, gate, conv_mask, allowed, additive, mask = saved[:12]
+        kept_scores, kept_probabilities, logits = saved[12:]  # S and P where forward kept them, else A_logit
         scaling, softcap, alpha, beta, context_rows, dropout = ctx.constants
-        # P again, bit-identical to forward's; then the gradients of dropout(P) @ V and of the softmax.
-        full = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
+        # P again (bit-identical to forward's) where it was not kept; then the gradients of dropout(P) @ V and of
+        # the softmax.
+        if kept_probabilities is not None:
+            full = kept_probabilities
+        else:
+            full = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
         dropout_scale = 1.0 / (1.0 - dropout) if dropout > 0.0 else 1.0
         # Outputs without a gradient come as None (see forward): the attention weights usually, the last
         # layer's A_logit, both without a map of zeros to allocate and add.
@@ -235,8 +268,6 @@ class EvolvingAttentionCore(torch.autograd.Function):
         del grad_attention
         if additive is None and allowed is not None:  # masked_fill passes no gradient to the filled entries
             grad_evolved = grad_evolved.masked_fill_(~allowed, 0.0)
-        if grad_logits is not None:
-            grad_evolved += grad_logits
         if kept_scores is not None:
             scores = kept_scores
         else:
@@ -263,14 +294,16 @@ class EvolvingAttentionCore(torch.autograd.Function):
             context_rows,
             needs_input=any(ctx.needs_input_grad[i] for i in (0, 1, 3, 4)),
             needs_kernel=ctx.needs_input_grad[5] or ctx.needs_input_grad[6],
-            spent=full,
+            # Gradients over maps spent here: G, and a recomputed P (a kept one may be the caller's weights).
+            spent=(grad_evolved, full if kept_probabilities is None else None),
+            grad_addend=grad_logits,  # the next layer's, through its A_prev: added as the kernel reads
         )
         del grad_evolved, full
         if kept_scores is not None:
             grad_query, grad_key, grad_positions = None, None, None
             if grad_scores is not None:
                 needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-                grad_query, grad_key = scores_backward(grad_scores, query, key, scaling, needs)
+                grad_query, grad_key = scores_backward(grad_scores, query, key, scaling, needs, ctx.prescaled)
         else:
             wanted = [t for t in leaves if t is not None and t.requires_grad]
             grads = {}

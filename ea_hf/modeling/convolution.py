@@ -163,26 +163,29 @@ def evolve_backward(
     *,
     needs_input: bool = True,
     needs_kernel: bool = True,
-    spent: torch.Tensor | None = None,
+    spent: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    grad_addend: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of S, A_prev, the weight and the bias (of the parameters, not the beta-scaled kernel) of
     A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha), given the
     ReLU gate of the forward step and the gradient of A_logit.
 
     On a fused kernel one pass gives all four (it applies the ReLU gate and the residual mix as it reads;
-    nothing is materialised but the gradients); elsewhere torch operations compute what is asked for. With
-    ``spent`` (a map the caller no longer needs) ``grad_logits`` is the caller's own too: the kernel may write
-    the gradients of S and A_prev over the two instead of allocating maps.
+    nothing is materialised but the gradients); elsewhere torch operations compute what is asked for.
+    ``spent`` names maps the caller no longer needs (``grad_logits`` itself may be the first): the kernel may
+    write the gradients of S and of A_prev over them instead of allocating maps. ``grad_addend`` is a second
+    gradient of A_logit, added to ``grad_logits`` (by the kernel as it reads them, where one runs).
     """
     kernel_rows, kernel_columns = scaled_weight.shape[-2:]
     grad_scores = grad_previous = grad_weight = grad_bias = None
     kernel = fused_kernel(scores, previous, grad_logits, keep=keep, weight=scaled_weight)
     if kernel is not None:
-        into = (None, None) if spent is None else (grad_logits, spent)
         grad_scores, grad_previous, grad_weight, grad_bias = kernel.backward(
-            scores, previous, alpha, keep, grad_logits, gate, scaled_weight, context_rows, beta, into
+            scores, previous, alpha, keep, grad_logits, gate, scaled_weight, context_rows, beta, spent, grad_addend
         )
     else:
+        if grad_addend is not None:
+            grad_logits = grad_logits + grad_addend
         # Gradients of A_in go to S and A_prev in the proportions of the residual mix.
         scales = (1.0, None) if previous is None else (1.0 - alpha, alpha)
         grad_convolved = relu_gate(grad_logits, gate)

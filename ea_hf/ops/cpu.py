@@ -91,7 +91,7 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ea_correlate.argtypes = [pointer, pointer, single, *[pointer] * 4, *[integer] * 8]
     library.ea_correlate.argtypes += [*[pointer] * 3, single, pointer, single, pointer, single, integer]
     library.ea_backward.restype = integer
-    library.ea_backward.argtypes = [pointer, pointer, single, *[pointer] * 4, *[integer] * 8, single]
+    library.ea_backward.argtypes = [pointer, pointer, single, *[pointer] * 5, *[integer] * 8, single]
     library.ea_backward.argtypes += [pointer, single, pointer, single, pointer, pointer, integer]
     return library
 
@@ -229,13 +229,19 @@ def backward(
     context_rows: int,
     beta: float,
     into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    addend: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's whole backward (the operator ``ea_hf::evolve_backward``); see :func:`_backward`.
 
-    With ``into`` (outside torch.compile: a compiled graph plans its own buffers) the gradients of S and of
-    A_prev are written to those spent maps where they fit instead of two new ones."""
-    if into != (None, None) and not torch.compiler.is_compiling():
-        return _backward(scores, previous, alpha, keep, grad, gate, scaled_weight, context_rows, 1.0 - beta, into)
+    The incoming gradient is ``grad`` plus ``addend`` (where given). Outside torch.compile (a compiled graph plans
+    its own buffers), the kernel adds them as it reads, and with ``into`` writes the gradients of S and of A_prev
+    to those spent maps where they fit instead of two new ones."""
+    if not torch.compiler.is_compiling():
+        return _backward(
+            scores, previous, alpha, keep, grad, gate, scaled_weight, context_rows, 1.0 - beta, into, addend
+        )
+    if addend is not None:
+        grad = grad + addend
     grad_scores, grad_previous, grad_weight, grad_bias = torch.ops.ea_hf.evolve_backward(
         scores, previous, keep, grad, gate, scaled_weight, alpha, 1.0 - beta, context_rows
     )
@@ -265,6 +271,7 @@ def _backward(
     context_rows: int,
     blend: float,
     into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    addend: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's whole backward in one pass over the rows (see ``ea_backward``).
 
@@ -272,7 +279,8 @@ def _backward(
     weight and bias, for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha),
     the ReLU gate ``gate``, the output gradient ``grad`` and blend = 1 - beta; callers check :func:`applicable`.
     ``into`` names maps the caller no longer needs that the gradients of S and of A_prev may be written to
-    (``grad`` itself may hold the first: each row is read before it is overwritten).
+    (``grad`` itself may hold the first: each row is read before it is overwritten). ``addend``, a second
+    incoming gradient, is added to ``grad`` as its rows are read (one pass over the maps less than adding first).
     """
     library = cpu_kernel()
     batch, heads, rows, cols = scores.shape
@@ -280,9 +288,12 @@ def _backward(
     transposed = scaled_weight.detach().to(torch.float32).flip(-2, -1).transpose(0, 1).contiguous()
     scores, grad, gate = scores.contiguous(), grad.contiguous(), gate.contiguous()
     previous = None if previous is None else previous.contiguous()
+    addend = None if addend is None else addend.contiguous()
     keep = kernel_keep(keep, batch, rows, cols)
-    grad_scores = _output_map(into[0], scores, (scores, previous))
-    grad_previous = None if previous is None else _output_map(into[1], scores, (scores, previous, grad, grad_scores))
+    grad_scores = _output_map(into[0], scores, (scores, previous, addend))
+    grad_previous = None
+    if previous is not None:
+        grad_previous = _output_map(into[1], scores, (scores, previous, grad, addend, grad_scores))
     grad_weight = torch.empty(heads, heads, kernel_rows, kernel_cols)
     grad_bias = torch.empty(heads)
     status = library.ea_backward(
@@ -291,6 +302,7 @@ def _backward(
         float(alpha),
         _pointer(keep),
         grad.data_ptr(),
+        _pointer(addend),
         gate.data_ptr(),
         transposed.data_ptr(),
         batch,

@@ -214,9 +214,11 @@ def backward(
     context_rows: int,
     beta: float,
     into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    addend: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's backward, as :func:`ea_hf.ops.cpu.backward`; callers check :func:`applicable`.
-    (``into``, the spent maps the CPU kernel may write to, is not used: the gradients get new maps.)
+    (``into``, the spent maps the CPU kernel may write to, is not used: the gradients get new maps; ``addend``
+    is added to ``grad`` first.)
 
     Returns the gradients of S, of A_prev (``None`` without ``previous``), and of the beta-scaled kernel's
     weight and bias (float32), for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with
@@ -228,6 +230,8 @@ def backward(
     kernel_rows, kernel_cols = scaled_weight.shape[-2:]
     device = scores.device
     weight = _float32(scaled_weight, device)
+    if addend is not None:
+        grad = grad + addend
     scores, grad, gate = scores.contiguous(), grad.contiguous(), gate.contiguous()
     previous = None if previous is None else previous.contiguous()
     keep, *keep_strides = _keep_view(keep, batch, rows, cols)

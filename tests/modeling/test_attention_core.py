@@ -11,7 +11,9 @@ from ea_hf.modeling import attention_core
 from ea_hf.modeling.attention_core import (
     EvolvingAttentionCore,
     attention_scores,
-    keeps_scores,
+    contiguous_query,
+    exact_scaling,
+    keeps_small_maps,
     masked_logits,
     scores_backward,
 )
@@ -55,10 +57,10 @@ DROPOUT = 0.3
 
 @pytest.fixture(params=["kept", "recomputed"])
 def scores_path(request, monkeypatch):
-    """Run a test with S kept for backward where the core keeps it (maps no larger than the keys and values, as
-    in these tests) and with S recomputed in backward everywhere."""
+    """Run a test with S and P kept for backward where the core keeps them (maps no larger than the keys and
+    values, as in these tests) and with both recomputed in backward everywhere."""
     if request.param == "recomputed":
-        monkeypatch.setattr(attention_core, "keeps_scores", lambda *arguments: False)
+        monkeypatch.setattr(attention_core, "keeps_small_maps", lambda *arguments: False)
     return request.param
 
 
@@ -148,20 +150,39 @@ def test_dropout_uses_one_mask_forward_and_backward():
 
 @pytest.mark.parametrize("scaling", [1.0, 0.125, 64**-0.5 * 0.9], ids=["one", "power-of-two", "other"])
 @pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)], ids=["both", "query", "key"])
-def test_scores_backward_gives_autograd_gradients(scaling, needs):
+@pytest.mark.parametrize("prescaled", [False, True], ids=["query", "contiguous-query"])
+def test_scores_backward_gives_autograd_gradients(scaling, needs, prescaled):
     """The gradients of Q and K from a kept S are autograd's through attention_scores, to the last bit, for each
-    way it scales (the queries by a power of two, else the product)."""
+    way it scales (the queries by a power of two, else the product), given the queries as they arrive (a view)
+    or as the core keeps them (contiguous_query: contiguous, scaled where exact)."""
     generator = torch.Generator().manual_seed(0)
-    query, key = torch.randn(2, 3, 7, 16, generator=generator), torch.randn(2, 3, 9, 16, generator=generator)
+    query = torch.randn(2, 7, 3, 16, generator=generator).transpose(1, 2)  # a view, as projections give them
+    key = torch.randn(2, 3, 9, 16, generator=generator)
     grad = torch.randn(2, 3, 7, 9, generator=generator)
     leaves = (query.clone().requires_grad_(needs[0]), key.clone().requires_grad_(needs[1]))
     wanted = [t for t in leaves if t.requires_grad]
     expected = iter(torch.autograd.grad(attention_scores(*leaves, scaling), wanted, grad))
-    got = scores_backward(grad, query, key, scaling, needs)
+    given, rest = contiguous_query(query, scaling) if prescaled else (query, scaling)
+    assert torch.equal(attention_scores(given, key, rest), attention_scores(query, key, scaling))
+    got = scores_backward(grad, given, key, scaling, needs, prescaled and exact_scaling(scaling))
     for need, gradient in zip(needs, got, strict=True):
         assert (gradient is None) != need
         if need:
             assert torch.equal(gradient, next(expected))
+
+
+def test_kept_weights_returned_to_the_caller_survive_backward(evolution_path):
+    """Where P is kept for backward it is also the attention weights returned: backward writes no gradient
+    over it (the recomputed P of larger maps is backward's own to reuse)."""
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, position=1, previous=0)
+    leaves, allowed, conv_mask = layer_inputs("encoder")
+    q, k, v, previous, _ = leaves
+    output, logits, weights = run_core(evolution, q, k, v, previous, None, allowed, None, conv_mask, None)
+    assert keeps_small_maps(q, k, None, None)
+    before = weights.detach().clone()
+    (output.square().sum() + logits.square().sum()).backward()
+    assert torch.equal(weights.detach(), before)
 
 
 @pytest.mark.parametrize("role", ["encoder", "decoder"])
@@ -174,7 +195,7 @@ def test_core_passes_gradcheck(role, softcap):
     if softcap is None:  # S is kept (5 queries, 5-dimensional heads) only without a positional bias
         leaves = leaves[:4]
         position_bias = None
-    assert keeps_scores(q, k, position_bias, softcap) == (softcap is None)
+    assert keeps_small_maps(q, k, position_bias, softcap) == (softcap is None)
 
     def core(q, k, v, previous, *parameters):
         bias_or_none = parameters[0] if softcap is not None else None
@@ -203,12 +224,13 @@ def saved_bytes(model, inputs) -> int:
 
 @pytest.mark.parametrize(
     "length, extra_maps",
-    [(64, (0.2, 0.3)), (16, (1.2, 1.4))],
-    ids=["recomputes-S-beyond-2-head-dims", "keeps-S-up-to-2-head-dims"],
+    [(64, (0.2, 0.3)), (16, (1.7, 1.9))],
+    ids=["recomputes-S-and-P-beyond-2-head-dims", "keeps-S-and-P-up-to-2-head-dims"],
 )
 def test_training_keeps_what_eager_keeps_plus_a_quarter_map_or_S(monkeypatch, length, extra_maps):
-    """Eager attention keeps P (one map per layer); the core keeps A_logit and a bool gate instead, and S too
-    where its map is no larger than the keys and values (8-dimensional heads here: up to 16 tokens). The
+    """Eager attention keeps P (one map per layer); the core keeps A_logit and a bool gate instead. Where its
+    maps are no larger than the keys and values (8-dimensional heads here: up to 16 tokens) it keeps S, P and
+    the gate, and A_logit only as the next layer's A_prev (so half a map per layer here, of two layers). The
     unfused layer kept S, A_logit, the gate and P."""
     layers, heads, batch = 2, 4, 2
     config = tiny_config("bert", num_hidden_layers=layers, num_attention_heads=heads)
@@ -219,7 +241,7 @@ def test_training_keeps_what_eager_keeps_plus_a_quarter_map_or_S(monkeypatch, le
     evolving = ea_hf.patch(transformers.AutoModel.from_config(config), alpha=0.3, beta=0.4).eval()
     map_bytes = batch * heads * length * length * 4
     extra = (saved_bytes(evolving, inputs) - saved_bytes(eager, inputs)) / (map_bytes * layers)
-    assert extra_maps[0] <= extra <= extra_maps[1]  # the bool gate, the convolution's few weights (and S)
+    assert extra_maps[0] <= extra <= extra_maps[1]  # the bool gate, the convolution's few weights (and S, P)
     monkeypatch.setattr(AttentionMapEvolution, "fuses_attention", lambda self, history: False)
     unfused_extra = (saved_bytes(evolving, inputs) - saved_bytes(eager, inputs)) / (map_bytes * layers)
     assert unfused_extra >= 1.2

@@ -167,11 +167,12 @@ def test_in_place_output_equals_a_separate_one(batch, heads, rows, kernel_rows, 
     assert torch.equal(result, separate)
 
 
+#: (batch, heads, rows, kernel_rows, context_rows) of the backward tests where threads meet.
+BACKWARD_SHAPES = [(2, 12, 9, 3, 1), (3, 4, 5, 5, 2), (1, 3, 2, 3, 1), (2, 4, 7, 2, 1)]
+
+
 @needs_compiler
-@pytest.mark.parametrize(
-    ("batch", "heads", "rows", "kernel_rows", "context_rows"),
-    [(2, 12, 9, 3, 1), (3, 4, 5, 5, 2), (1, 3, 2, 3, 1), (2, 4, 7, 2, 1)],
-)
+@pytest.mark.parametrize(("batch", "heads", "rows", "kernel_rows", "context_rows"), BACKWARD_SHAPES)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_spent_maps_take_the_results_bit_identically(batch, heads, rows, kernel_rows, context_rows, threads):
     """What the attention core does to allocate fewer maps: the forward step writes A_logit over S and still
@@ -197,6 +198,35 @@ def test_spent_maps_take_the_results_bit_identically(batch, heads, rows, kernel_
     assert logits_over.data_ptr() == overwritten.data_ptr()
     assert torch.equal(logits_over, logits) and torch.equal(gate_over, gate)
     assert got[0].data_ptr() == consumed.data_ptr() and got[1].data_ptr() == spent.data_ptr()
+    for got_one, expected_one in zip(got, expected, strict=True):
+        assert torch.equal(got_one, expected_one)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("batch", "heads", "rows", "kernel_rows", "context_rows"), BACKWARD_SHAPES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_second_incoming_gradient_is_added_as_rows_are_read(batch, heads, rows, kernel_rows, context_rows, threads):
+    """The next layer's gradient of A_logit (through its A_prev), given as ``addend``: the same bits as adding
+    it to the incoming gradient first, also with the gradient of S written over the incoming one (rows a
+    neighbouring thread has overwritten are read from copies); the addend itself is left as it was."""
+    torch.manual_seed(1)
+    scores, previous, grad, second, spent = (torch.randn(batch, heads, rows, 37) for _ in range(5))
+    keep = (torch.rand(batch, 1, rows, 37) > 0.2).float()
+    weight = torch.randn(heads, heads, kernel_rows, 3) * 0.3
+    gate = torch.rand(batch, heads, rows, 37) > 0.4
+    backward = (scores, previous, 0.3, keep)
+    kept_second = second.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        expected = kernels.backward(*backward, grad + second, gate, weight, context_rows, 0.4)
+        consumed = grad.clone()
+        got = kernels.backward(
+            *backward, consumed, gate, weight, context_rows, 0.4, into=(consumed, spent), addend=second
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert got[0].data_ptr() == consumed.data_ptr() and torch.equal(second, kept_second)
     for got_one, expected_one in zip(got, expected, strict=True):
         assert torch.equal(got_one, expected_one)
 

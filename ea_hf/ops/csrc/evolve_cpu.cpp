@@ -4,6 +4,7 @@
 // the convolution reads zeros. The input a map's rows are read from is
 //
 //     a = x + lerp_weight * (lerp_end - x)     (lerp_end != NULL; else a = x)
+//     a = a + addend                           (addend != NULL: ea_backward's second incoming gradient)
 //     a = a * gate                             (gate != NULL: the 0/1 ReLU gate of backward, one byte each)
 //     a = a * in_keep                          (in_keep != NULL)
 //
@@ -71,6 +72,7 @@ struct Input {  // where rows of `a` come from
     const float* x;
     const float* lerp_end;
     float lerp_weight;
+    const float* addend;
     const unsigned char* gate;
     const float* in_keep;
     int batch, heads, rows, cols, kernel_rows, kernel_cols, row_shift;
@@ -197,6 +199,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
                 const size_t bytes = sizeof(float) * in.cols;
                 prefetch_line_by_line(in.x + start + in.cols, bytes);
                 if (in.lerp_end) prefetch_line_by_line(in.lerp_end + start + in.cols, bytes);
+                if (in.addend) prefetch_line_by_line(in.addend + start + in.cols, bytes);
                 if (in.gate) prefetch_line_by_line(in.gate + start + in.cols, in.cols);
             }
             const float* copy = halo ? halo->find(static_cast<long>(b) * in.rows + r, c, in.cols, heads) : nullptr;
@@ -204,6 +207,9 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
             if (in.lerp_end) {
                 const float* end = in.lerp_end + start;
                 for (int j = 0; j < in.cols; ++j) dst[j] = src[j] + in.lerp_weight * (end[j] - src[j]);
+            } else if (in.addend) {
+                const float* addend = in.addend + start;
+                for (int j = 0; j < in.cols; ++j) dst[j] = src[j] + addend[j];
             } else {
                 std::memcpy(dst, src, sizeof(float) * in.cols);
             }
@@ -599,28 +605,30 @@ int ea_correlate(const float* x, const float* lerp_end, float lerp_weight, const
                  int kernel_cols, int row_shift, int relu, unsigned char* saved, const float* out_keep, const float* blend,
                  float blend_coef, float* out, float out_scale, float* out2, float out2_scale, int threads) {
     if (!supported(heads, kernel_rows, kernel_cols)) return 1;
-    const Input in{x, lerp_end, lerp_weight, gate, in_keep, batch, heads, rows, cols, kernel_rows, kernel_cols,
-                   row_shift};
+    const Input in{x, lerp_end, lerp_weight, nullptr, gate, in_keep, batch, heads, rows, cols, kernel_rows,
+                   kernel_cols, row_shift};
     const Output o{w, bias, relu, saved, out_keep, blend, blend_coef, out, out_scale, out2, out2_scale};
     EA_DISPATCH(correlate, heads, kernel_cols, in, o, threads);
 }
 
 // The evolution step's backward: gradients of S (out, times out_scale) and of A_prev (out2, times
-// out2_scale) from grad, the bool ReLU gate and the flipped, transposed kernel w_t (rows read from
-// i - row_shift_t on), and the weight and bias gradients of the beta-scaled kernel, whose input is S mixed
-// with A_prev and masked, read from row i + row_shift on. `out` may be `grad` (written over it).
+// out2_scale) from the incoming gradient grad (+ grad_addend, where not NULL), the bool ReLU gate and the
+// flipped, transposed kernel w_t (rows read from i - row_shift_t on), and the weight and bias gradients of the
+// beta-scaled kernel, whose input is S mixed with A_prev and masked, read from row i + row_shift on. `out` may
+// be `grad` (written over it); neither output may be grad_addend. (The blend reads the incoming gradient from
+// the ring, where the addend is already added: row_shift_t puts the output's own row in the ring.)
 int ea_backward(const float* scores, const float* previous, float alpha, const float* keep, const float* grad,
-                const unsigned char* gate, const float* w_t, int batch, int heads, int rows, int cols,
+                const float* grad_addend, const unsigned char* gate, const float* w_t, int batch, int heads, int rows, int cols,
                 int kernel_rows, int kernel_cols, int row_shift, int row_shift_t, float blend_coef, float* out,
                 float out_scale, float* out2, float out2_scale, float* grad_weight, float* grad_bias, int threads) {
     if (!supported(heads, kernel_rows, kernel_cols) || -row_shift_t < 0 || -row_shift_t >= kernel_rows) return 1;
-    const Input grad_in{grad, nullptr, 0.0f, gate, nullptr, batch, heads, rows, cols, kernel_rows, kernel_cols,
-                        row_shift_t};
+    const Input grad_in{grad, nullptr, 0.0f, grad_addend, gate, nullptr, batch, heads, rows, cols, kernel_rows,
+                        kernel_cols, row_shift_t};
     const Output grad_out{w_t, nullptr, 0, nullptr, keep, grad, blend_coef, out, out_scale, out2, out2_scale};
-    const Input forward_in{scores, previous, alpha, nullptr, keep, batch, heads, rows, cols, kernel_rows,
-                           kernel_cols, row_shift};
+    const Input forward_in{scores, previous, alpha, nullptr, nullptr, keep, batch, heads, rows, cols,
+                           kernel_rows, kernel_cols, row_shift};
     EA_DISPATCH(backward, heads, kernel_cols, grad_in, grad_out, forward_in, grad_weight, grad_bias, threads);
 }
 
-int ea_kernel_version() { return 8; }
+int ea_kernel_version() { return 9; }
 }
