@@ -101,9 +101,13 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_mib() -> float:
-    """Peak RSS of this process since the last :func:`reset_peak_rss` (VmHWM), else since it started."""
+    """Peak RSS of this process since the last :func:`reset_peak_rss` (VmHWM), else since it started. Linux
+    raises VmHWM only when RSS is about to fall (it can lag the current VmRSS by what was mapped since), so the
+    larger of the two is the peak."""
     peak = status_mib("VmHWM")
-    return peak if peak == peak else attention_bench.peak_rss_mib()  # NaN: no VmHWM line
+    if peak != peak:  # NaN: no VmHWM line
+        return attention_bench.peak_rss_mib()
+    return max(peak, attention_bench.current_rss_mib())
 
 
 def model_config(tiny: bool) -> Any:

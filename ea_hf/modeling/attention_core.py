@@ -88,24 +88,35 @@ def masked_logits(logits: torch.Tensor, allowed: torch.Tensor | None, additive: 
     return logits
 
 
+def plain_scores(query: torch.Tensor, position_bias: torch.Tensor | None, softcap: float | None) -> bool:
+    """Whether S is the plain product in full precision (no positional bias or soft-capping, no upcast or
+    autocast): :class:`EvolvingAttentionCore` then keeps the queries contiguous and pre-scaled
+    (:func:`contiguous_query`), recomputes S without autograd where it is not kept, and computes the gradients of
+    Q and K directly (:func:`scores_backward`).
+
+    Example:
+        >>> q = torch.randn(1, 2, 3, 4)
+        >>> plain_scores(q, None, None), plain_scores(q, None, 50.0), plain_scores(q.half(), None, None)
+        (True, False, False)
+    """
+    if position_bias is not None or softcap is not None or query.dtype in (torch.float16, torch.bfloat16):
+        return False
+    return not torch.is_autocast_enabled(query.device.type)
+
+
 def keeps_small_maps(
     query: torch.Tensor, key: torch.Tensor, position_bias: torch.Tensor | None, softcap: float | None
 ) -> bool:
     """Whether :class:`EvolvingAttentionCore` keeps S and P for backward instead of recomputing them: when a
-    [B, H, Q, K] map is no larger than the keys and values it keeps anyway (Q <= 2 * head_dim), and S is the
-    plain product (no positional bias or soft-capping, no upcast or autocast), whose gradients
-    :func:`scores_backward` computes directly.
+    [B, H, Q, K] map is no larger than the keys and values it keeps anyway (Q <= 2 * head_dim) and S is
+    :func:`plain_scores`.
 
     Example:
         >>> q, k = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
         >>> keeps_small_maps(q, k, None, None), keeps_small_maps(torch.randn(1, 2, 512, 64), k, None, None)
         (True, False)
     """
-    if position_bias is not None or softcap is not None or query.dtype in (torch.float16, torch.bfloat16):
-        return False
-    if torch.is_autocast_enabled(query.device.type):
-        return False
-    return query.shape[-2] <= 2 * key.shape[-1]
+    return plain_scores(query, position_bias, softcap) and query.shape[-2] <= 2 * key.shape[-1]
 
 
 def contiguous_query(query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, float]:
@@ -198,7 +209,9 @@ class EvolvingAttentionCore(torch.autograd.Function):
         # S and P are kept where they are small; elsewhere both are recomputed in backward, and the fused kernel
         # may write A_logit over S (one map less to allocate).
         small = keeps_small_maps(query, key, position_bias, softcap)
-        if small:  # the queries kept contiguous (and scaled, where exact) for the gradient of the keys
+        plain = plain_scores(query, position_bias, softcap)
+        product_scaling = scaling
+        if plain:  # the queries kept contiguous (and scaled, where exact) for S again and the gradient of K
             query, product_scaling = contiguous_query(query, scaling)
             scores = attention_scores(query, key, product_scaling)
         else:
@@ -219,7 +232,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
             query, key, value, previous, position_bias, weight, bias, gate, conv_mask, allowed, additive, dropout_mask,
             *kept,
         )  # fmt: skip
-        ctx.prescaled = small and exact_scaling(scaling)
+        ctx.plain, ctx.product_scaling = plain, product_scaling
         device = query.device.type
         # S is recomputed under the autocast state it was computed under (a matmul may run in half precision).
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -270,6 +283,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
             grad_evolved = grad_evolved.masked_fill_(~allowed, 0.0)
         if kept_scores is not None:
             scores = kept_scores
+        elif ctx.plain:  # S again, bit-identical to forward's, from the queries as forward kept them
+            scores = attention_scores(query, key, ctx.product_scaling)
         else:
             # S again, with autograd, to carry its gradient to Q, K and the positional bias as forward's ops do.
             # Which of them need a gradient comes from the inputs (the saved keys are a contiguous copy of them).
@@ -299,11 +314,12 @@ class EvolvingAttentionCore(torch.autograd.Function):
             grad_addend=grad_logits,  # the next layer's, through its A_prev: added as the kernel reads
         )
         del grad_evolved, full
-        if kept_scores is not None:
+        if ctx.plain:
             grad_query, grad_key, grad_positions = None, None, None
             if grad_scores is not None:
                 needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-                grad_query, grad_key = scores_backward(grad_scores, query, key, scaling, needs, ctx.prescaled)
+                prescaled = ctx.product_scaling != scaling
+                grad_query, grad_key = scores_backward(grad_scores, query, key, scaling, needs, prescaled)
         else:
             wanted = [t for t in leaves if t is not None and t.requires_grad]
             grads = {}
