@@ -15,11 +15,14 @@ QK^T matmul and one softmax per layer and step.
 
 Where the maps are small, S and P are kept instead (:func:`keeps_small_maps`): when a map is no larger than
 the layer's keys and values, which the core keeps anyway (N <= 2 * head_dim for self-attention: N <= 128 with
-64-dimensional heads), two more maps cost at most twice as much memory as those. Backward then saves the matmul,
-its autograd graph and the softmax, and the queries are kept contiguous and pre-scaled
-(:func:`contiguous_query`), which saves a copy forward and a scaling and a copy backward. On BERT-Base at
-N = 128, batch 8 (Intel Xeon, profiler), keeping S saved about 30 ms of a 1.8 s training step and the softmax
-kept P saves about 12 ms more.
+64-dimensional heads), two more maps cost at most twice as much memory as those. Backward then saves the matmul
+and the softmax. On BERT-Base at N = 128, batch 8 (Intel Xeon, profiler), keeping S saved about 30 ms of a
+1.8 s training step and keeping P about 10 ms more.
+
+Where S is the plain product (:func:`plain_scores`), the queries are kept contiguous and pre-scaled
+(:func:`contiguous_query`: one pass where the product would copy them anyway), S is recomputed from them without
+autograd, and the gradients of Q and K come from :func:`scores_backward`; a positional bias or soft-capping
+goes through autograd again.
 
 This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
 transformers and sibling files (single-dot relative imports).
