@@ -184,8 +184,7 @@ def evolve_backward(
             scores, previous, alpha, keep, grad_logits, gate, scaled_weight, context_rows, beta, spent, grad_addend
         )
     else:
-        if grad_addend is not None:
-            grad_logits = grad_logits + grad_addend
+        grad_logits = plus_addend(grad_logits, grad_addend, owned=spent[0] is grad_logits)
         # Gradients of A_in go to S and A_prev in the proportions of the residual mix.
         scales = (1.0, None) if previous is None else (1.0 - alpha, alpha)
         grad_convolved = relu_gate(grad_logits, gate)
@@ -201,6 +200,21 @@ def evolve_backward(
     if grad_weight is not None:  # gradients of the beta-scaled kernel, brought back to the parameters
         grad_weight, grad_bias = beta * grad_weight, beta * grad_bias
     return grad_scores, grad_previous, grad_weight, grad_bias
+
+
+def plus_addend(grad: torch.Tensor, addend: torch.Tensor | None, *, owned: bool) -> torch.Tensor:
+    """``grad + addend`` (``grad`` without one), written over ``grad`` where the caller ``owned`` it as a spent
+    map: the attention core's softmax gradient, so that adding the next layer's gradient costs no map, as when it
+    added it itself.
+
+    Example:
+        >>> g = torch.ones(2)
+        >>> plus_addend(g, torch.ones(2), owned=True) is g, g
+        (True, tensor([2., 2.]))
+    """
+    if addend is None:
+        return grad
+    return grad.add_(addend) if owned else grad + addend
 
 
 def scale_kernel(

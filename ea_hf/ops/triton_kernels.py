@@ -33,6 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..modeling.convolution import plus_addend
 from .fused_step import evolve_by_correlation
 
 try:  # optional dependency: the module must import (and decline every map) without it
@@ -218,7 +219,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's backward, as :func:`ea_hf.ops.cpu.backward`; callers check :func:`applicable`.
     (``into``, the spent maps the CPU kernel may write to, is not used: the gradients get new maps; ``addend``
-    is added to ``grad`` first.)
+    is added to ``grad`` first, over it where ``into`` names it as spent.)
 
     Returns the gradients of S, of A_prev (``None`` without ``previous``), and of the beta-scaled kernel's
     weight and bias (float32), for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with
@@ -230,8 +231,7 @@ def backward(
     kernel_rows, kernel_cols = scaled_weight.shape[-2:]
     device = scores.device
     weight = _float32(scaled_weight, device)
-    if addend is not None:
-        grad = grad + addend
+    grad = plus_addend(grad, addend, owned=into[0] is grad)
     scores, grad, gate = scores.contiguous(), grad.contiguous(), gate.contiguous()
     previous = None if previous is None else previous.contiguous()
     keep, *keep_strides = _keep_view(keep, batch, rows, cols)

@@ -92,7 +92,7 @@ struct PrefetchQueue {
     size_t line = 0, pending = 0;
 
     void add(const void* p, size_t bytes) {
-        if (streams == kMaxStreams) return;
+        if (streams == kMaxStreams) return;  // (only hints: the first row of many heads and kernel rows may lose some)
         starts[streams] = static_cast<const char*>(p);
         lines[streams++] = (bytes + 63) / 64;
         pending += (bytes + 63) / 64;
