@@ -3,21 +3,27 @@
 The module provides the three functions of ``ea_hf.modeling.convolution.FusedKernel`` with the semantics of
 :mod:`ea_hf.ops.cpu` (see ``csrc/evolve_cpu.cpp`` for the reference definition of every option):
 
-- :func:`correlate`: one Triton program per (batch, output head, block of rows, block of columns) accumulates
-  the H x kh x kw correlation in float32, reading the input mixed with ``lerp_end`` and masked as it loads
-  (zeros outside the map), then adds the bias, applies ReLU, writes the bool gate, masks and blends in the
-  same pass. Maps may be float32, bfloat16 or float16; weights and accumulators are float32.
-- :func:`backward`: one kernel computes the input gradient (the transposed correlation of the gated
-  gradient, masked, blended with the incoming gradient and split by the residual weights) straight from
-  ``grad`` and the bool gate; a second computes the weight and bias gradients from S, A_prev, the mask and
-  the gated gradient, per (output head, kernel tap, block of rows), with per-program partial sums reduced by
-  torch (deterministic, no atomics). Neither materialises A_in, the gated gradient or the masked input.
+- :func:`correlate`: one Triton program per (batch element, tile of pixels) computes every output head of its
+  tile as one matrix product (``tl.dot``): the [H, H*kh*kw] weights times the input's taps, gathered as they
+  are loaded (an implicit im2col: each value mixed with ``lerp_end`` and masked as it is read, zeros outside
+  the map), in blocks of (input head, tap) pairs; then it adds the bias, applies ReLU, writes the bool gate,
+  masks and blends in the same pass. Maps may be float32, bfloat16 or float16, with float32 accumulators.
+- :func:`backward`: one kernel computes the input gradient the same way (the transposed weights times the
+  gated gradient's taps; masked, blended with the incoming gradient and split by the residual weights)
+  straight from ``grad`` and the bool gate; a second computes the weight and bias gradients as products of
+  the gated gradient and the masked A_in's taps (plus a column of ones: the bias), per block of (input head,
+  tap) pairs and run of tiles, with per-program partial sums reduced by torch (deterministic, no atomics).
+  Neither materialises A_in, the gated gradient or the masked input.
 
-Opt-in only. These kernels have been verified against the torch formulation and the CPU kernel with
-Triton's CPU interpreter (``TRITON_INTERPRET=1``, ``tests/ops/test_triton_kernel.py``) but have never been
-compiled for or run on a real GPU, so :func:`applicable` is False unless ``EA_HF_TRITON=1``: for CUDA tensors
-it takes that variable alone, for CPU tensors (the interpreter, for tests) also ``TRITON_INTERPRET=1``. Both
-are read at call time. Without triton installed the module still imports and :func:`applicable` is False.
+Products of float32 maps are three TF32 products each on a GPU (float32 accuracy on tensor cores); half-precision
+maps are multiplied in their own dtype.
+
+Opt-in only. The kernels pass their tests on an H100 (``tests/ops/test_triton_kernel.py`` runs every test both
+in Triton's CPU interpreter, ``TRITON_INTERPRET=1``, and compiled on CUDA where a GPU is present), but whole EA
+models were slower on them than on torch operations in the one GPU benchmark so far (``bench/results/``), so
+:func:`applicable` is False unless ``EA_HF_TRITON=1``: for CUDA tensors it takes that variable alone, for CPU
+tensors (the interpreter, for tests) also ``TRITON_INTERPRET=1``. Both are read at call time. Without triton
+installed the module still imports and :func:`applicable` is False.
 
 Triton decides when a function is decorated whether it will be interpreted, so the kernels below are plain
 functions wrapped by ``triton.jit`` on first use, once per interpreter setting (:func:`_kernels`). They call
@@ -43,20 +49,52 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
 
-#: Limits mirrored from the CPU kernel: the weight-gradient kernel holds a power-of-two block of heads, and
-#: every tap is unrolled at compile time.
+#: Limits mirrored from the CPU kernel (the kernels below would take more heads and taps, at the cost of
+#: larger padded products).
 MAX_HEADS = 64
 MAX_KERNEL_ROWS = 8
 MAX_KERNEL_COLUMNS = 33
-#: Tile sizes (powers of two; untuned: never timed on a GPU). The correlation kernels compute a
-#: BLOCK_ROWS x BLOCK_COLS output tile; the weight-gradient kernel reads WEIGHT_BLOCK_ROWS x WEIGHT_BLOCK_COLS
-#: tiles of all heads at once. Tests make them small to exercise several partial tiles.
-BLOCK_ROWS = 16
+#: Tile sizes (powers of two), for float32 maps. Every kernel is a matrix product per tile of pixels: the
+#: correlation kernels compute all heads of a BLOCK_ROWS x BLOCK_COLS tile, taking TAP_BLOCK (input head, tap)
+#: pairs per product; the weight-gradient kernel reduces over WEIGHT_BLOCK_ROWS x WEIGHT_BLOCK_COLS tiles,
+#: WEIGHT_TAP_BLOCK pairs per program. A tile's pixels and the tap blocks are sides of tl.dot, so on a GPU each
+#: must be at least 16. Tests make the tiles small to exercise several partial tiles.
+BLOCK_ROWS = 4
 BLOCK_COLS = 32
+TAP_BLOCK = 32
 WEIGHT_BLOCK_ROWS = 4
 WEIGHT_BLOCK_COLS = 32
-#: About how many programs the weight-gradient kernel is split into (over row blocks) to fill a GPU.
-WEIGHT_GRAD_PROGRAMS = 512
+WEIGHT_TAP_BLOCK = 32
+#: Warps per program (launch options, not tiles: the interpreter ignores them).
+NUM_WARPS = 4
+WEIGHT_NUM_WARPS = 4
+#: About how many programs the weight-gradient kernel is split into (over runs of tiles) to fill a GPU.
+WEIGHT_GRAD_PROGRAMS = 2048
+#: The fewest programs an in-place correlation launches at once (see :func:`correlate`).
+IN_PLACE_PROGRAMS = 16384
+#: What half-precision maps on a GPU use instead: half the bytes a value, so larger tiles fit in shared memory
+#: (float32 maps with these need more than an H100's 227 KiB). Chosen by a sweep on an H100 at bf16, N = 512,
+#: batch 8 (see the README's GPU section); the float32 tiles were not swept.
+HALF_PRECISION_TILES = {
+    "BLOCK_ROWS": 8,
+    "TAP_BLOCK": 16,
+    "WEIGHT_BLOCK_COLS": 16,
+    "WEIGHT_TAP_BLOCK": 128,
+    "WEIGHT_NUM_WARPS": 8,
+    "WEIGHT_GRAD_PROGRAMS": 4096,
+}
+_TILE_NAMES = (
+    "BLOCK_ROWS",
+    "BLOCK_COLS",
+    "TAP_BLOCK",
+    "WEIGHT_BLOCK_ROWS",
+    "WEIGHT_BLOCK_COLS",
+    "WEIGHT_TAP_BLOCK",
+    "NUM_WARPS",
+    "WEIGHT_NUM_WARPS",
+    "WEIGHT_GRAD_PROGRAMS",
+    "IN_PLACE_PROGRAMS",
+)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()
@@ -92,6 +130,8 @@ def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, 
         return False
     heads = maps[0].shape[1]
     if not 1 <= heads <= MAX_HEADS or tuple(weight.shape[:2]) != (heads, heads):
+        return False
+    if maps[0][0].numel() >= 2**31:  # offsets within a batch element are int32
         return False
     if keep is not None:
         # Broadcast from the right, keep's third-last dimension is the heads: it must be 1 (a shared mask).
@@ -140,11 +180,13 @@ def correlate(
     ``x + lerp_weight * (lerp_end - x)``. Masks broadcast to [B, 1, Q, K]; ``saved`` (bool, like ``x``)
     receives where the (ReLU) output is positive. ``in_place`` writes the result over ``x`` and returns it.
 
-    In place, programs still reading ``x`` would race with those writing it, so the result is computed one
-    batch element at a time into a scratch map of one element (an output element reads only its own batch
-    element of ``x``) and copied over it: the result is identical to the out-of-place one.
+    In place, programs still reading ``x`` would race with those writing it, so the result is computed a few
+    batch elements at a time into a scratch map (an output element reads only its own batch element of ``x``)
+    and copied over them: the result is identical to the out-of-place one. A launch takes at least a quarter of
+    the batch, and enough elements for about IN_PLACE_PROGRAMS programs (one element of a short map leaves
+    most of a GPU idle), so the scratch is at most the map itself and usually a fraction of it.
     """
-    kernels = _kernels()
+    kernels, tiles = _kernels(), _tiles(x.dtype)
     batch, heads, rows, cols = x.shape
     x = x.contiguous()
     weight = _float32(weight, x.device)
@@ -161,7 +203,7 @@ def correlate(
             return None if tensor is None else tensor[elements]
 
         count = len(range(*elements.indices(batch)))
-        grid = (count * heads, triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
+        grid = (count, triton.cdiv(rows, tiles.BLOCK_ROWS), triton.cdiv(cols, tiles.BLOCK_COLS))
         kernels.correlate[grid](
             part(x),
             part(lerp_end),
@@ -189,18 +231,21 @@ def correlate(
             HAS_SAVED=saved is not None,
             HAS_OUT_KEEP=out_keep is not None,
             HAS_BLEND=blend is not None,
-            BLOCK_Q=BLOCK_ROWS,
-            BLOCK_K=BLOCK_COLS,
+            **_product_tiles(heads, x.dtype, tiles.BLOCK_ROWS, tiles.BLOCK_COLS, tiles.TAP_BLOCK, tiles.NUM_WARPS),
         )
 
     if not in_place:
         out = torch.empty_like(x)
         launch(slice(None), out)
         return out
-    scratch = torch.empty_like(x[:1])
-    for element in range(batch):
-        launch(slice(element, element + 1), scratch)
-        x[element : element + 1].copy_(scratch)
+    programs_per_element = triton.cdiv(rows, tiles.BLOCK_ROWS) * triton.cdiv(cols, tiles.BLOCK_COLS)
+    chunk = min(batch, max(triton.cdiv(batch, 4), triton.cdiv(tiles.IN_PLACE_PROGRAMS, programs_per_element)))
+    scratch = torch.empty_like(x[:chunk])
+    for first in range(0, batch, chunk):
+        elements = slice(first, min(first + chunk, batch))
+        count = elements.stop - first
+        launch(elements, scratch[:count])
+        x[elements].copy_(scratch[:count])
     return x
 
 
@@ -237,7 +282,8 @@ def backward(
     keep, *keep_strides = _keep_view(keep, batch, rows, cols)
     grad_scores = torch.empty_like(scores)
     grad_previous = None if previous is None else torch.empty_like(scores)
-    grid = (batch * heads, triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
+    tiles = _tiles(scores.dtype)
+    grid = (batch, triton.cdiv(rows, tiles.BLOCK_ROWS), triton.cdiv(cols, tiles.BLOCK_COLS))
     kernels.input_grad[grid](
         grad,
         gate,
@@ -257,23 +303,29 @@ def backward(
         KERNEL_COLS=kernel_cols,
         HAS_KEEP=keep is not None,
         HAS_SECOND=grad_previous is not None,
-        BLOCK_Q=BLOCK_ROWS,
-        BLOCK_K=BLOCK_COLS,
+        **_product_tiles(heads, scores.dtype, tiles.BLOCK_ROWS, tiles.BLOCK_COLS, tiles.TAP_BLOCK, tiles.NUM_WARPS),
     )
-    # Split the row blocks of all batch elements so that about WEIGHT_GRAD_PROGRAMS programs run; each writes
-    # its whole accumulator tile, which torch adds up in a fixed order (deterministic, no atomics). That is
-    # about WEIGHT_GRAD_PROGRAMS x next_power_of_2(H) x WEIGHT_BLOCK_ROWS x WEIGHT_BLOCK_COLS floats (4 MiB for
-    # 16 heads), independent of the map size.
-    row_blocks = triton.cdiv(rows, WEIGHT_BLOCK_ROWS)
-    total_blocks, taps = batch * row_blocks, kernel_rows * kernel_cols
-    splits = max(1, min(total_blocks, math.ceil(WEIGHT_GRAD_PROGRAMS / (heads * taps))))
+    # The weight gradient's columns are (input head, tap) pairs plus one for the bias, in blocks of BLOCK_TAPS
+    # (program axis 1); the tiles of all batch elements are split into runs (axis 0) so that about
+    # WEIGHT_GRAD_PROGRAMS programs run. Each writes its [heads, BLOCK_TAPS] partial sums, which torch adds up
+    # in a fixed order (deterministic, no atomics).
+    columns = heads * kernel_rows * kernel_cols + 1
+    weight_tiles = _product_tiles(
+        heads,
+        scores.dtype,
+        tiles.WEIGHT_BLOCK_ROWS,
+        tiles.WEIGHT_BLOCK_COLS,
+        tiles.WEIGHT_TAP_BLOCK,
+        tiles.WEIGHT_NUM_WARPS,
+    )
+    tap_blocks = triton.cdiv(columns, tiles.WEIGHT_TAP_BLOCK)
+    row_blocks, col_blocks = triton.cdiv(rows, tiles.WEIGHT_BLOCK_ROWS), triton.cdiv(cols, tiles.WEIGHT_BLOCK_COLS)
+    total_blocks = batch * row_blocks * col_blocks
+    splits = max(1, min(total_blocks, math.ceil(tiles.WEIGHT_GRAD_PROGRAMS / tap_blocks)))
     blocks_per_split = math.ceil(total_blocks / splits)
     splits = math.ceil(total_blocks / blocks_per_split)
-    block_heads = triton.next_power_of_2(heads)
-    tile = WEIGHT_BLOCK_ROWS * WEIGHT_BLOCK_COLS
-    partial_weight = torch.empty(splits, heads, taps, block_heads, tile, device=device)
-    partial_bias = torch.empty(splits, heads, taps, tile, device=device)
-    kernels.weight_grad[(heads, taps, splits)](
+    partial = torch.empty(splits, weight_tiles["BLOCK_H"], tap_blocks * tiles.WEIGHT_TAP_BLOCK, device=device)
+    kernels.weight_grad[(splits, tap_blocks)](
         scores,
         previous,
         float(alpha),
@@ -281,27 +333,53 @@ def backward(
         *keep_strides,
         grad,
         gate,
-        partial_weight,
-        partial_bias,
+        partial,
         heads,
         rows,
         cols,
         context_rows,
         row_blocks,
+        col_blocks,
         total_blocks,
         blocks_per_split,
         KERNEL_ROWS=kernel_rows,
         KERNEL_COLS=kernel_cols,
         HAS_PREVIOUS=previous is not None,
         HAS_KEEP=keep is not None,
-        BLOCK_C=block_heads,
-        BLOCK_R=WEIGHT_BLOCK_ROWS,
-        BLOCK_K=WEIGHT_BLOCK_COLS,
+        **weight_tiles,
     )
-    # [split, o, tap, c, tile] -> [o, c, tap]; every tap's program summed the same gradient for the bias.
-    grad_weight = partial_weight.sum((0, 4))[:, :, :heads].transpose(1, 2)
-    grad_bias = partial_bias[:, :, 0].sum((0, 2))
+    sums = partial.sum(0)[:heads]
+    grad_weight, grad_bias = sums[:, : columns - 1], sums[:, columns - 1]
     return grad_scores, grad_previous, grad_weight.reshape(heads, heads, kernel_rows, kernel_cols), grad_bias
+
+
+def _tiles(dtype: torch.dtype) -> SimpleNamespace:
+    """The tile settings for maps of ``dtype``: the module's, with HALF_PRECISION_TILES over them for half-precision
+    maps on a GPU (read at call time, so that tests can set them)."""
+    tiles = {name: globals()[name] for name in _TILE_NAMES}
+    if dtype != torch.float32 and not _interpreting():
+        tiles.update(HALF_PRECISION_TILES)
+    return SimpleNamespace(**tiles)
+
+
+def _product_tiles(
+    heads: int, dtype: torch.dtype, block_rows: int, block_cols: int, tap_block: int, num_warps: int
+) -> dict[str, object]:
+    """A launch's constexpr tile arguments and warps: the heads padded to a power of two of at least 16 (tl.dot's
+    smallest side), the pixel tile, the reduction block, and how the maps are multiplied: half-precision maps in
+    their own dtype (on tensor cores where the kernels are compiled), float32 maps as three TF32 products
+    (float32 accuracy; "ieee" ran 20x slower on an H100), or in the interpreter as float32 (its bfloat16
+    products are wrong)."""
+    return {
+        "BLOCK_H": max(16, triton.next_power_of_2(heads)),
+        "BLOCK_Q": block_rows,
+        "BLOCK_K": block_cols,
+        "BLOCK_TAPS": tap_block,
+        "HALF": dtype != torch.float32,
+        "TENSOR_CORES": dtype != torch.float32 and not _interpreting(),
+        "FP32_PRECISION": "ieee" if _interpreting() else "tf32x3",
+        "num_warps": num_warps,
+    }
 
 
 def _kernels() -> SimpleNamespace:
@@ -354,51 +432,82 @@ if tl is not None:
         HAS_SAVED: tl.constexpr,
         HAS_OUT_KEEP: tl.constexpr,
         HAS_BLEND: tl.constexpr,
+        BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        BLOCK_TAPS: tl.constexpr,
+        HALF: tl.constexpr,
+        TENSOR_CORES: tl.constexpr,
+        FP32_PRECISION: tl.constexpr,
     ):
         """out[b, o, i, j] = epilogue(bias[o] + sum_{c,dy,dx} w[o,c,dy,dx] * a[b, c, i+dy+row_shift, j+dx-kw//2]),
-        a = (x mixed with lerp_end) * in_keep, zero outside the map."""
-        pid = tl.program_id(0)
-        # int64 offsets: B * H * Q * K overflows int32 for long sequences.
-        b = (pid // heads).to(tl.int64)
-        o = pid % heads
-        i = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        j = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = (x mixed with lerp_end) * in_keep, zero outside the map.
+
+        One program computes every output head of a BLOCK_Q x BLOCK_K tile of pixels as a matrix product:
+        [heads, heads * taps] weights times the [heads * taps, pixels] input taps (an implicit im2col, gathered
+        BLOCK_TAPS rows at a time as it is loaded), so each input value is read once per tap, not once per tap
+        and output head."""
+        # The pointers move to the program's batch element in int64 (B * H * Q * K overflows int32 for long
+        # sequences); offsets within an element are int32 (applicable() checks H * Q * K fits), which keeps the
+        # index arithmetic of the gathered taps cheap.
+        b = tl.program_id(0).to(tl.int64)
+        element = b * heads * rows * cols
+        x_ptr += element
+        out_ptr += element
+        if HAS_END:
+            end_ptr += element
+        if HAS_SAVED:
+            saved_ptr += element
+        if HAS_BLEND:
+            blend_ptr += element
+        if HAS_IN_KEEP:
+            in_keep_ptr += b * in_keep_batch_stride
+        if HAS_OUT_KEEP:
+            out_keep_ptr += b * out_keep_batch_stride
+        pixel = tl.arange(0, BLOCK_Q * BLOCK_K)
+        i = tl.program_id(1) * BLOCK_Q + pixel // BLOCK_K
+        j = tl.program_id(2) * BLOCK_K + pixel % BLOCK_K
+        o = tl.arange(0, BLOCK_H)
         plane = rows * cols
-        acc = tl.full([BLOCK_Q, BLOCK_K], 0.0, tl.float32)
-        # Taps outside, heads inside: the bounds and the mask (shared by the heads) are computed once per tap.
-        for dy in tl.static_range(KERNEL_ROWS):
-            r = i + dy + row_shift
-            row_inside = (r >= 0) & (r < rows)
-            for dx in tl.static_range(KERNEL_COLS):
-                s = j + dx - KERNEL_COLS // 2
-                inside = row_inside[:, None] & ((s >= 0) & (s < cols))[None, :]
-                at = r[:, None] * cols + s[None, :]
-                if HAS_IN_KEEP:
-                    keep_at = b * in_keep_batch_stride + r[:, None] * in_keep_row_stride
-                    keep_at = keep_at + s[None, :] * in_keep_col_stride
-                    keep = tl.load(in_keep_ptr + keep_at, mask=inside, other=0.0).to(tl.float32)
-                for c in range(heads):
-                    head_at = (b * heads + c) * plane + at
-                    a = tl.load(x_ptr + head_at, mask=inside, other=0.0).to(tl.float32)
-                    if HAS_END:
-                        end = tl.load(end_ptr + head_at, mask=inside, other=0.0).to(tl.float32)
-                        a = a + lerp_weight * (end - a)
-                    if HAS_IN_KEEP:
-                        a = a * keep
-                    acc += tl.load(w_ptr + ((o * heads + c) * KERNEL_ROWS + dy) * KERNEL_COLS + dx) * a
+        taps_per_head = KERNEL_ROWS * KERNEL_COLS
+        reduction = heads * taps_per_head
+        acc = tl.full([BLOCK_H, BLOCK_Q * BLOCK_K], 0.0, tl.float32)
+        for start in range(0, reduction, BLOCK_TAPS):
+            k = start + tl.arange(0, BLOCK_TAPS)  # (input head, tap) pairs
+            c = k // taps_per_head
+            dy = (k % taps_per_head) // KERNEL_COLS
+            dx = k % KERNEL_COLS
+            r = i[None, :] + (dy + row_shift)[:, None]
+            s = j[None, :] + (dx - KERNEL_COLS // 2)[:, None]
+            inside = (k < reduction)[:, None] & (r >= 0) & (r < rows) & (s >= 0) & (s < cols)
+            at = c[:, None] * plane + r * cols + s
+            a = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
+            if HAS_END:
+                end = tl.load(end_ptr + at, mask=inside, other=0.0).to(tl.float32)
+                a = a + lerp_weight * (end - a)
+            if HAS_IN_KEEP:
+                keep_at = r * in_keep_row_stride + s * in_keep_col_stride
+                a = a * tl.load(in_keep_ptr + keep_at, mask=inside, other=0.0).to(tl.float32)
+            w_inside = (o < heads)[:, None] & (k < reduction)[None, :]
+            w = tl.load(w_ptr + o[:, None] * reduction + k[None, :], mask=w_inside, other=0.0)
+            if HALF:  # half-precision maps: the products' operands are rounded to the map's dtype
+                w, a = w.to(x_ptr.dtype.element_ty), a.to(x_ptr.dtype.element_ty)
+            if TENSOR_CORES:  # half precision on tensor cores, accumulating in float32
+                acc = tl.dot(w, a, acc)
+            else:  # float32 maps (3xTF32: float32 accuracy), or the interpreter (its bfloat16 products are wrong)
+                acc = tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision=FP32_PRECISION)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + o)
+            acc += tl.load(bias_ptr + o, mask=o < heads, other=0.0)[:, None]
         if RELU:
             acc = tl.maximum(acc, 0.0)
-        inside = (i < rows)[:, None] & (j < cols)[None, :]
-        at = (b * heads + o) * plane + i[:, None] * cols + j[None, :]
+        pixel_inside = (i < rows) & (j < cols)
+        inside = (o < heads)[:, None] & pixel_inside[None, :]
+        at = o[:, None] * plane + (i * cols + j)[None, :]
         if HAS_SAVED:
             tl.store(saved_ptr + at, acc > 0.0, mask=inside)
         if HAS_OUT_KEEP:
-            keep_at = b * out_keep_batch_stride + i[:, None] * out_keep_row_stride + j[None, :] * out_keep_col_stride
-            acc = acc * tl.load(out_keep_ptr + keep_at, mask=inside, other=0.0).to(tl.float32)
+            keep_at = i * out_keep_row_stride + j * out_keep_col_stride
+            acc = acc * tl.load(out_keep_ptr + keep_at, mask=pixel_inside, other=0.0).to(tl.float32)[None, :]
         if HAS_BLEND:
             mixed = tl.load(blend_ptr + at, mask=inside, other=0.0).to(tl.float32)
             if HAS_END:  # the CPU kernel mixes blend with lerp_end like x (blend is S: the blend adds A_in)
@@ -428,39 +537,63 @@ if tl is not None:
         KERNEL_COLS: tl.constexpr,
         HAS_KEEP: tl.constexpr,
         HAS_SECOND: tl.constexpr,
+        BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        BLOCK_TAPS: tl.constexpr,
+        HALF: tl.constexpr,
+        TENSOR_CORES: tl.constexpr,
+        FP32_PRECISION: tl.constexpr,
     ):
         """v[b, c, r, s] = keep * sum_{o,dy,dx} w[o,c,dy,dx] * gy[b, o, r-dy+context_rows, s-dx+kw//2]
         + blend_coef * grad[b, c, r, s] with gy = grad * gate; out = out_scale * v, out2 = out2_scale * v.
 
-        Reading w[o, c] at mirrored offsets is the correlation with the flipped, transposed kernel that the CPU
-        kernel precomputes, without a copy of the kernel."""
-        pid = tl.program_id(0)
-        b = (pid // heads).to(tl.int64)
-        c = pid % heads
-        i = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        j = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
-        plane = rows * cols
-        acc = tl.full([BLOCK_Q, BLOCK_K], 0.0, tl.float32)
-        for dy in tl.static_range(KERNEL_ROWS):
-            r = i - dy + context_rows
-            row_inside = (r >= 0) & (r < rows)
-            for dx in tl.static_range(KERNEL_COLS):
-                s = j - dx + KERNEL_COLS // 2
-                inside = row_inside[:, None] & ((s >= 0) & (s < cols))[None, :]
-                at = r[:, None] * cols + s[None, :]
-                for o in range(heads):
-                    head_at = (b * heads + o) * plane + at
-                    g = tl.load(grad_ptr + head_at, mask=inside, other=0.0).to(tl.float32)
-                    open_gate = tl.load(gate_ptr + head_at, mask=inside, other=0).to(tl.int1)
-                    w = tl.load(w_ptr + ((o * heads + c) * KERNEL_ROWS + dy) * KERNEL_COLS + dx)
-                    acc += w * tl.where(open_gate, g, 0.0)
-        inside = (i < rows)[:, None] & (j < cols)[None, :]
+        As in the forward kernel, one program computes every head of a tile of pixels as one matrix product,
+        of the transposed weights ([c, (o, tap)], read at mirrored offsets: the correlation with the flipped,
+        transposed kernel, without a copy of it) and the gated gradient's taps."""
+        b = tl.program_id(0).to(tl.int64)  # int64 to the batch element, int32 within it (see above)
+        element = b * heads * rows * cols
+        grad_ptr += element
+        gate_ptr += element
+        out_ptr += element
+        if HAS_SECOND:
+            out2_ptr += element
         if HAS_KEEP:
-            keep_at = b * keep_batch_stride + i[:, None] * keep_row_stride + j[None, :] * keep_col_stride
-            acc = acc * tl.load(keep_ptr + keep_at, mask=inside, other=0.0).to(tl.float32)
-        at = (b * heads + c) * plane + i[:, None] * cols + j[None, :]
+            keep_ptr += b * keep_batch_stride
+        pixel = tl.arange(0, BLOCK_Q * BLOCK_K)
+        i = tl.program_id(1) * BLOCK_Q + pixel // BLOCK_K
+        j = tl.program_id(2) * BLOCK_K + pixel % BLOCK_K
+        c = tl.arange(0, BLOCK_H)
+        plane = rows * cols
+        taps_per_head = KERNEL_ROWS * KERNEL_COLS
+        reduction = heads * taps_per_head
+        acc = tl.full([BLOCK_H, BLOCK_Q * BLOCK_K], 0.0, tl.float32)
+        for start in range(0, reduction, BLOCK_TAPS):
+            k = start + tl.arange(0, BLOCK_TAPS)  # (output head, tap) pairs
+            o = k // taps_per_head
+            tap = k % taps_per_head
+            r = i[None, :] + (context_rows - tap // KERNEL_COLS)[:, None]
+            s = j[None, :] + (KERNEL_COLS // 2 - k % KERNEL_COLS)[:, None]
+            inside = (k < reduction)[:, None] & (r >= 0) & (r < rows) & (s >= 0) & (s < cols)
+            at = o[:, None] * plane + r * cols + s
+            g = tl.load(grad_ptr + at, mask=inside, other=0.0)
+            open_gate = tl.load(gate_ptr + at, mask=inside, other=0).to(tl.int1)
+            g = tl.where(open_gate, g, 0.0).to(tl.float32)
+            w_inside = (c < heads)[:, None] & (k < reduction)[None, :]
+            w_at = (o[None, :] * heads + c[:, None]) * taps_per_head + tap[None, :]
+            w = tl.load(w_ptr + w_at, mask=w_inside, other=0.0)
+            if HALF:  # half-precision maps: the products' operands are rounded to the map's dtype
+                w, g = w.to(grad_ptr.dtype.element_ty), g.to(grad_ptr.dtype.element_ty)
+            if TENSOR_CORES:  # half precision on tensor cores, accumulating in float32
+                acc = tl.dot(w, g, acc)
+            else:  # float32 maps (3xTF32: float32 accuracy), or the interpreter (its bfloat16 products are wrong)
+                acc = tl.dot(w.to(tl.float32), g.to(tl.float32), acc, input_precision=FP32_PRECISION)
+        pixel_inside = (i < rows) & (j < cols)
+        inside = (c < heads)[:, None] & pixel_inside[None, :]
+        if HAS_KEEP:
+            keep_at = i * keep_row_stride + j * keep_col_stride
+            acc = acc * tl.load(keep_ptr + keep_at, mask=pixel_inside, other=0.0).to(tl.float32)[None, :]
+        at = c[:, None] * plane + (i * cols + j)[None, :]
         acc += blend_coef * tl.load(grad_ptr + at, mask=inside, other=0.0).to(tl.float32)
         tl.store(out_ptr + at, (out_scale * acc).to(out_ptr.dtype.element_ty), mask=inside)
         if HAS_SECOND:
@@ -476,75 +609,80 @@ if tl is not None:
         keep_col_stride,
         grad_ptr,
         gate_ptr,
-        partial_weight_ptr,
-        partial_bias_ptr,
+        partial_ptr,
         heads,
         rows,
         cols,
         context_rows,
         row_blocks,
+        col_blocks,
         total_blocks,
         blocks_per_split,
         KERNEL_ROWS: tl.constexpr,
         KERNEL_COLS: tl.constexpr,
         HAS_PREVIOUS: tl.constexpr,
         HAS_KEEP: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BLOCK_R: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        BLOCK_TAPS: tl.constexpr,
+        HALF: tl.constexpr,
+        TENSOR_CORES: tl.constexpr,
+        FP32_PRECISION: tl.constexpr,
     ):
-        """partial_weight[split, o, tap] = the [BLOCK_C, BLOCK_R, BLOCK_K] sums over the split's row blocks of
-        gy[b, o, i, j] times the masked A_in[b, c, i+dy-context_rows, j+dx-kw//2] (c along BLOCK_C);
-        partial_bias[split, o, tap] = the [BLOCK_R, BLOCK_K] sums of gy[b, o] (the same for every tap).
+        """partial[split, o, k] = the sums over the split's tiles of gy[b, o, i, j] * a_k[b, i, j], where for
+        k = (c, dy, dx) < heads * taps a_k is the masked A_in[b, c, i+dy-context_rows, j+dx-kw//2] and for
+        k = heads * taps it is 1 (so that column holds the bias gradient).
 
-        A gradient tile of head o multiplies the tiles of all input heads at once, mixed and masked where they
-        are read. The accumulators are stored whole and summed by torch rather than reduced with tl.sum, which
-        the interpreter may be unable to run (see the module docstring)."""
-        o = tl.program_id(0)
-        tap = tl.program_id(1)
-        split = tl.program_id(2)
-        dy = tap // KERNEL_COLS
-        dx = tap % KERNEL_COLS
-        channels = tl.arange(0, BLOCK_C)
-        lanes_r = tl.arange(0, BLOCK_R)
-        lanes_k = tl.arange(0, BLOCK_K)
-        channel_inside = channels < heads
-        acc = tl.full([BLOCK_C, BLOCK_R, BLOCK_K], 0.0, tl.float32)
-        acc_bias = tl.full([BLOCK_R, BLOCK_K], 0.0, tl.float32)
+        Each program takes one block of BLOCK_TAPS columns k (program axis 1) and a run of tiles (axis 0): per
+        tile, the [heads, pixels] gated gradient times the [pixels, BLOCK_TAPS] gathered input taps. The
+        per-split partial sums are added up by torch, in a fixed order (deterministic, no atomics)."""
+        split = tl.program_id(0)
+        o = tl.arange(0, BLOCK_H)
+        k = tl.program_id(1) * BLOCK_TAPS + tl.arange(0, BLOCK_TAPS)
+        taps_per_head = KERNEL_ROWS * KERNEL_COLS
+        reduction = heads * taps_per_head
+        c = k // taps_per_head
+        dy = (k % taps_per_head) // KERNEL_COLS
+        dx = k % KERNEL_COLS
+        pixel = tl.arange(0, BLOCK_Q * BLOCK_K)
+        plane = rows * cols
+        acc = tl.full([BLOCK_H, BLOCK_TAPS], 0.0, tl.float32)
         first = split * blocks_per_split
         last = tl.minimum(first + blocks_per_split, total_blocks)
         for block in range(first, last):
-            b = (block // row_blocks).to(tl.int64)
-            i = (block % row_blocks) * BLOCK_R + lanes_r
-            r = i + dy - context_rows
-            row_inside = (r >= 0) & (r < rows)
-            grad_rows = ((b * heads + o) * rows + i) * cols
-            input_rows = ((b * heads + channels) * rows)[:, None] + r[None, :]
-            for start in range(0, cols, BLOCK_K):
-                j = start + lanes_k
-                inside = (i < rows)[:, None] & (j < cols)[None, :]
-                g = tl.load(grad_ptr + grad_rows[:, None] + j[None, :], mask=inside, other=0.0).to(tl.float32)
-                open_gate = tl.load(gate_ptr + grad_rows[:, None] + j[None, :], mask=inside, other=0).to(tl.int1)
-                g = tl.where(open_gate, g, 0.0)
-                acc_bias += g
-                s = j + dx - KERNEL_COLS // 2
-                source_inside = row_inside[:, None] & ((s >= 0) & (s < cols))[None, :]
-                loaded = channel_inside[:, None, None] & source_inside[None, :, :]
-                at = input_rows[:, :, None] * cols + s[None, None, :]
-                a = tl.load(scores_ptr + at, mask=loaded, other=0.0).to(tl.float32)
-                if HAS_PREVIOUS:
-                    p = tl.load(previous_ptr + at, mask=loaded, other=0.0).to(tl.float32)
-                    a = a + alpha * (p - a)
-                if HAS_KEEP:
-                    keep_at = b * keep_batch_stride + r[:, None] * keep_row_stride + s[None, :] * keep_col_stride
-                    keep = tl.load(keep_ptr + keep_at, mask=source_inside, other=0.0).to(tl.float32)
-                    a = a * keep[None, :, :]
-                acc += g[None, :, :] * a
-        program = (split * heads + o) * (KERNEL_ROWS * KERNEL_COLS) + tap
-        tile = lanes_r[:, None] * BLOCK_K + lanes_k[None, :]
-        weight_at = program * (BLOCK_C * BLOCK_R * BLOCK_K) + channels[:, None, None] * (BLOCK_R * BLOCK_K)
-        tl.store(partial_weight_ptr + weight_at + tile[None, :, :], acc)
-        tl.store(partial_bias_ptr + program * (BLOCK_R * BLOCK_K) + tile, acc_bias)
+            tiles = row_blocks * col_blocks
+            b = (block // tiles).to(tl.int64)  # int64 to the batch element, int32 within it (see above)
+            element = b * heads * plane
+            keep_base = b * keep_batch_stride
+            i = ((block % tiles) // col_blocks) * BLOCK_Q + pixel // BLOCK_K
+            j = (block % col_blocks) * BLOCK_K + pixel % BLOCK_K
+            pixel_inside = (i < rows) & (j < cols)
+            grad_inside = (o < heads)[:, None] & pixel_inside[None, :]
+            grad_at = o[:, None] * plane + (i * cols + j)[None, :]
+            g = tl.load(grad_ptr + element + grad_at, mask=grad_inside, other=0.0)
+            open_gate = tl.load(gate_ptr + element + grad_at, mask=grad_inside, other=0).to(tl.int1)
+            g = tl.where(open_gate, g, 0.0).to(tl.float32)
+            r = i[:, None] + (dy - context_rows)[None, :]
+            s = j[:, None] + (dx - KERNEL_COLS // 2)[None, :]
+            inside = pixel_inside[:, None] & (k < reduction)[None, :] & (r >= 0) & (r < rows) & (s >= 0) & (s < cols)
+            at = c[None, :] * plane + r * cols + s
+            a = tl.load(scores_ptr + element + at, mask=inside, other=0.0).to(tl.float32)
+            if HAS_PREVIOUS:
+                p = tl.load(previous_ptr + element + at, mask=inside, other=0.0).to(tl.float32)
+                a = a + alpha * (p - a)
+            if HAS_KEEP:
+                keep_at = r * keep_row_stride + s * keep_col_stride
+                a = a * tl.load(keep_ptr + keep_base + keep_at, mask=inside, other=0.0).to(tl.float32)
+            a = tl.where(pixel_inside[:, None] & (k == reduction)[None, :], 1.0, a)  # the bias column
+            if HALF:  # half-precision maps: the products' operands are rounded to the map's dtype
+                g, a = g.to(grad_ptr.dtype.element_ty), a.to(grad_ptr.dtype.element_ty)
+            if TENSOR_CORES:  # half precision on tensor cores, accumulating in float32
+                acc = tl.dot(g, a, acc)
+            else:  # float32 maps (3xTF32: float32 accuracy), or the interpreter (its bfloat16 products are wrong)
+                acc = tl.dot(g.to(tl.float32), a.to(tl.float32), acc, input_precision=FP32_PRECISION)
+        at = (split * BLOCK_H + o)[:, None] * (tl.num_programs(1) * BLOCK_TAPS) + k[None, :]
+        tl.store(partial_ptr + at, acc)
 
 
 def evolve(

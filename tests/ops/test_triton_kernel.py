@@ -1,5 +1,6 @@
-"""The Triton kernels of the evolution step, run by Triton's CPU interpreter on CPU tensors, against the torch
-formulation (``ea_hf.modeling.convolution`` with no fused kernel, in float64) and the CPU kernel.
+"""The Triton kernels of the evolution step against the torch formulation (``ea_hf.modeling.convolution`` with
+no fused kernel, on CPU, in float64) and the CPU kernel: every test runs twice, on CPU tensors in Triton's
+interpreter (everywhere, CI included) and compiled on a CUDA GPU (where there is one).
 
 The interpreter runs every program in numpy, slowly: shapes are tiny, and tiles are set small enough (see the
 fixtures) that maps of 5, 7 or 13 rows and columns span several partial tiles and weight-gradient splits.
@@ -19,6 +20,8 @@ import torch.nn.functional as F  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need the optional triton package")
 
+from testing import METHODS, patched_model, tiny_inputs  # noqa: E402
+
 from ea_hf.modeling import convolution  # noqa: E402
 from ea_hf.modeling.history import ConvolutionHistory  # noqa: E402
 from ea_hf.ops import cpu  # noqa: E402
@@ -26,8 +29,20 @@ from ea_hf.ops import triton_kernels as kernels  # noqa: E402
 
 #: Tiles for most tests: one or two tiles per map, few interpreted programs.
 TILES = dict(BLOCK_ROWS=8, BLOCK_COLS=16, WEIGHT_BLOCK_ROWS=8, WEIGHT_BLOCK_COLS=16)
-#: Tiles that split even a 5 x 5 map, and a weight gradient split into parts of several row blocks.
-SMALL_TILES = dict(BLOCK_ROWS=4, BLOCK_COLS=4, WEIGHT_BLOCK_ROWS=2, WEIGHT_BLOCK_COLS=4, WEIGHT_GRAD_PROGRAMS=40)
+#: Tiles that split even a 5 x 5 map, a reduction split into several blocks of (head, tap) pairs, and a weight
+#: gradient split into runs of several tiles, the last one shorter (each side of a product at least 16).
+SMALL_TILES = dict(
+    BLOCK_ROWS=4,
+    BLOCK_COLS=4,
+    TAP_BLOCK=16,
+    WEIGHT_BLOCK_ROWS=2,
+    WEIGHT_BLOCK_COLS=8,
+    WEIGHT_TAP_BLOCK=16,
+    WEIGHT_GRAD_PROGRAMS=10,
+    IN_PLACE_PROGRAMS=8,  # in-place correlation in launches of 2 batch elements (of 3), the last one shorter
+)
+#: The module's own tiles, for whole models.
+DEFAULT_TILES = {name: getattr(kernels, name) for name in (*TILES, *SMALL_TILES, "HALF_PRECISION_TILES")}
 #: Max error relative to the reference's largest magnitude: fp32 kernels, and half-precision maps.
 FP32_TOLERANCE = 1e-5
 HALF_TOLERANCE = 2e-2
@@ -42,12 +57,39 @@ def restore_interpret_setting():
         os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
 
 
+#: Triton's interpreter runs these kernels from 3.9 on; 3.6's fails in them ("only 0-dimensional arrays can be
+#: converted to Python scalars"), though 3.6 compiles them for a GPU.
+INTERPRETER_RUNS_THE_KERNELS = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                not INTERPRETER_RUNS_THE_KERNELS, reason=f"triton {triton.__version__}'s interpreter fails in them"
+            ),
+        ),
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="compiled kernels need a CUDA GPU (the interpreter runs on CPU)"
+            ),
+        ),
+    ]
+)
+def device(request):
+    """Where the kernels run: ``cpu`` in Triton's interpreter, ``cuda`` compiled."""
+    return request.param
+
+
 @pytest.fixture(autouse=True)
-def triton_on(monkeypatch):
+def triton_on(monkeypatch, device):
     monkeypatch.setenv("EA_HF_TRITON", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if device == "cpu" else "0")
     for name, value in TILES.items():
         monkeypatch.setattr(kernels, name, value)
+    monkeypatch.setattr(kernels, "HALF_PRECISION_TILES", {})  # the tests' tiles for every dtype
 
 
 @pytest.fixture
@@ -72,7 +114,13 @@ def calls(monkeypatch):
 
 
 def relative_error(got, want):
-    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+    got, want = got.cpu().double(), want.cpu().double()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def to(device, *tensors):
+    """The tensors (``None`` passes through) on ``device``; references stay on CPU."""
+    return [None if t is None else t.to(device) for t in tensors]
 
 
 def padding_keep(batch, rows, cols, form="full"):
@@ -103,10 +151,13 @@ def make_inputs(batch, heads, rows, cols, kernel_size, causal, dtype=torch.float
     return scores, previous, upstream, weight, bias, context
 
 
-def evolution(monkeypatch, fused, scores, previous, keep, weight, bias, upstream, *, alpha, beta, causal, context):
+def evolution(
+    monkeypatch, fused, scores, previous, keep, weight, bias, upstream, *, alpha, beta, causal, context, device="cpu"
+):
     """A_logit and the gradients of (S, A_prev, weight, bias) through ``evolve_convolution`` with autograd, with
-    ``fused`` as the registered fused kernels (``[]``: the torch operations)."""
+    ``fused`` as the registered fused kernels (``[]``: the torch operations), computed on ``device``."""
     monkeypatch.setattr(convolution, "FUSED_KERNELS", fused)
+    scores, previous, keep, weight, bias, upstream = to(device, scores, previous, keep, weight, bias, upstream)
     s = scores.detach().clone().requires_grad_()
     p = None if previous is None else previous.detach().clone().requires_grad_()
     w, b = weight.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
@@ -169,7 +220,7 @@ STEP_CASES = [
 
 @pytest.mark.parametrize(("kernel_size", "causal", "with_previous", "keep_form", "heads", "rows", "cols"), STEP_CASES)
 def test_evolution_step_matches_torch_and_cpu(
-    monkeypatch, calls, kernel_size, causal, with_previous, keep_form, heads, rows, cols
+    monkeypatch, calls, device, kernel_size, causal, with_previous, keep_form, heads, rows, cols
 ):
     """Forward and all four gradients through evolve_convolution, on the Triton kernels, against the torch
     operations in float64 and the CPU kernel."""
@@ -178,7 +229,9 @@ def test_evolution_step_matches_torch_and_cpu(
     previous = previous if with_previous else None
     keep = None if keep_form is None else padding_keep(batch, rows, cols, keep_form)
     options = dict(alpha=alpha, beta=beta, causal=causal, context=context)
-    got, got_grads = evolution(monkeypatch, [kernels], scores, previous, keep, weight, bias, upstream, **options)
+    got, got_grads = evolution(
+        monkeypatch, [kernels], scores, previous, keep, weight, bias, upstream, **options, device=device
+    )
     assert calls == ["correlate", "backward"]
 
     def double(t):
@@ -202,7 +255,7 @@ def test_evolution_step_matches_torch_and_cpu(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("kernel_size", "causal", "rows", "cols"), [(3, True, 7, 13), (5, False, 7, 5)])
-def test_half_precision_maps(monkeypatch, calls, dtype, kernel_size, causal, rows, cols):
+def test_half_precision_maps(monkeypatch, calls, device, dtype, kernel_size, causal, rows, cols):
     """bfloat16 and float16 maps (float32 accumulation) against the float32 torch operations on the same
     values: the forward without autograd (in place) and with it, and the map gradients."""
     batch, heads, alpha, beta = 2, 3, 0.3, 0.6
@@ -214,9 +267,17 @@ def test_half_precision_maps(monkeypatch, calls, dtype, kernel_size, causal, row
     monkeypatch.setattr(convolution, "FUSED_KERNELS", [kernels])
     with torch.no_grad():
         inference = convolution.evolve_convolution(
-            scores.clone(), keep, weight, bias, beta, causal, None, context, previous=previous, alpha=alpha
+            *to(device, scores.clone(), keep, weight, bias),
+            beta,
+            causal,
+            None,
+            context,
+            alpha=alpha,
+            previous=previous.to(device),
         )
-    got, got_grads = evolution(monkeypatch, [kernels], scores, previous, keep, weight, bias, upstream, **options)
+    got, got_grads = evolution(
+        monkeypatch, [kernels], scores, previous, keep, weight, bias, upstream, **options, device=device
+    )
     assert calls == ["correlate", "correlate", "backward"]
     floats = [t.float() for t in (scores, previous, keep, weight, bias, upstream)]
     want, want_grads = evolution(monkeypatch, [], *floats, **options)
@@ -239,7 +300,7 @@ def test_half_precision_maps(monkeypatch, calls, dtype, kernel_size, causal, row
         ("blend", 1, 1, 0),  # blend and output mask without lerp_end, no ReLU
     ],
 )
-def test_correlate_options_match_torch(options, kernel_rows, kernel_cols, row_shift):
+def test_correlate_options_match_torch(device, options, kernel_rows, kernel_cols, row_shift):
     """Each option of correlate, over tiles that split the map and the heads, against torch and the CPU kernel."""
     generator = torch.Generator().manual_seed(3)
     batch, heads, rows, cols = 2, 3, 7, 5
@@ -254,10 +315,13 @@ def test_correlate_options_match_torch(options, kernel_rows, kernel_cols, row_sh
     }[options]
     with_bias = None if options == "bare" else bias
     saved = torch.empty_like(x, dtype=torch.bool)
-    out = kernels.correlate(x, weight, with_bias, row_shift=row_shift, saved=saved, **choices)
+    on_device = {name: value.to(device) if torch.is_tensor(value) else value for name, value in choices.items()}
+    saved_on_device = saved.to(device)
+    out = kernels.correlate(*to(device, x, weight, with_bias), row_shift=row_shift, saved=saved_on_device, **on_device)
     want, want_saved = correlate_with_torch(x, weight, with_bias, row_shift, **choices)
     assert relative_error(out, want) <= FP32_TOLERANCE
-    assert torch.equal(saved, want_saved)
+    assert torch.equal(saved_on_device.cpu(), want_saved)
+    saved = saved_on_device.cpu()
     if cpu.applicable(x, keep=keep, weight=weight):
         cpu_saved = torch.empty_like(saved)
         on_cpu = cpu.correlate(x, weight, with_bias, row_shift=row_shift, saved=cpu_saved, **choices)
@@ -267,7 +331,7 @@ def test_correlate_options_match_torch(options, kernel_rows, kernel_cols, row_sh
 
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(("kernel_size", "causal", "with_previous"), [(3, False, True), (3, True, False)])
-def test_backward_over_small_tiles_matches_cpu(kernel_size, causal, with_previous):
+def test_backward_over_small_tiles_matches_cpu(device, kernel_size, causal, with_previous):
     """backward with tiles, head blocks and weight-gradient splits that do not divide the map, against the CPU
     kernel's backward on the same arguments and against the float64 torch operations."""
     batch, heads, rows, cols, alpha, beta = 3, 3, 7, 5, 0.25, 0.4
@@ -278,7 +342,7 @@ def test_backward_over_small_tiles_matches_cpu(kernel_size, causal, with_previou
         scores, weight * beta, bias * beta, -context, lerp_end=previous, lerp_weight=alpha, in_keep=keep, relu=True
     )
     arguments = (scores, previous, alpha, keep, upstream, gate, weight * beta, context, beta)
-    grads = kernels.backward(*arguments)
+    grads = kernels.backward(*(t.to(device) if torch.is_tensor(t) else t for t in arguments))
     # The torch operations' backward, written out (convolution.EvolveConvolution.backward without a kernel).
     grad_convolved = convolution.relu_gate(upstream.double(), gate)
     scales = (1.0, None) if previous is None else (1.0 - alpha, alpha)
@@ -302,7 +366,7 @@ def test_backward_over_small_tiles_matches_cpu(kernel_size, causal, with_previou
 
 
 @pytest.mark.parametrize("kernel_size", [3, 5])
-def test_cached_decoding_prefill_and_steps_on_triton(monkeypatch, calls, kernel_size):
+def test_cached_decoding_prefill_and_steps_on_triton(monkeypatch, calls, device, kernel_size):
     """Cached decoding: the first step (no earlier rows) runs on the Triton kernel and leaves its last rows in the
     history; later one-row steps run on it too, over those rows and their own (the kept-row form). Outputs and
     kept rows match an all-torch decode."""
@@ -311,23 +375,25 @@ def test_cached_decoding_prefill_and_steps_on_triton(monkeypatch, calls, kernel_
     keep = torch.ones(batch, 1, prompt + 2, prompt + 2).tril()  # the decoder's causal mask
     keep[1, :, :, 0] = 0  # left padding in batch element 1
     outputs = {}
-    for name, fused in (("triton", [kernels]), ("torch", [])):
+    for name, fused, where in (("triton", [kernels], device), ("torch", [], "cpu")):
         monkeypatch.setattr(convolution, "FUSED_KERNELS", fused)
         history, steps = ConvolutionHistory(), []
+        on_device = to(where, scores, keep, weight, bias, previous)
         with torch.no_grad():
             for first, last in ((0, prompt), (prompt, prompt + 1), (prompt + 1, prompt + 2)):
                 rows = (slice(None), slice(None), slice(first, last), slice(0, last))
+                step_scores, step_keep, step_weight, step_bias, step_previous = on_device
                 steps.append(
                     convolution.evolve_convolution(
-                        scores[rows].clone(),
-                        keep[rows],
-                        weight,
-                        bias,
+                        step_scores[rows].clone(),
+                        step_keep[rows],
+                        step_weight,
+                        step_bias,
                         beta,
                         True,
                         history,
                         context,
-                        previous=previous[rows],
+                        previous=step_previous[rows],
                         alpha=alpha,
                     )
                 )
@@ -342,7 +408,7 @@ def test_cached_decoding_prefill_and_steps_on_triton(monkeypatch, calls, kernel_
 
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(("dtype", "kernel_rows", "row_shift"), [(torch.float32, 3, -1), (torch.bfloat16, 2, -1)])
-def test_in_place_output_equals_a_separate_one(dtype, kernel_rows, row_shift):
+def test_in_place_output_equals_a_separate_one(device, dtype, kernel_rows, row_shift):
     """Writing over the input gives the same bits as a separate output, though every tile reads rows and heads
     that other tiles write."""
     generator = torch.Generator().manual_seed(0)
@@ -350,6 +416,7 @@ def test_in_place_output_equals_a_separate_one(dtype, kernel_rows, row_shift):
     x, end = (torch.randn(batch, heads, rows, cols, generator=generator).to(dtype) for _ in range(2))
     weight, bias = torch.randn(heads, heads, kernel_rows, 3, generator=generator), torch.randn(heads)
     keep = padding_keep(batch, rows, cols).to(dtype)
+    x, end, weight, bias, keep = to(device, x, end, weight, bias, keep)
     options = dict(row_shift=row_shift, lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend_coef=0.6)
     separate_saved, saved = (torch.empty_like(x, dtype=torch.bool) for _ in range(2))
     separate = kernels.correlate(x, weight, bias, blend=x, saved=separate_saved, **options)
@@ -361,32 +428,71 @@ def test_in_place_output_equals_a_separate_one(dtype, kernel_rows, row_shift):
     assert not torch.equal(result, x)
 
 
-def test_applicable_needs_the_opt_in_and_the_interpreter(monkeypatch):
-    maps, weight = torch.zeros(1, 4, 5, 5), torch.zeros(4, 4, 3, 3)
-    assert kernels.applicable(maps, keep=torch.ones(1, 1, 5, 5), weight=weight)
+def test_applicable_needs_the_opt_in_and_on_cpu_the_interpreter(monkeypatch, device):
+    maps, weight, keep = to(device, torch.zeros(1, 4, 5, 5), torch.zeros(4, 4, 3, 3), torch.ones(1, 1, 5, 5))
+    assert kernels.applicable(maps, keep=keep, weight=weight)
     monkeypatch.setenv("EA_HF_TRITON", "0")
-    assert not kernels.applicable(maps, weight=weight)  # off unless asked for: never run on a GPU
+    assert not kernels.applicable(maps, weight=weight)  # off unless asked for
     monkeypatch.delenv("EA_HF_TRITON")
     assert not kernels.applicable(maps, weight=weight)
     monkeypatch.setenv("EA_HF_TRITON", "1")
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert not kernels.applicable(maps, weight=weight)  # CPU tensors only through the interpreter
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # CPU tensors only through the interpreter; CUDA tensors compiled.
+    assert kernels.applicable(maps, weight=weight) == (device == "cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if device == "cpu" else "0")
     monkeypatch.setattr(kernels, "triton", None)
     assert not kernels.applicable(maps, weight=weight)  # triton not installed
 
 
-def test_applicable_declines_what_it_does_not_take():
-    maps, weight = torch.zeros(2, 4, 5, 5), torch.zeros(4, 4, 3, 3)
+def test_applicable_declines_what_it_does_not_take(device):
+    maps, weight = to(device, torch.zeros(2, 4, 5, 5), torch.zeros(4, 4, 3, 3))
+
+    def ones(*shape):
+        return torch.ones(*shape, device=device)
+
+    def zeros(*shape):
+        return torch.zeros(*shape, device=device)
+
     assert kernels.applicable(maps, maps.bfloat16(), keep=None, weight=weight) is False  # mixed dtypes
     assert not kernels.applicable(maps.double(), weight=weight)
     assert not kernels.applicable(maps[0], weight=weight)  # 3-D map
-    assert not kernels.applicable(maps, keep=torch.ones(2, 4, 5, 5), weight=weight)  # a mask per head
-    assert not kernels.applicable(maps, keep=torch.ones(4, 5, 5), weight=weight)  # the same, broadcast
-    assert not kernels.applicable(maps, weight=torch.zeros(4, 4, 3, 4))  # even width: no centre column
-    assert not kernels.applicable(maps, weight=torch.zeros(4, 4, 9, 9))  # taller than 8 rows
-    assert not kernels.applicable(maps, weight=torch.zeros(3, 3, 3, 3))  # kernel for other heads
-    assert not kernels.applicable(torch.zeros(1, 65, 5, 5), weight=torch.zeros(65, 65, 3, 3))
+    assert not kernels.applicable(maps, keep=ones(2, 4, 5, 5), weight=weight)  # a mask per head
+    assert not kernels.applicable(maps, keep=ones(4, 5, 5), weight=weight)  # the same, broadcast
+    assert not kernels.applicable(maps, keep=torch.ones(2, 1, 5, 5, device="meta"), weight=weight)  # elsewhere
+    assert not kernels.applicable(maps, weight=zeros(4, 4, 3, 4))  # even width: no centre column
+    assert not kernels.applicable(maps, weight=zeros(4, 4, 9, 9))  # taller than 8 rows
+    assert not kernels.applicable(maps, weight=zeros(3, 3, 3, 3))  # kernel for other heads
+    assert not kernels.applicable(zeros(1, 65, 5, 5), weight=zeros(65, 65, 3, 3))
     assert not kernels.applicable(maps.to("meta"), weight=weight)  # neither CUDA nor CPU
-    assert kernels.applicable(maps, keep=torch.ones(5, 5), weight=weight)  # broadcast to [B, 1, Q, K]
-    assert kernels.applicable(maps.half(), maps.half(), keep=torch.ones(2, 1, 1, 5), weight=weight)
+    assert kernels.applicable(maps, keep=ones(5, 5), weight=weight)  # broadcast to [B, 1, Q, K]
+    assert kernels.applicable(maps.half(), maps.half(), keep=ones(2, 1, 1, 5), weight=weight)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, FP32_TOLERANCE), (torch.bfloat16, 5e-2)])
+def test_patched_model_on_triton_matches_torch_operations(monkeypatch, calls, device, dtype, tolerance):
+    """A whole EA BERT (three chained layers, right padding) on the Triton kernels: its output and every
+    parameter's gradient match the same model on CPU in float32 on torch operations. The module's own tiles."""
+    for name, value in DEFAULT_TILES.items():
+        monkeypatch.setattr(kernels, name, value)
+    inputs = tiny_inputs("bert")
+    results = {}
+    for name, fused, where, model_dtype in (("triton", [kernels], device, dtype), ("torch", [], "cpu", None)):
+        monkeypatch.setattr(convolution, "FUSED_KERNELS", fused)
+        model = patched_model("bert", METHODS["conv"]).to(dtype)  # in eval mode: no dropout
+        if model_dtype is None:
+            model = model.float()  # the same (rounded) weights, computed in float32
+        model = model.to(where)
+        output = model(**{key: value.to(where) for key, value in inputs.items()}).last_hidden_state
+        (output.float() * torch.linspace(-1, 1, output.shape[-1], device=where)).sum().backward()
+        results[name] = output, {key: p.grad for key, p in model.named_parameters() if p.grad is not None}
+    assert calls.count("correlate") == calls.count("backward") == 3  # one of each per layer
+    (got, got_grads), (want, want_grads) = results["triton"], results["torch"]
+    assert got.dtype == dtype
+    assert relative_error(got, want) <= tolerance
+    assert got_grads.keys() == want_grads.keys()
+    assert sum("evolving_attention" in key for key in got_grads) == 6  # weight and bias of 3 layers
+    # Relative to the largest gradient entry of the model: some gradients are zero up to rounding (the last
+    # layer's evolution bias, where every gate is open, sums a softmax gradient's rows, which sum to zero).
+    scale = max(grad.abs().max().item() for grad in want_grads.values())
+    for key, want_grad in want_grads.items():
+        assert (got_grads[key].cpu().double() - want_grad.double()).abs().max().item() <= tolerance * scale, key
