@@ -15,8 +15,10 @@ The module provides the three functions of ``ea_hf.modeling.convolution.FusedKer
   tap) pairs and run of tiles, with per-program partial sums reduced by torch (deterministic, no atomics).
   Neither materialises A_in, the gated gradient or the masked input.
 
-Products of float32 maps are three TF32 products each on a GPU (float32 accuracy on tensor cores); half-precision
-maps are multiplied in their own dtype.
+On a GPU, products of float32 maps run on tensor cores: in TF32 where ``torch.backends.cudnn.allow_tf32`` allows
+it (as the torch operations' cuDNN convolution does; torch's default), else as three TF32 products (float32
+accuracy); half-precision maps are multiplied in their own dtype. Whole models in half precision evolve float32
+maps (the attention core upcasts them), so the float32 kernels are the ones models run.
 
 Opt-in only. The kernels pass their tests on an H100 (``tests/ops/test_triton_kernel.py`` runs every test both
 in Triton's CPU interpreter, ``TRITON_INTERPRET=1``, and compiled on CUDA where a GPU is present), but whole EA
@@ -362,14 +364,22 @@ def _tiles(dtype: torch.dtype) -> SimpleNamespace:
     return SimpleNamespace(**tiles)
 
 
+def _float32_precision() -> str:
+    """tl.dot's input precision for float32 maps (see :func:`_product_tiles`), read at call time."""
+    if _interpreting():
+        return "ieee"
+    return "tf32" if torch.backends.cudnn.allow_tf32 else "tf32x3"
+
+
 def _product_tiles(
     heads: int, dtype: torch.dtype, block_rows: int, block_cols: int, tap_block: int, num_warps: int
 ) -> dict[str, object]:
     """A launch's constexpr tile arguments and warps: the heads padded to a power of two of at least 16 (tl.dot's
     smallest side), the pixel tile, the reduction block, and how the maps are multiplied: half-precision maps in
-    their own dtype (on tensor cores where the kernels are compiled), float32 maps as three TF32 products
-    (float32 accuracy; "ieee" ran 20x slower on an H100), or in the interpreter as float32 (its bfloat16
-    products are wrong)."""
+    their own dtype (on tensor cores where the kernels are compiled); float32 maps as the torch operations'
+    cuDNN convolution would, in TF32 where ``torch.backends.cudnn.allow_tf32`` (torch's default) allows it, else
+    as three TF32 products (float32 accuracy; "ieee" ran 20x slower on an H100); in the interpreter always in
+    float32 (its bfloat16 products are wrong)."""
     return {
         "BLOCK_H": max(16, triton.next_power_of_2(heads)),
         "BLOCK_Q": block_rows,
@@ -377,7 +387,7 @@ def _product_tiles(
         "BLOCK_TAPS": tap_block,
         "HALF": dtype != torch.float32,
         "TENSOR_CORES": dtype != torch.float32 and not _interpreting(),
-        "FP32_PRECISION": "ieee" if _interpreting() else "tf32x3",
+        "FP32_PRECISION": _float32_precision(),
         "num_warps": num_warps,
     }
 

@@ -87,6 +87,8 @@ def device(request):
 def triton_on(monkeypatch, device):
     monkeypatch.setenv("EA_HF_TRITON", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "1" if device == "cpu" else "0")
+    # float32 accuracy on a GPU (three TF32 products a product; see test_float32_precision_follows_cudnn)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     for name, value in TILES.items():
         monkeypatch.setattr(kernels, name, value)
     monkeypatch.setattr(kernels, "HALF_PRECISION_TILES", {})  # the tests' tiles for every dtype
@@ -496,3 +498,20 @@ def test_patched_model_on_triton_matches_torch_operations(monkeypatch, calls, de
     scale = max(grad.abs().max().item() for grad in want_grads.values())
     for key, want_grad in want_grads.items():
         assert (got_grads[key].cpu().double() - want_grad.double()).abs().max().item() <= tolerance * scale, key
+
+
+def test_float32_precision_follows_cudnn(monkeypatch):
+    """Compiled, float32 maps are multiplied in TF32 where cuDNN's convolutions may be (torch's default, as the
+    torch operations' F.conv2d), else as three TF32 products; the interpreter always multiplies in float32."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert kernels._product_tiles(12, torch.float32, 4, 32, 32, 4)["FP32_PRECISION"] == "tf32"
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert kernels._product_tiles(12, torch.float32, 4, 32, 32, 4)["FP32_PRECISION"] == "tf32x3"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    tiles = kernels._product_tiles(12, torch.bfloat16, 8, 32, 16, 8)
+    assert tiles["FP32_PRECISION"] == "ieee" and tiles["HALF"] and not tiles["TENSOR_CORES"]
+    assert (tiles["BLOCK_H"], tiles["BLOCK_Q"], tiles["BLOCK_K"], tiles["BLOCK_TAPS"], tiles["num_warps"]) == (
+        16, 8, 32, 16, 8,
+    )  # fmt: skip
