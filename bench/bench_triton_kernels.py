@@ -1,0 +1,294 @@
+"""One evolution step on a GPU: the Triton kernels against the torch operations, and a sweep of the kernels' tiles.
+
+Where ``bench_gpu.py`` times whole models, this times the step alone (mix, mask, the H x H x k x k convolution,
+ReLU, blend; and its backward), on the maps of one BERT-Base layer: what a tile or a kernel change buys, in a
+minute of GPU time. Per case (dtype, N, batch, centred or causal kernel) it records the median time (CUDA events)
+of the forward step out of place (as in training), in place (as in inference) and of forward plus backward, on
+the Triton kernels and on torch operations, and how far the Triton result is from the torch one (float64, on
+the same inputs). ``--sweep`` also times the Triton kernels under each tile setting of ``SWEEP`` (the forward
+tiles, then the weight-gradient tiles).
+
+    python bench/bench_triton_kernels.py                  # on a CUDA GPU: fp32 and bf16, N=512 batch 8, N=2048 batch 2
+    python bench/bench_triton_kernels.py --sweep --dtypes fp32
+    python bench/bench_triton_kernels.py --dry-run        # no GPU: tiny maps on CPU in Triton's interpreter
+
+Writes ``bench/results/<gpu name slug>/triton_kernels.json`` (``--out DIR`` elsewhere; the dry run writes
+``bench/results/cpu/triton_kernels_dry_run.json``). Why maps are float32 in whole models: the attention core
+evolves half-precision models' maps in float32 (``ea_hf.modeling.attention_core.full_precision``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+import bench_gpu  # noqa: E402  (bench/ is not a package; import_ea_hf, slug, versions)
+
+HEADS = 12
+ALPHA, BETA = 0.2, 0.2
+FULL_CASES = ((512, 8), (2048, 2))
+DRY_RUN_CASES = ((13, 2),)
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+#: evolve()'s modes and the names of their times.
+MODES = {"forward": "forward", "in_place": "forward_in_place", "backward": "forward_backward"}
+#: Tile settings the sweep times, each over the module's own: forward (and input-gradient) tiles, then the
+#: weight-gradient kernel's. Names are ``ea_hf.ops.triton_kernels`` attributes.
+SWEEP = [
+    {"BLOCK_ROWS": 4, "BLOCK_COLS": 32, "TAP_BLOCK": 32, "NUM_WARPS": 4},
+    {"BLOCK_ROWS": 8, "BLOCK_COLS": 32, "TAP_BLOCK": 16, "NUM_WARPS": 4},
+    {"BLOCK_ROWS": 8, "BLOCK_COLS": 32, "TAP_BLOCK": 32, "NUM_WARPS": 8},
+    {"BLOCK_ROWS": 16, "BLOCK_COLS": 32, "TAP_BLOCK": 32, "NUM_WARPS": 8},
+    {"BLOCK_ROWS": 8, "BLOCK_COLS": 64, "TAP_BLOCK": 32, "NUM_WARPS": 8},
+    {"WEIGHT_BLOCK_ROWS": 4, "WEIGHT_BLOCK_COLS": 32, "WEIGHT_TAP_BLOCK": 32, "WEIGHT_NUM_WARPS": 4},
+    {"WEIGHT_BLOCK_ROWS": 4, "WEIGHT_BLOCK_COLS": 16, "WEIGHT_TAP_BLOCK": 128, "WEIGHT_NUM_WARPS": 8},
+    {"WEIGHT_BLOCK_ROWS": 8, "WEIGHT_BLOCK_COLS": 32, "WEIGHT_TAP_BLOCK": 16, "WEIGHT_NUM_WARPS": 4},
+]
+#: The dry run's tiles: one tile per tiny map (the interpreter runs every program in Python).
+DRY_RUN_TILES = {"BLOCK_ROWS": 16, "BLOCK_COLS": 16, "WEIGHT_BLOCK_ROWS": 16, "WEIGHT_BLOCK_COLS": 16}
+
+
+def timer(cuda: bool, repeats: int, warmup: int) -> Callable[[Callable[[], Any]], float]:
+    """A function giving the median seconds of ``repeats`` calls after ``warmup`` (CUDA events on a GPU)."""
+    import torch
+
+    def median(step: Callable[[], Any]) -> float:
+        for _ in range(warmup):
+            step()
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+            else:
+                began = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    return median
+
+
+def step_inputs(dtype_name: str, length: int, batch: int, causal: bool, device: str) -> dict[str, Any]:
+    """S, A_prev, the upstream gradient, a key-padding mask (the last 37 columns of element 0, or a third of
+    them for short maps) and a random kernel, seeded."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, DTYPES[dtype_name])
+
+    def randn(*shape: int, scale: float = 1.0) -> Any:
+        return (torch.randn(*shape, generator=generator) * scale).to(device)
+
+    scores, previous, upstream = (randn(batch, HEADS, length, length).to(dtype) for _ in range(3))
+    keep = torch.ones(batch, 1, 1, length, dtype=dtype, device=device)
+    keep[0, ..., length - min(37, length // 3) :] = 0
+    weight = randn(HEADS, HEADS, 2 if causal else 3, 3, scale=0.3)
+    return {"scores": scores, "previous": previous, "upstream": upstream, "keep": keep, "weight": weight,
+            "bias": randn(HEADS, scale=0.1), "causal": causal}  # fmt: skip
+
+
+def evolve(inputs: dict[str, Any], mode: str, cast: Callable[[Any], Any] | None = None) -> tuple[Any, list[Any]]:
+    """The step through ``evolve_convolution`` (the registered kernels decide the path). ``mode``: ``in_place``
+    (no autograd: A_logit over a copy of S, as in inference; the copy is part of the call), ``forward`` (autograd
+    on, so out of place with the gate kept, as in training) or ``backward`` (that and the backward pass, which
+    returns the gradients of S, A_prev, the weight and the bias). ``cast`` converts the inputs first."""
+    import torch
+
+    from ea_hf.modeling import convolution
+
+    given = {name: cast(value) if cast and torch.is_tensor(value) else value for name, value in inputs.items()}
+    grad = mode != "in_place"
+    scores = given["scores"].detach().requires_grad_() if grad else given["scores"].clone()
+    previous, weight, bias = (given[name].detach().requires_grad_(grad) for name in ("previous", "weight", "bias"))
+    with torch.set_grad_enabled(grad):
+        output = convolution.evolve_convolution(
+            scores, given["keep"], weight, bias, BETA, given["causal"], None, 1, previous=previous, alpha=ALPHA
+        )
+    if mode != "backward":
+        return output, []
+    output.backward(given["upstream"])
+    return output.detach(), [scores.grad, previous.grad, weight.grad, bias.grad]
+
+
+def relative_error(got: Any, want: Any) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def run_case(dtype: str, length: int, batch: int, causal: bool, args: argparse.Namespace) -> dict:
+    """Times of both paths and the Triton step's error against torch operations in float64."""
+    from ea_hf.modeling import convolution
+    from ea_hf.ops import triton_kernels
+
+    device = "cpu" if args.dry_run else "cuda"
+    inputs = step_inputs(dtype, length, batch, causal, device)
+    median = timer(device == "cuda", args.repeats, args.warmup)
+    paths = {"triton": [triton_kernels], "torch": []}
+    case: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "causal": causal, "heads": HEADS}
+    registered = list(convolution.FUSED_KERNELS)
+    try:
+        for path, kernels in paths.items():
+            convolution.FUSED_KERNELS[:] = kernels
+            for mode, name in MODES.items():
+                case[f"{path}_{name}_ms"] = 1000 * median(lambda mode=mode: evolve(inputs, mode))
+        convolution.FUSED_KERNELS[:] = paths["triton"]
+        got, got_grads = evolve(inputs, "backward")
+        convolution.FUSED_KERNELS[:] = paths["torch"]
+        want, want_grads = evolve(inputs, "backward", cast=lambda t: t.double())
+    finally:
+        convolution.FUSED_KERNELS[:] = registered
+    # Max errors relative to the largest value: a ReLU gate that float32 and float64 open differently (an output
+    # within rounding of 0) moves single gradient entries by a weight times the upstream gradient, so at large N
+    # the map gradients' maximum error is that of a few flipped gates, not of the kernels' arithmetic.
+    case["relative_errors"] = dict(
+        zip(["output", "scores", "previous", "weight", "bias"],
+            [relative_error(a, b) for a, b in zip([got, *got_grads], [want, *want_grads], strict=True)], strict=True)
+    )  # fmt: skip
+    for name in MODES.values():
+        case[f"{name}_triton_over_torch"] = case[f"triton_{name}_ms"] / case[f"torch_{name}_ms"]
+    return case
+
+
+def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace) -> list[dict]:
+    """The Triton step's times (each mode) under each setting of SWEEP (with
+    HALF_PRECISION_TILES off, so that each setting is what runs)."""
+    from ea_hf.modeling import convolution
+    from ea_hf.ops import triton_kernels
+
+    device = "cpu" if args.dry_run else "cuda"
+    inputs = step_inputs(dtype, length, batch, False, device)
+    median = timer(device == "cuda", args.repeats, args.warmup)
+    saved = {name: getattr(triton_kernels, name) for name in (*triton_kernels._TILE_NAMES, "HALF_PRECISION_TILES")}
+    registered = list(convolution.FUSED_KERNELS)
+    rows = []
+    try:
+        convolution.FUSED_KERNELS[:] = [triton_kernels]
+        triton_kernels.HALF_PRECISION_TILES = {}
+        for setting in SWEEP:
+            for name, value in saved.items():
+                setattr(triton_kernels, name, value)
+            for name, value in {**(DRY_RUN_TILES if args.dry_run else {}), **setting}.items():
+                setattr(triton_kernels, name, value)
+            row: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "setting": setting}
+            try:
+                for mode, name in MODES.items():
+                    row[f"{name}_ms"] = 1000 * median(lambda mode=mode: evolve(inputs, mode))
+            except Exception as error:  # e.g. out of shared memory: recorded, the sweep goes on
+                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            rows.append(row)
+            print(f"  sweep {dtype} N={length} {setting}: {row.get('forward_ms', row.get('error'))}", flush=True)
+    finally:
+        for name, value in saved.items():
+            setattr(triton_kernels, name, value)
+        convolution.FUSED_KERNELS[:] = registered
+    return rows
+
+
+def collect(args: argparse.Namespace) -> dict:
+    """Every case (and sweep), printed as it finishes; the report is written at the end."""
+    import torch
+
+    ea_hf = bench_gpu.import_ea_hf()
+    from ea_hf.ops import triton_kernels
+
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit(bench_gpu.NO_CUDA_MESSAGE.replace("bench_gpu.py", "bench_triton_kernels.py"))
+    environment = {"EA_HF_TRITON": "1", **({"TRITON_INTERPRET": "1"} if args.dry_run else {})}
+    saved_environment = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)
+    saved_tiles = {name: getattr(triton_kernels, name) for name in DRY_RUN_TILES}
+    if args.dry_run:
+        for name, value in DRY_RUN_TILES.items():
+            setattr(triton_kernels, name, value)
+    started = time.time()
+    cases, sweeps = [], []
+    try:
+        for dtype in args.dtypes:
+            for length, batch in args.cases:
+                for causal in (False, True):
+                    case = run_case(dtype, length, batch, causal, args)
+                    cases.append(case)
+                    print(
+                        f"{dtype} N={length} batch {batch} {'causal' if causal else 'centred'}: forward "
+                        f"{case['triton_forward_ms']:.3f} vs {case['torch_forward_ms']:.3f} ms, forward+backward "
+                        f"{case['triton_forward_backward_ms']:.3f} vs {case['torch_forward_backward_ms']:.3f} ms "
+                        "(Triton vs torch)",
+                        flush=True,
+                    )
+                if args.sweep:
+                    sweeps.extend(run_sweep(dtype, length, batch, args))
+    finally:  # put back: the tests run this in their own process
+        for name, value in saved_tiles.items():
+            setattr(triton_kernels, name, value)
+        for name, value in saved_environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    gpu = None if args.dry_run else torch.cuda.get_device_name()
+    return {
+        "benchmark": "one evolution step: Triton kernels vs torch operations (bench/bench_triton_kernels.py)",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu,
+        "versions": {**bench_gpu.versions(), "ea_hf": getattr(ea_hf, "__version__", None)},
+        "settings": {
+            "heads": HEADS,
+            "alpha": ALPHA,
+            "beta": BETA,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "dry_run": args.dry_run,
+        },  # fmt: skip
+        "cases": cases,
+        "sweep": sweeps,
+        "wall_time_s": time.time() - started,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny maps on CPU in Triton's interpreter")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="default fp32 bf16 (dry run: fp32)")
+    parser.add_argument("--cases", nargs="+", type=bench_gpu.parse_case, help="N:BATCH (default 512:8 2048:2)")
+    parser.add_argument("--sweep", action="store_true", help="also time the Triton kernels under each SWEEP tile")
+    parser.add_argument("--repeats", type=int, help="timed calls (default 20; dry run 2)")
+    parser.add_argument("--warmup", type=int, help="untimed calls first (default 3; dry run 1)")
+    parser.add_argument("--out", help="output folder (default bench/results/<gpu name slug>, or .../cpu dry)")
+    args = parser.parse_args(argv)
+    args.dtypes = args.dtypes or (["fp32"] if args.dry_run else ["fp32", "bf16"])
+    args.cases = args.cases or list(DRY_RUN_CASES if args.dry_run else FULL_CASES)
+    args.repeats = args.repeats or (2 if args.dry_run else 20)
+    args.warmup = args.warmup or (1 if args.dry_run else 3)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    report = collect(args)
+    name = "triton_kernels_dry_run.json" if args.dry_run else "triton_kernels.json"
+    folder = (
+        Path(args.out)
+        if args.out
+        else BENCH_DIR / "results" / ("cpu" if args.dry_run else bench_gpu.slug(report["gpu"]))
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wall time {report['wall_time_s']:.0f} s; wrote {folder / name}")
+
+
+if __name__ == "__main__":
+    main()
