@@ -166,6 +166,34 @@ def counting(function: Callable, counts: dict[str, int], key: str) -> Callable:
 
 
 @contextlib.contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """``variables`` set in ``os.environ`` for the duration; the earlier values (or their absence) put back."""
+    saved = {name: os.environ.get(name) for name in variables}
+    try:
+        os.environ.update(variables)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def attributes(owner: Any, values: dict[str, Any]) -> Iterator[None]:
+    """``owner``'s attributes set to ``values`` for the duration, then put back."""
+    saved = {name: getattr(owner, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(owner, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
 def kernel_settings(variant: str, device_type: str) -> Iterator[dict[str, int]]:
     """For the duration of a case: the variant's environment, the dry run's Triton tiles (CPU only), and counters
     on the fused kernels' entry points (yielded); everything is put back afterwards, so that cases run in one
@@ -177,31 +205,16 @@ def kernel_settings(variant: str, device_type: str) -> Iterator[dict[str, int]]:
     from ea_hf.ops import cpu, triton_kernels
 
     counts = {"triton_correlate": 0, "triton_backward": 0, "cpu_correlate": 0, "cpu_backward": 0}
-    environment = variant_environment(variant, device_type)
-    saved_environment = {name: os.environ.get(name) for name in environment}
-    replaced: list[tuple[Any, str, Any]] = []
-
-    def replace(owner: Any, name: str, value: Any) -> None:
-        replaced.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-
-    try:
-        os.environ.update(environment)
-        if variant == "ea-triton" and device_type == "cpu":
-            for name, value in DRY_RUN_TILES.items():
-                replace(triton_kernels, name, value)
+    tiles = DRY_RUN_TILES if variant == "ea-triton" and device_type == "cpu" else {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(environment(variant_environment(variant, device_type)))
+        stack.enter_context(attributes(triton_kernels, tiles))
         for module, prefix in ((triton_kernels, "triton"), (cpu, "cpu")):
-            for name in ("correlate", "backward"):
-                replace(module, name, counting(getattr(module, name), counts, f"{prefix}_{name}"))
+            counted = {
+                name: counting(getattr(module, name), counts, f"{prefix}_{name}") for name in ("correlate", "backward")
+            }
+            stack.enter_context(attributes(module, counted))
         yield counts
-    finally:
-        for owner, name, value in reversed(replaced):
-            setattr(owner, name, value)
-        for name, value in saved_environment.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def build_model(variant: str, config: dict, dtype: Any, device: Any) -> Any:

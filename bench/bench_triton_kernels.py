@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -139,18 +138,14 @@ def run_case(dtype: str, length: int, batch: int, causal: bool, args: argparse.N
     median = timer(device == "cuda", args.repeats, args.warmup)
     paths = {"triton": [triton_kernels], "torch": []}
     case: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "causal": causal, "heads": HEADS}
-    registered = list(convolution.FUSED_KERNELS)
-    try:
-        for path, kernels in paths.items():
-            convolution.FUSED_KERNELS[:] = kernels
+    for path, kernels in paths.items():
+        with bench_gpu.attributes(convolution, {"FUSED_KERNELS": kernels}):
             for mode, name in MODES.items():
                 case[f"{path}_{name}_ms"] = 1000 * median(lambda mode=mode: evolve(inputs, mode))
-        convolution.FUSED_KERNELS[:] = paths["triton"]
+    with bench_gpu.attributes(convolution, {"FUSED_KERNELS": paths["triton"]}):
         got, got_grads = evolve(inputs, "backward")
-        convolution.FUSED_KERNELS[:] = paths["torch"]
+    with bench_gpu.attributes(convolution, {"FUSED_KERNELS": paths["torch"]}):
         want, want_grads = evolve(inputs, "backward", cast=lambda t: t.double())
-    finally:
-        convolution.FUSED_KERNELS[:] = registered
     # Max errors relative to the largest value: a ReLU gate that float32 and float64 open differently (an output
     # within rounding of 0) moves single gradient entries by a weight times the upstream gradient, so at large N
     # the map gradients' maximum error is that of a few flipped gates, not of the kernels' arithmetic.
@@ -172,29 +167,20 @@ def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace) -> 
     device = "cpu" if args.dry_run else "cuda"
     inputs = step_inputs(dtype, length, batch, False, device)
     median = timer(device == "cuda", args.repeats, args.warmup)
-    saved = {name: getattr(triton_kernels, name) for name in (*triton_kernels._TILE_NAMES, "HALF_PRECISION_TILES")}
-    registered = list(convolution.FUSED_KERNELS)
+    saved = {name: getattr(triton_kernels, name) for name in triton_kernels._TILE_NAMES}
     rows = []
-    try:
-        convolution.FUSED_KERNELS[:] = [triton_kernels]
-        triton_kernels.HALF_PRECISION_TILES = {}
+    with bench_gpu.attributes(convolution, {"FUSED_KERNELS": [triton_kernels]}):
         for setting in SWEEP:
-            for name, value in saved.items():
-                setattr(triton_kernels, name, value)
-            for name, value in {**(DRY_RUN_TILES if args.dry_run else {}), **setting}.items():
-                setattr(triton_kernels, name, value)
+            tiles = {**saved, **(DRY_RUN_TILES if args.dry_run else {}), **setting, "HALF_PRECISION_TILES": {}}
             row: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "setting": setting}
-            try:
-                for mode, name in MODES.items():
-                    row[f"{name}_ms"] = 1000 * median(lambda mode=mode: evolve(inputs, mode))
-            except Exception as error:  # e.g. out of shared memory: recorded, the sweep goes on
-                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            with bench_gpu.attributes(triton_kernels, tiles):
+                try:
+                    for mode, name in MODES.items():
+                        row[f"{name}_ms"] = 1000 * median(lambda mode=mode: evolve(inputs, mode))
+                except Exception as error:  # e.g. out of shared memory: recorded, the sweep goes on
+                    row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             rows.append(row)
             print(f"  sweep {dtype} N={length} {setting}: {row.get('forward_ms', row.get('error'))}", flush=True)
-    finally:
-        for name, value in saved.items():
-            setattr(triton_kernels, name, value)
-        convolution.FUSED_KERNELS[:] = registered
     return rows
 
 
@@ -207,16 +193,11 @@ def collect(args: argparse.Namespace) -> dict:
 
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit(bench_gpu.NO_CUDA_MESSAGE.replace("bench_gpu.py", "bench_triton_kernels.py"))
-    environment = {"EA_HF_TRITON": "1", **({"TRITON_INTERPRET": "1"} if args.dry_run else {})}
-    saved_environment = {name: os.environ.get(name) for name in environment}
-    os.environ.update(environment)
-    saved_tiles = {name: getattr(triton_kernels, name) for name in DRY_RUN_TILES}
-    if args.dry_run:
-        for name, value in DRY_RUN_TILES.items():
-            setattr(triton_kernels, name, value)
+    variables = {"EA_HF_TRITON": "1", **({"TRITON_INTERPRET": "1"} if args.dry_run else {})}
     started = time.time()
     cases, sweeps = [], []
-    try:
+    # Put back afterwards: the tests run this in their own process.
+    with bench_gpu.environment(variables), bench_gpu.attributes(triton_kernels, DRY_RUN_TILES if args.dry_run else {}):
         for dtype in args.dtypes:
             for length, batch in args.cases:
                 for causal in (False, True):
@@ -231,14 +212,6 @@ def collect(args: argparse.Namespace) -> dict:
                     )
                 if args.sweep:
                     sweeps.extend(run_sweep(dtype, length, batch, args))
-    finally:  # put back: the tests run this in their own process
-        for name, value in saved_tiles.items():
-            setattr(triton_kernels, name, value)
-        for name, value in saved_environment.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     gpu = None if args.dry_run else torch.cuda.get_device_name()
     return {
         "benchmark": "one evolution step: Triton kernels vs torch operations (bench/bench_triton_kernels.py)",

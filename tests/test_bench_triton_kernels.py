@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from testing import bench_script
+from testing import bench_script, spy_on
 
 from ea_hf.modeling import convolution
 from ea_hf.ops import triton_kernels
@@ -21,15 +21,7 @@ def bench():
 
 
 def test_dry_run_times_both_paths_and_sweeps_the_tiles(bench, tmp_path, monkeypatch):
-    calls = []
-    for name in ("correlate", "backward"):
-        original = getattr(triton_kernels, name)
-
-        def spy(*args, _original=original, _name=name, **kwargs):
-            calls.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(triton_kernels, name, spy)
+    calls = spy_on(monkeypatch, triton_kernels)
     tiles = {name: getattr(triton_kernels, name) for name in triton_kernels._TILE_NAMES}
     environment = {name: os.environ.get(name) for name in ("EA_HF_TRITON", "TRITON_INTERPRET")}
     registered = list(convolution.FUSED_KERNELS)

@@ -62,6 +62,21 @@ def bench_script(name: str):
     return module
 
 
+def spy_on(monkeypatch, module, names=("correlate", "backward")) -> list[str]:
+    """The names of ``module``'s functions ``names`` as they are called, in order (a fused kernel module's entry
+    points by default): proof of which kernels an evolution ran on."""
+    called = []
+    for name in names:
+        original = getattr(module, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            called.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    return called
+
+
 def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
     """A small random config of an architecture: 3 layers (per stack), 4 heads, hidden size 32."""
     common = dict(hidden_size=32, num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS, intermediate_size=37)

@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need the optional triton package")
 
-from testing import METHODS, patched_model, tiny_inputs  # noqa: E402
+from testing import METHODS, patched_model, spy_on, tiny_inputs  # noqa: E402
 
 from ea_hf.modeling import convolution  # noqa: E402
 from ea_hf.modeling.history import ConvolutionHistory  # noqa: E402
@@ -103,16 +103,7 @@ def small_tiles(monkeypatch):
 @pytest.fixture
 def calls(monkeypatch):
     """Names of the Triton kernel functions called: proof that the evolution ran on them."""
-    called = []
-    for name in ("correlate", "backward"):
-        original = getattr(kernels, name)
-
-        def spy(*args, _original=original, _name=name, **kwargs):
-            called.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(kernels, name, spy)
-    return called
+    return spy_on(monkeypatch, kernels)
 
 
 def relative_error(got, want):
