@@ -115,8 +115,9 @@ def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, 
     """Whether these kernels take these maps and this kernel weight.
 
     True only with triton importable, ``EA_HF_TRITON=1`` (and ``TRITON_INTERPRET=1`` for CPU tensors),
-    4-D maps of one dtype (float32, bfloat16 or float16) on one CUDA or CPU device, a mask shared by the
-    heads, and a kernel of odd width within the CPU kernel's limits.
+    4-D maps of one dtype (float32, bfloat16 or float16) on one CUDA or CPU device, fewer than 2**31 entries in
+    one batch element's map (offsets within it are int32), a mask shared by the heads, and a kernel of odd width
+    within the CPU kernel's limits.
     """
     if triton is None or not _opted_in():
         return False

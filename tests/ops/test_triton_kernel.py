@@ -457,6 +457,10 @@ def test_applicable_declines_what_it_does_not_take(device):
     assert not kernels.applicable(maps, weight=zeros(3, 3, 3, 3))  # kernel for other heads
     assert not kernels.applicable(zeros(1, 65, 5, 5), weight=zeros(65, 65, 3, 3))
     assert not kernels.applicable(maps.to("meta"), weight=weight)  # neither CUDA nor CPU
+    # One batch element's map must have fewer than 2**31 entries (int32 offsets); expanded views, no memory.
+    big_weight = zeros(64, 64, 3, 3)
+    assert kernels.applicable(zeros(1, 1, 1, 1).expand(2, 64, 8192, 4095), weight=big_weight)
+    assert not kernels.applicable(zeros(1, 1, 1, 1).expand(2, 64, 8192, 4096), weight=big_weight)
     assert kernels.applicable(maps, keep=ones(5, 5), weight=weight)  # broadcast to [B, 1, Q, K]
     assert kernels.applicable(maps.half(), maps.half(), keep=ones(2, 1, 1, 5), weight=weight)
 
