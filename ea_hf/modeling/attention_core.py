@@ -164,12 +164,17 @@ def scores_backward(
         if grad_query is not None and scaling != 1.0:
             grad_query.mul_(scaling)  # in place: the product is a fresh tensor
         scaled_query = query * scaling if scaling != 1.0 and needs[1] and not prescaled else query
-        grad_key = torch.matmul(grad_scores.transpose(-1, -2), scaled_query) if needs[1] else None
-        return grad_query, grad_key
+        return grad_query, _key_gradient(grad_scores, scaled_query) if needs[1] else None
     grad_product = grad_scores * scaling  # S = (Q @ K^T) * scaling
     grad_query = torch.matmul(grad_product, key) if needs[0] else None
-    grad_key = torch.matmul(grad_product.transpose(-1, -2), query) if needs[1] else None
-    return grad_query, grad_key
+    return grad_query, _key_gradient(grad_product, query) if needs[1] else None
+
+
+def _key_gradient(grad_product: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """The gradient of K in Q @ K^T as autograd computes it, (Q^T @ G)^T: the gradient of the product's right
+    operand K^T, transposed. G^T @ Q is the same sum, but BLAS may order it differently (on AMD EPYC it differed
+    from autograd's in the last bit; on Intel Xeon it did not)."""
+    return torch.matmul(query.transpose(-1, -2), grad_product).transpose(-1, -2)
 
 
 class EvolvingAttentionCore(torch.autograd.Function):
