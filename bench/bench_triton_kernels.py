@@ -57,26 +57,13 @@ DRY_RUN_TILES = {"BLOCK_ROWS": 16, "BLOCK_COLS": 16, "WEIGHT_BLOCK_ROWS": 16, "W
 
 
 def timer(cuda: bool, repeats: int, warmup: int) -> Callable[[Callable[[], Any]], float]:
-    """A function giving the median seconds of ``repeats`` calls after ``warmup`` (CUDA events on a GPU)."""
-    import torch
+    """A function giving the median seconds of ``repeats`` calls after ``warmup`` (each timed by
+    ``bench_gpu.timed``: CUDA events on a GPU)."""
 
     def median(step: Callable[[], Any]) -> float:
         for _ in range(warmup):
             step()
-        times = []
-        for _ in range(repeats):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1000)
-            else:
-                began = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - began)
-        return statistics.median(times)
+        return statistics.median(bench_gpu.timed(step, cuda)[0] for _ in range(repeats))
 
     return median
 

@@ -661,8 +661,8 @@ if tl is not None:
         acc = tl.full([BLOCK_H, BLOCK_TAPS], 0.0, tl.float32)
         first = split * blocks_per_split
         last = tl.minimum(first + blocks_per_split, total_blocks)
+        tiles = row_blocks * col_blocks
         for block in range(first, last):
-            tiles = row_blocks * col_blocks
             b = (block // tiles).to(tl.int64)  # int64 to the batch element, int32 within it (see above)
             element = b * heads * plane
             keep_base = b * keep_batch_stride
