@@ -146,10 +146,12 @@ def scores_backward(
     scaling: float,
     needs: tuple[bool, bool],
     prescaled: bool = False,
+    gradient_scale: float = 1.0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The gradients of Q and K (where ``needs`` says) of :func:`attention_scores` without bias or soft-capping,
     as autograd computes them through its operations. ``prescaled``: ``query`` is Q * scaling already (an
-    :func:`exact_scaling`, see :func:`contiguous_query`).
+    :func:`exact_scaling`, see :func:`contiguous_query`). ``gradient_scale``: the gradient of S is
+    ``gradient_scale * grad_scores`` (a :class:`~.convolution.ScaledMap`), applied to the [B, H, N, D] results.
 
     Example:
         >>> q, k = torch.randn(1, 2, 3, 4, requires_grad=True), torch.randn(1, 2, 5, 4, requires_grad=True)
@@ -161,11 +163,14 @@ def scores_backward(
     """
     if exact_scaling(scaling):  # S = (Q * scaling) @ K^T
         grad_query = torch.matmul(grad_scores, key) if needs[0] else None
-        if grad_query is not None and scaling != 1.0:
-            grad_query.mul_(scaling)  # in place: the product is a fresh tensor
+        if grad_query is not None and scaling * gradient_scale != 1.0:
+            grad_query.mul_(scaling * gradient_scale)  # in place: the product is a fresh tensor
         scaled_query = query * scaling if scaling != 1.0 and needs[1] and not prescaled else query
-        return grad_query, _key_gradient(grad_scores, scaled_query) if needs[1] else None
-    grad_product = grad_scores * scaling  # S = (Q @ K^T) * scaling
+        grad_key = _key_gradient(grad_scores, scaled_query) if needs[1] else None
+        if grad_key is not None and gradient_scale != 1.0:
+            grad_key.mul_(gradient_scale)
+        return grad_query, grad_key
+    grad_product = grad_scores * (scaling * gradient_scale)  # S = (Q @ K^T) * scaling
     grad_query = torch.matmul(grad_product, key) if needs[0] else None
     return grad_query, _key_gradient(grad_product, query) if needs[1] else None
 
@@ -320,6 +325,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
             # Gradients over maps spent here: G, and a recomputed P (a kept one may be the caller's weights).
             spent=(grad_evolved, full if kept_probabilities is None else None),
             grad_addend=grad_logits,  # the next layer's, through its A_prev: added as the kernel reads
+            scaled_scores=True,  # S's gradient may share A_prev's map (see ScaledMap)
         )
         del grad_evolved, full
         if ctx.plain:
@@ -327,12 +333,17 @@ class EvolvingAttentionCore(torch.autograd.Function):
             if grad_scores is not None:
                 needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
                 prescaled = ctx.product_scaling != scaling
-                grad_query, grad_key = scores_backward(grad_scores, query, key, scaling, needs, prescaled)
+                grad_query, grad_key = scores_backward(
+                    grad_scores.map, query, key, scaling, needs, prescaled, gradient_scale=grad_scores.scale
+                )
         else:
             wanted = [t for t in leaves if t is not None and t.requires_grad]
             grads = {}
             if grad_scores is not None and wanted:
-                grads = dict(zip(map(id, wanted), torch.autograd.grad(scores, wanted, grad_scores), strict=True))
+                found = torch.autograd.grad(scores, wanted, grad_scores.map)
+                if grad_scores.scale != 1.0:  # fresh tensors of Q's, K's and the bias's size
+                    found = [g.mul_(grad_scores.scale) for g in found]
+                grads = dict(zip(map(id, wanted), found, strict=True))
             grad_query, grad_key, grad_positions = (None if t is None else grads.get(id(t)) for t in leaves)
         if grad_weight is not None:
             grad_weight, grad_bias = grad_weight.to(weight.dtype), grad_bias.to(bias.dtype)

@@ -11,7 +11,7 @@ transformers and sibling files (single-dot relative imports).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,8 @@ class FusedKernel(Protocol):
     ``evolve`` is the forward step with beta-scaled weights: (A_logit, the bool ReLU gate), or with ``in_place``
     A_logit written over ``scores`` and no gate unless ``gate``; ``convolve`` a plain correlation plus bias whose
     output row i reads input rows ``i + row_shift ..``; ``backward`` the step's gradients (see
-    ``ea_hf.ops.cpu.backward``).
+    ``ea_hf.ops.cpu.backward``; with ``shared_map=True`` it may return S's gradient as a :class:`ScaledMap` of
+    A_prev's).
     """
 
     def applicable(
@@ -50,6 +51,22 @@ class FusedKernel(Protocol):
     def convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> Any: ...
 
     def backward(self, *args: Any) -> tuple[Any, ...]: ...
+
+
+class ScaledMap(NamedTuple):
+    """``scale * map``, not multiplied out: a fused backward writes the gradient of A_in once, as A_prev's
+    gradient alpha * G_in, and gives S's, (1 - alpha) * G_in, as that map times (1 - alpha) / alpha. The
+    attention core folds the factor into the products that consume S's gradient (the gradients of Q and K):
+    one [B, H, Q, K] map less to write and to allocate in every layer's backward.
+
+    Example:
+        >>> gradient = ScaledMap(torch.ones(2), 0.5)
+        >>> gradient.scale * gradient.map
+        tensor([0.5000, 0.5000])
+    """
+
+    map: torch.Tensor
+    scale: float
 
 
 #: Fused kernels, tried in order; registered by ``ea_hf.ops`` (remote-code copies of this file have none).
@@ -165,7 +182,8 @@ def evolve_backward(
     needs_kernel: bool = True,
     spent: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     grad_addend: torch.Tensor | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    scaled_scores: bool = False,
+) -> tuple[torch.Tensor | ScaledMap | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of S, A_prev, the weight and the bias (of the parameters, not the beta-scaled kernel) of
     A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha), given the
     ReLU gate of the forward step and the gradient of A_logit.
@@ -175,13 +193,26 @@ def evolve_backward(
     ``spent`` names maps the caller no longer needs (``grad_logits`` itself may be the first): the kernel may
     write the gradients of S and of A_prev over them instead of allocating maps. ``grad_addend`` is a second
     gradient of A_logit, added to ``grad_logits`` (by the kernel as it reads them, where one runs).
+    ``scaled_scores``: S's gradient is returned as a :class:`ScaledMap`, which a fused kernel may share with
+    A_prev's (one map written instead of two); A_prev's is then ``None`` where alpha is 0 (no gradient flows).
     """
     kernel_rows, kernel_columns = scaled_weight.shape[-2:]
     grad_scores = grad_previous = grad_weight = grad_bias = None
     kernel = fused_kernel(scores, previous, grad_logits, keep=keep, weight=scaled_weight)
     if kernel is not None:
         grad_scores, grad_previous, grad_weight, grad_bias = kernel.backward(
-            scores, previous, alpha, keep, grad_logits, gate, scaled_weight, context_rows, beta, spent, grad_addend
+            scores,
+            previous,
+            alpha,
+            keep,
+            grad_logits,
+            gate,
+            scaled_weight,
+            context_rows,
+            beta,
+            spent,
+            grad_addend,
+            shared_map=scaled_scores,
         )
     else:
         grad_logits = plus_addend(grad_logits, grad_addend, owned=spent[0] is grad_logits)
@@ -199,6 +230,8 @@ def evolve_backward(
             grad_bias = grad_convolved.sum((0, 2, 3))
     if grad_weight is not None:  # gradients of the beta-scaled kernel, brought back to the parameters
         grad_weight, grad_bias = beta * grad_weight, beta * grad_bias
+    if scaled_scores and isinstance(grad_scores, torch.Tensor):
+        grad_scores = ScaledMap(grad_scores, 1.0)
     return grad_scores, grad_previous, grad_weight, grad_bias
 
 

@@ -264,10 +264,13 @@ def backward(
     beta: float,
     into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     addend: torch.Tensor | None = None,
+    *,
+    shared_map: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's backward, as :func:`ea_hf.ops.cpu.backward`; callers check :func:`applicable`.
     (``into``, the spent maps the CPU kernel may write to, is not used: the gradients get new maps; ``addend``
-    is added to ``grad`` first, over it where ``into`` names it as spent.)
+    is added to ``grad`` first, over it where ``into`` names it as spent; ``shared_map`` is not used either:
+    S's and A_prev's gradients are two maps, which callers take as a ScaledMap of scale 1 and a map.)
 
     Returns the gradients of S, of A_prev (``None`` without ``previous``), and of the beta-scaled kernel's
     weight and bias (float32), for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with

@@ -247,6 +247,33 @@ def test_maps_that_backward_reads_are_never_written():
         assert torch.equal(got_one, expected_one)
 
 
+@needs_compiler
+@pytest.mark.parametrize(("alpha", "with_previous"), [(0.3, True), (0.0, True), (0.3, False)])
+def test_a_shared_map_holds_both_gradients(alpha, with_previous):
+    """``shared_map``: one map is written, A_prev's gradient (the same bits as the two-map call's), and S's is
+    that map times (1 - alpha) / alpha; with alpha = 0 the map is S's gradient and A_prev gets none."""
+    torch.manual_seed(2)
+    scores, previous, grad = (torch.randn(2, 12, 9, 37) for _ in range(3))
+    keep = (torch.rand(2, 1, 9, 37) > 0.2).float()
+    weight, gate = torch.randn(12, 12, 3, 3) * 0.3, torch.rand(2, 12, 9, 37) > 0.4
+    step = (scores, previous if with_previous else None, alpha, keep, grad, gate, weight, 1, 0.4)
+    expected = kernels.backward(*step)
+    consumed = grad.clone()
+    got = kernels.backward(*step[:4], consumed, *step[5:], into=(consumed, None), shared_map=True)
+    scores_gradient, previous_gradient = got[0], got[1]
+    assert isinstance(scores_gradient, ea_hf.modeling.convolution.ScaledMap)
+    assert scores_gradient.map.data_ptr() == consumed.data_ptr()  # written over the spent incoming gradient
+    scale_expected = (1.0 - alpha) / alpha if with_previous and alpha else 1.0
+    assert scores_gradient.scale == pytest.approx(scale_expected)
+    torch.testing.assert_close(scores_gradient.scale * scores_gradient.map, expected[0], rtol=1e-6, atol=1e-6)
+    if with_previous and alpha:
+        assert previous_gradient is scores_gradient.map and torch.equal(previous_gradient, expected[1])
+    else:
+        assert previous_gradient is None
+    for got_one, expected_one in zip(got[2:], expected[2:], strict=True):
+        assert torch.equal(got_one, expected_one)
+
+
 def operator_samples(requires_grad: bool):
     """Arguments of ``ea_hf::evolve`` (beta-scaled kernel, blend = 1 - beta): with and without A_prev and a
     padding mask, centred and causal kernels."""
