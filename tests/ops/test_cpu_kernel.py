@@ -66,6 +66,49 @@ def test_correlate_matches_torch(heads, kernel_rows, kernel_cols, row_shift, ble
     assert torch.equal(saved, expected_saved)
 
 
+@pytest.fixture(scope="session")
+def direct_form_library(tmp_path_factory):
+    """The kernel built with -DEA_HF_DIRECT_CONVOLUTION: the direct form of the correlation everywhere, to
+    compare with the default build's Winograd form."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EA_HF_CACHE", str(tmp_path_factory.mktemp("direct-form")))
+        patch.setattr(kernels, "FLAGS", (*kernels.FLAGS, "-DEA_HF_DIRECT_CONVOLUTION"))
+        patch.setattr(kernels, "_loaded", {})
+        return kernels.cpu_kernel()
+
+
+def has_avx512() -> bool:
+    return "avx512f" in kernels._cpu_signature()
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads", [4, 8, 12, 16])
+# Winograd's vectors hold 32 columns: fewer, exactly one, one more, two, and a partial second half.
+@pytest.mark.parametrize("cols", [1, 5, 31, 32, 33, 64, 77])
+@pytest.mark.parametrize(("kernel_rows", "row_shift"), [(3, -1), (2, -1)])
+def test_the_winograd_form_matches_the_direct_form(
+    heads, cols, kernel_rows, row_shift, direct_form_library, monkeypatch
+):
+    """The forward correlation of 3-column kernels takes Winograd's F(2, 3) form on AVX-512 hosts: within 1e-5
+    of torch's convolution like the direct form, the same ReLU gate, and (proving the form ran) not the same
+    bits as the direct form."""
+    torch.manual_seed(cols)
+    x, end = (torch.randn(2, heads, 6, cols) for _ in range(2))
+    weight, bias = torch.randn(heads, heads, kernel_rows, 3), torch.randn(heads)
+    keep = (torch.rand(2, 1, 6, cols) > 0.2).float()
+    options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=x, blend_coef=0.6)
+    saved = torch.empty_like(x, dtype=torch.bool)
+    winograd = kernels.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
+    monkeypatch.setattr(kernels, "_loaded", {"cpu": direct_form_library})
+    direct = kernels.correlate(x, weight, bias, row_shift=row_shift, **options)
+    expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)
+    for form in (winograd, direct):
+        assert (form - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert torch.equal(saved, expected_saved)
+    if has_avx512() and cols >= 32:
+        assert not torch.equal(winograd, direct)
+
+
 @needs_compiler
 # The weight gradient's register blocks: 6 output heads for 12, 4 for 8; 3 heads take the generic code.
 @pytest.mark.parametrize("heads", [3, 8, 12])

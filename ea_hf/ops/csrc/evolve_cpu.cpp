@@ -128,6 +128,11 @@ struct RowRing {
     AlignedFloats plain_data;
     const float* plain[kMaxHeads * kMaxKernelRows];
     PrefetchQueue deferred;  // with prepare_rows' `defer_prefetch`: the lines of the next output row's input rows
+    // With `winograd`: each prepared row in Winograd's form (see winograd_input), four rows of `pair_stride`
+    // floats per slot, and where those of input row dy of head c start.
+    AlignedFloats transformed;
+    int pair_stride = 0;
+    const float* transforms[kMaxHeads * kMaxKernelRows];
 };
 
 // Each ring row: a zero border of one vector (at least kernel_cols / 2 columns) on the left, so that column 0
@@ -193,11 +198,51 @@ inline void prefetch_line_by_line(const void* p, size_t bytes) {
     for (size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char*>(p) + offset);
 }
 
+// Winograd's F(2, 3) along the columns (Lavin and Gray, 2016). A 3-tap correlation gives the outputs 2p and 2p + 1
+// from the four inputs d0..d3 = a[2p - 1 .. 2p + 2] with four products instead of six:
+//
+//     t = (d0 - d2, d1 + d2, d2 - d1, d1 - d3)               (input transform, once per prepared row)
+//     u = (w0, (w0 + w1 + w2) / 2, (w0 - w1 + w2) / 2, w2)   (weight transform, once per call)
+//     m = t * u;   y(2p) = m0 + m1 + m2,   y(2p + 1) = m1 - m2 - m3
+//
+// Output 2p reads only d0..d2 and output 2p + 1 only d1..d3, so padding, masks and causality hold as in the
+// direct form (and a row's outputs do not depend on how many columns follow). Vectors hold 16 pairs (32
+// columns): each prepared row is split into evens and odds once, and the outputs interleaved once per vector.
+// The rounding differs from the direct form's by a few units in the last place.
+inline vfloat evens(vfloat a, vfloat b) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+}
+
+inline vfloat odds(vfloat a, vfloat b) {
+    return __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline int pair_vectors(int cols) { return (cols + 2 * kLanes - 1) / (2 * kLanes); }
+
+// The four transformed rows of the prepared row `d` (zeros before column 0 and after the last), `stride` apart.
+inline void winograd_input(const float* d, int cols, int stride, float* t) {
+    const int vectors = pair_vectors(cols);
+    for (int q = 0; q < vectors; ++q) {
+        const float* p = d + 2 * kLanes * q;
+        const vfloat low = load(p), high = load(p + kLanes);
+        const vfloat even = evens(low, high), odd = odds(low, high);
+        const vfloat odd_before = evens(load(p - 1), load(p + kLanes - 1));  // d[2p - 1]
+        const vfloat even_after = evens(load(p + 2), load(p + kLanes + 2));  // d[2p + 2]
+        float* at = t + kLanes * q;
+        store(at, odd_before - odd);
+        store(at + stride, even + odd);
+        store(at + 2 * stride, odd - even);
+        store(at + 3 * stride, even - even_after);
+    }
+}
+
 // Fills the ring with the input rows of output row (b, i) (`keep_plain`: also as they were before the gate
 // and the mask, see RowRing), requesting the cache lines of the next output row's as it goes, or with
 // `defer_prefetch` listing them in ring.deferred for the caller to request (see PrefetchQueue).
+template <bool Winograd = false>
 void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo = nullptr, bool keep_plain = false,
                   bool defer_prefetch = false) {
+    constexpr bool winograd = Winograd;
     const int heads = in.heads, kr = in.kernel_rows;
     const int width = padded_width(in);
     const size_t map = static_cast<size_t>(in.rows) * in.cols;
@@ -208,6 +253,10 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
         ring.data.assign_zeros(static_cast<size_t>(heads) * kr * width);
         ring.tags.assign(kr, -1);
         if (separate_plain) ring.plain_data.assign_zeros(static_cast<size_t>(heads) * kr * width);
+        if (winograd) {
+            ring.pair_stride = pair_vectors(in.cols) * kLanes;
+            ring.transformed.assign_zeros(static_cast<size_t>(heads) * kr * 4 * ring.pair_stride);
+        }
     }
     for (int dy = 0; dy < kr; ++dy) {
         const int r = i + dy + in.row_shift;
@@ -218,6 +267,8 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
             const size_t offset = (static_cast<size_t>(c) * kr + slot) * width + kLead;
             ring.lines[c * kr + dy] = ring.data.data + offset;
             ring.plain[c * kr + dy] = (separate_plain ? ring.plain_data.data : ring.data.data) + offset;
+            if (winograd)
+                ring.transforms[c * kr + dy] = ring.transformed.data + (static_cast<size_t>(c) * kr + slot) * 4 * ring.pair_stride;
         }
         if (ring.tags[slot] == tag) continue;
         ring.tags[slot] = tag;
@@ -226,9 +277,11 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
         for (int c = 0; c < heads; ++c) {
             float* dst = ring.data.data + (static_cast<size_t>(c) * kr + slot) * width + kLead;
             float* plain = separate_plain ? ring.plain_data.data + (dst - ring.data.data) : nullptr;
+            float* transformed = winograd ? ring.transformed.data + (static_cast<size_t>(c) * kr + slot) * 4 * ring.pair_stride : nullptr;
             if (!inside) {
                 std::memset(dst, 0, sizeof(float) * in.cols);
                 if (plain) std::memset(plain, 0, sizeof(float) * in.cols);
+                if (transformed) std::memset(transformed, 0, sizeof(float) * 4 * ring.pair_stride);
                 continue;
             }
             const size_t start = (static_cast<size_t>(b) * heads + c) * map + row;
@@ -265,6 +318,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
             }
             if (keep)
                 for (int j = 0; j < in.cols; ++j) dst[j] *= keep[j];
+            if (transformed) winograd_input(dst, in.cols, ring.pair_stride, transformed);
         }
     }
 }
@@ -417,18 +471,74 @@ inline void output_block(const Input& in, const Output& o, int b, int i, int j0,
     }
 }
 
+// Whether the forward correlation takes Winograd's form (see winograd_input and output_row): 3-column kernels of
+// a specialised head count, where a group's 4 x group accumulators and the 4 transformed input vectors fit in
+// registers (AVX-512). Building with -DEA_HF_DIRECT_CONVOLUTION keeps the direct form everywhere (the tests
+// compare the two).
+template <int Heads, int Cols>
+constexpr bool winograd() {
+#if defined(EA_HF_DIRECT_CONVOLUTION)
+    return false;
+#else
+    return Cols == 3 && Heads > 0 && (4 * output_group<Heads>() + 5) * kRegistersPerVector <= kVectorRegisters;
+#endif
+}
+
+// Output heads [h0, h0 + group) x 32 columns from 32 q of output row (b, i) in Winograd's form, with the
+// transformed weights o.w [c][dy][4][h] (see with_reordered_weights).
+template <int Heads>
+inline void winograd_block(const Input& in, const Output& o, int b, int i, int q, int h0, const RowRing& ring,
+                           const float* out_keep, bool blend_in_ring) {
+    constexpr int kGroup = output_group<Heads>();
+    const int kr = in.kernel_rows, own = -in.row_shift, stride = ring.pair_stride;
+    const size_t map = static_cast<size_t>(in.rows) * in.cols, row = static_cast<size_t>(i) * in.cols;
+    vfloat acc[kGroup][4] = {};
+    for (int c = 0; c < Heads; ++c) {
+        for (int dy = 0; dy < kr; ++dy) {
+            const float* t = ring.transforms[c * kr + dy] + q * kLanes;
+            const vfloat t0 = load(t), t1 = load(t + stride), t2 = load(t + 2 * stride), t3 = load(t + 3 * stride);
+            const float* weight = o.w + (static_cast<size_t>(c) * kr + dy) * 4 * Heads + h0;
+#pragma GCC unroll 16
+            for (int g = 0; g < kGroup; ++g) {
+                acc[g][0] += weight[g] * t0;
+                acc[g][1] += weight[Heads + g] * t1;
+                acc[g][2] += weight[2 * Heads + g] * t2;
+                acc[g][3] += weight[3 * Heads + g] * t3;
+            }
+        }
+    }
+    for (int g = 0; g < kGroup; ++g) {
+        const float bias = o.bias ? o.bias[h0 + g] : 0.0f;
+        const vfloat even = acc[g][0] + acc[g][1] + acc[g][2] + bias;
+        const vfloat odd = acc[g][1] - acc[g][2] - acc[g][3] + bias;
+        const vfloat halves[2] = {
+            __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+            __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31)};
+        for (int u = 0; u < 2; ++u) {
+            const int ju = 2 * kLanes * q + u * kLanes;
+            const int valid = std::min(kLanes, in.cols - ju);
+            if (valid <= 0) break;
+            const size_t at = (static_cast<size_t>(b) * Heads + h0 + g) * map + row + ju;
+            const float* mixed = blend_in_ring ? ring.plain[(h0 + g) * kr + own] + ju : nullptr;
+            if (valid == kLanes) finish(in, o, halves[u], at, out_keep ? out_keep + ju : nullptr, mixed);
+            else finish_partial(in, o, halves[u], at, out_keep ? out_keep + ju : nullptr, valid, mixed);
+        }
+    }
+}
+
 // One output row (b, i) for all heads. `Heads` and `Cols` > 0 fix the head count and kernel width at compile
 // time (accumulators in registers, taps unrolled); 0 reads them at run time (any size, slower).
 // `spread_prefetch`: the next row's cache lines are requested a share before each block (see PrefetchQueue).
+// `Winograd`: Winograd's form (see winograd_input) where winograd<Heads, Cols>() allows it, else the direct one.
 //
-// Direct form on purpose. Winograd's F(2, 3) along the columns (4 products per 2 outputs and kernel row instead
-// of 6, on inputs transformed once per row) was built and measured on AMD EPYC (Zen 4), H = 12, N = 512, B = 2,
-// against this form (before the blend was read from the ring): its multiply-adds took two thirds of the time,
-// but the forward pass was only 8 to 16 % faster (9.7 -> 8.9 ms out of place, 9.1 -> 7.7 ms in place as in
-// training) and the backward pass 0 to 3 % (this input gradient plus the weight gradient): the pass is bound as
-// much by moving the maps as by the arithmetic. About 0.5 % of a training step, not worth a second numerical
-// path.
-template <int Heads, int Cols>
+// Only the forward correlation (ea_correlate) takes Winograd's form. Measured on AMD EPYC (Zen 4), H = 12,
+// alternating builds: forward in place 9.7 -> 7.8 ms at N = 512, B = 2 and 2.2 -> 1.85 ms at N = 128, B = 8.
+// In backward it gained nothing: its input gradient alone was 11.3 -> 9.6 ms at N = 512, but the weight
+// gradient that follows in the same pass then took as much longer (its rows compete in L1 and L2 with the
+// larger ring of transformed rows), 20.3 ms either way. The weight gradient in Winograd's form was slower
+// still (20.3 -> 25 ms): there its products are elementwise per transformed component, so each gradient
+// vector serves one product instead of three and the pass waits on loads.
+template <int Heads, int Cols, bool Winograd = false>
 void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, const Halo* halo = nullptr,
                 bool spread_prefetch = false) {
     const int heads = Heads > 0 ? Heads : in.heads;
@@ -442,8 +552,19 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
     // AMD EPYC, the forward pass took 12.1 to 25 ms instead of 9.3 with the maps at such offsets.
     const int own = -in.row_shift, kr = in.kernel_rows;
     const bool blend_in_ring = o.blend == in.x && own >= 0 && own < kr;
-    prepare_rows(in, b, i, ring, halo, blend_in_ring, spread_prefetch);
+    constexpr bool kWinograd = Winograd && winograd<Heads, Cols>();
+    prepare_rows<kWinograd>(in, b, i, ring, halo, blend_in_ring, spread_prefetch);
     const float* out_keep = o.out_keep ? o.out_keep + b * map + row : nullptr;
+    if constexpr (kWinograd) {
+        const int vectors = pair_vectors(in.cols), groups = heads / group;
+        const size_t share = spread_prefetch ? ring.deferred.pending / (vectors * groups) + 1 : 0;
+        for (int q = 0; q < vectors; ++q)
+            for (int h0 = 0; h0 < heads; h0 += group) {
+                ring.deferred.issue(share);
+                winograd_block<Heads>(in, o, b, i, q, h0, ring, out_keep, blend_in_ring);
+            }
+        return;
+    }
     constexpr int kVectors = output_vectors<Heads>();
     const int whole = (in.cols / (kVectors * kLanes)) * kVectors * kLanes;
     const int blocks = (whole / (kVectors * kLanes) + (in.cols - whole + kLanes - 1) / kLanes) * ((heads + group - 1) / group);
@@ -461,14 +582,30 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
         }
 }
 
-// `given` with its weights ([h][c][dy][dx]) copied into `reordered` as the kernel reads them, [c][dy][dx][h].
-Output with_reordered_weights(const Output& given, int heads, int taps, std::vector<float>& reordered) {
+// `given` with its weights ([h][c][dy][dx]) copied into `reordered` as the kernel reads them, [c][dy][dx][h], or
+// with `winograd` (3 columns) transformed, [c][dy][4][h] (see winograd_input).
+Output with_reordered_weights(const Output& given, int heads, int taps, std::vector<float>& reordered,
+                              bool winograd = false) {
+    Output o = given;
+    if (winograd) {
+        const int kernel_rows = taps / 3;
+        reordered.resize(static_cast<size_t>(heads) * heads * kernel_rows * 4);
+        for (int h = 0; h < heads; ++h)
+            for (int c = 0; c < heads; ++c)
+                for (int dy = 0; dy < kernel_rows; ++dy) {
+                    const float* w = given.w + ((static_cast<size_t>(h) * heads + c) * kernel_rows + dy) * 3;
+                    const float u[4] = {w[0], 0.5f * (w[0] + w[1] + w[2]), 0.5f * (w[0] - w[1] + w[2]), w[2]};
+                    for (int k = 0; k < 4; ++k)
+                        reordered[((static_cast<size_t>(c) * kernel_rows + dy) * 4 + k) * heads + h] = u[k];
+                }
+        o.w = reordered.data();
+        return o;
+    }
     reordered.resize(static_cast<size_t>(heads) * heads * taps);
     for (int h = 0; h < heads; ++h)
         for (int c = 0; c < heads; ++c)
             for (int t = 0; t < taps; ++t)
                 reordered[(static_cast<size_t>(c) * taps + t) * heads + h] = given.w[(static_cast<size_t>(h) * heads + c) * taps + t];
-    Output o = given;
     o.w = reordered.data();
     return o;
 }
@@ -477,7 +614,7 @@ template <int Heads, int Cols>
 void correlate(const Input& in, const Output& given, int threads) {
     const int heads = in.heads, taps = in.kernel_rows * in.kernel_cols;
     std::vector<float> reordered;
-    const Output o = with_reordered_weights(given, heads, taps, reordered);
+    const Output o = with_reordered_weights(given, heads, taps, reordered, winograd<Heads, Cols>());
     // Each thread takes consecutive rows. Writing the output over the input is safe within a thread (an input
     // row is in the ring before its output row is written); the rows of neighbouring threads it reads are
     // copied before anyone writes.
@@ -487,7 +624,7 @@ void correlate(const Input& in, const Output& given, int threads) {
         const ThreadRows own = thread_rows(in, in_place);
         RowRing ring;
         for (long t = own.begin; t < own.end; ++t)
-            output_row<Heads, Cols>(in, o, t / in.rows, t % in.rows, ring, in_place ? &own.halo : nullptr, true);
+            output_row<Heads, Cols, true>(in, o, t / in.rows, t % in.rows, ring, in_place ? &own.halo : nullptr, true);
     }
 }
 
@@ -683,5 +820,5 @@ int ea_backward(const float* scores, const float* previous, float alpha, const f
     EA_DISPATCH(backward, heads, kernel_cols, grad_in, grad_out, forward_in, grad_weight, grad_bias, threads);
 }
 
-int ea_kernel_version() { return 9; }
+int ea_kernel_version() { return 10; }
 }
