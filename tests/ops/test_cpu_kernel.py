@@ -89,24 +89,31 @@ def has_avx512() -> bool:
 def test_the_winograd_form_matches_the_direct_form(
     heads, cols, kernel_rows, row_shift, direct_form_library, monkeypatch
 ):
-    """The forward correlation of 3-column kernels takes Winograd's F(2, 3) form on AVX-512 hosts: within 1e-5
-    of torch's convolution like the direct form, the same ReLU gate, and (proving the form ran) not the same
-    bits as the direct form."""
+    """The correlations of 3-column kernels (forward, and backward's input gradient) take Winograd's F(2, 3) form
+    on AVX-512 hosts: within 1e-5 of torch's convolution like the direct form, the same ReLU gate, backward
+    within 1e-5 of the direct form's gradients, and (proving the form ran) not the same bits as the direct form."""
     torch.manual_seed(cols)
-    x, end = (torch.randn(2, heads, 6, cols) for _ in range(2))
+    x, end, grad = (torch.randn(2, heads, 6, cols) for _ in range(3))
     weight, bias = torch.randn(heads, heads, kernel_rows, 3), torch.randn(heads)
     keep = (torch.rand(2, 1, 6, cols) > 0.2).float()
     options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=x, blend_coef=0.6)
+    backward = (x, end, 0.3, keep, grad, torch.rand(2, heads, 6, cols) > 0.4, weight, -row_shift, 0.4)
     saved = torch.empty_like(x, dtype=torch.bool)
     winograd = kernels.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
+    winograd_grads = kernels.backward(*backward)
     monkeypatch.setattr(kernels, "_loaded", {"cpu": direct_form_library})
     direct = kernels.correlate(x, weight, bias, row_shift=row_shift, **options)
+    direct_grads = kernels.backward(*backward)
     expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)
     for form in (winograd, direct):
         assert (form - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert torch.equal(saved, expected_saved)
+    for got, want in zip(winograd_grads, direct_grads, strict=True):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     if has_avx512() and cols >= 32:
         assert not torch.equal(winograd, direct)
+        assert not torch.equal(winograd_grads[0], direct_grads[0])  # the input gradient's form
+        assert torch.equal(winograd_grads[2], direct_grads[2])  # the weight gradient is direct in both
 
 
 @needs_compiler

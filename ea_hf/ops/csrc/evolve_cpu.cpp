@@ -128,8 +128,8 @@ struct RowRing {
     AlignedFloats plain_data;
     const float* plain[kMaxHeads * kMaxKernelRows];
     PrefetchQueue deferred;  // with prepare_rows' `defer_prefetch`: the lines of the next output row's input rows
-    // With `winograd`: each prepared row in Winograd's form (see winograd_input), four rows of `pair_stride`
-    // floats per slot, and where those of input row dy of head c start.
+    // With `winograd`: each prepared row split into its even and odd columns (see winograd_input), `pair_stride`
+    // floats each, and where the evens of input row dy of head c start.
     AlignedFloats transformed;
     int pair_stride = 0;
     const float* transforms[kMaxHeads * kMaxKernelRows];
@@ -201,14 +201,18 @@ inline void prefetch_line_by_line(const void* p, size_t bytes) {
 // Winograd's F(2, 3) along the columns (Lavin and Gray, 2016). A 3-tap correlation gives the outputs 2p and 2p + 1
 // from the four inputs d0..d3 = a[2p - 1 .. 2p + 2] with four products instead of six:
 //
-//     t = (d0 - d2, d1 + d2, d2 - d1, d1 - d3)               (input transform, once per prepared row)
+//     t = (d0 - d2, d1 + d2, d2 - d1, d1 - d3)               (input transform)
 //     u = (w0, (w0 + w1 + w2) / 2, (w0 - w1 + w2) / 2, w2)   (weight transform, once per call)
 //     m = t * u;   y(2p) = m0 + m1 + m2,   y(2p + 1) = m1 - m2 - m3
 //
 // Output 2p reads only d0..d2 and output 2p + 1 only d1..d3, so padding, masks and causality hold as in the
 // direct form (and a row's outputs do not depend on how many columns follow). Vectors hold 16 pairs (32
-// columns): each prepared row is split into evens and odds once, and the outputs interleaved once per vector.
-// The rounding differs from the direct form's by a few units in the last place.
+// columns). Each prepared row is split once into its even and odd columns (E, O); a block forms t from them
+// with two shifted loads, d0 = O[p - 1] and d3 = E[p + 1], and four adds (which do not compete with the
+// multiply-adds for their ports), and interleaves its outputs once per vector. Storing the four transformed
+// rows instead made the ring twice as large: in backward the weight gradient, computed in the same pass, then
+// lost to the cache what the input gradient gained (measured on AMD EPYC, N = 512: 20.3 ms either way, against
+// 19.3 ms with the split rows). The rounding differs from the direct form's by a few units in the last place.
 inline vfloat evens(vfloat a, vfloat b) {
     return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
 }
@@ -219,20 +223,17 @@ inline vfloat odds(vfloat a, vfloat b) {
 
 inline int pair_vectors(int cols) { return (cols + 2 * kLanes - 1) / (2 * kLanes); }
 
-// The four transformed rows of the prepared row `d` (zeros before column 0 and after the last), `stride` apart.
-inline void winograd_input(const float* d, int cols, int stride, float* t) {
-    const int vectors = pair_vectors(cols);
-    for (int q = 0; q < vectors; ++q) {
-        const float* p = d + 2 * kLanes * q;
-        const vfloat low = load(p), high = load(p + kLanes);
-        const vfloat even = evens(low, high), odd = odds(low, high);
-        const vfloat odd_before = evens(load(p - 1), load(p + kLanes - 1));  // d[2p - 1]
-        const vfloat even_after = evens(load(p + 2), load(p + kLanes + 2));  // d[2p + 2]
-        float* at = t + kLanes * q;
-        store(at, odd_before - odd);
-        store(at + stride, even + odd);
-        store(at + 2 * stride, odd - even);
-        store(at + 3 * stride, even - even_after);
+// Floats per ring slot of split rows: a zero vector, the evens, a zero vector, the odds, a zero vector.
+inline size_t split_floats(int stride) { return 2 * static_cast<size_t>(stride) + 3 * kLanes; }
+
+// The prepared row `d` (zeros before column 0 and after the last) split into its even columns at `e` and its
+// odd ones at e + stride + kLanes: the blocks form the transformed inputs from these with shifted loads.
+inline void winograd_input(const float* d, int cols, int stride, float* e) {
+    float* o = e + stride + kLanes;
+    for (int q = 0; q < pair_vectors(cols); ++q) {
+        const vfloat low = load(d + 2 * kLanes * q), high = load(d + 2 * kLanes * q + kLanes);
+        store(e + kLanes * q, evens(low, high));
+        store(o + kLanes * q, odds(low, high));
     }
 }
 
@@ -255,7 +256,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
         if (separate_plain) ring.plain_data.assign_zeros(static_cast<size_t>(heads) * kr * width);
         if (winograd) {
             ring.pair_stride = pair_vectors(in.cols) * kLanes;
-            ring.transformed.assign_zeros(static_cast<size_t>(heads) * kr * 4 * ring.pair_stride);
+            ring.transformed.assign_zeros(static_cast<size_t>(heads) * kr * split_floats(ring.pair_stride));
         }
     }
     for (int dy = 0; dy < kr; ++dy) {
@@ -268,7 +269,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
             ring.lines[c * kr + dy] = ring.data.data + offset;
             ring.plain[c * kr + dy] = (separate_plain ? ring.plain_data.data : ring.data.data) + offset;
             if (winograd)
-                ring.transforms[c * kr + dy] = ring.transformed.data + (static_cast<size_t>(c) * kr + slot) * 4 * ring.pair_stride;
+                ring.transforms[c * kr + dy] = ring.transformed.data + (static_cast<size_t>(c) * kr + slot) * split_floats(ring.pair_stride) + kLanes;
         }
         if (ring.tags[slot] == tag) continue;
         ring.tags[slot] = tag;
@@ -277,11 +278,11 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
         for (int c = 0; c < heads; ++c) {
             float* dst = ring.data.data + (static_cast<size_t>(c) * kr + slot) * width + kLead;
             float* plain = separate_plain ? ring.plain_data.data + (dst - ring.data.data) : nullptr;
-            float* transformed = winograd ? ring.transformed.data + (static_cast<size_t>(c) * kr + slot) * 4 * ring.pair_stride : nullptr;
+            float* transformed = winograd ? ring.transformed.data + (static_cast<size_t>(c) * kr + slot) * split_floats(ring.pair_stride) + kLanes : nullptr;
             if (!inside) {
                 std::memset(dst, 0, sizeof(float) * in.cols);
                 if (plain) std::memset(plain, 0, sizeof(float) * in.cols);
-                if (transformed) std::memset(transformed, 0, sizeof(float) * 4 * ring.pair_stride);
+                if (transformed) std::memset(transformed, 0, sizeof(float) * (2 * ring.pair_stride + kLanes));
                 continue;
             }
             const size_t start = (static_cast<size_t>(b) * heads + c) * map + row;
@@ -471,7 +472,7 @@ inline void output_block(const Input& in, const Output& o, int b, int i, int j0,
     }
 }
 
-// Whether the forward correlation takes Winograd's form (see winograd_input and output_row): 3-column kernels of
+// Whether the correlations take Winograd's form (see winograd_input and output_row): 3-column kernels of
 // a specialised head count, where a group's 4 x group accumulators and the 4 transformed input vectors fit in
 // registers (AVX-512). Building with -DEA_HF_DIRECT_CONVOLUTION keeps the direct form everywhere (the tests
 // compare the two).
@@ -495,8 +496,10 @@ inline void winograd_block(const Input& in, const Output& o, int b, int i, int q
     vfloat acc[kGroup][4] = {};
     for (int c = 0; c < Heads; ++c) {
         for (int dy = 0; dy < kr; ++dy) {
-            const float* t = ring.transforms[c * kr + dy] + q * kLanes;
-            const vfloat t0 = load(t), t1 = load(t + stride), t2 = load(t + 2 * stride), t3 = load(t + 3 * stride);
+            const float* e = ring.transforms[c * kr + dy] + q * kLanes;
+            const float* odds_row = e + stride + kLanes;
+            const vfloat even = load(e), odd = load(odds_row);
+            const vfloat t0 = load(odds_row - 1) - odd, t1 = even + odd, t2 = odd - even, t3 = even - load(e + 1);
             const float* weight = o.w + (static_cast<size_t>(c) * kr + dy) * 4 * Heads + h0;
 #pragma GCC unroll 16
             for (int g = 0; g < kGroup; ++g) {
@@ -531,13 +534,12 @@ inline void winograd_block(const Input& in, const Output& o, int b, int i, int q
 // `spread_prefetch`: the next row's cache lines are requested a share before each block (see PrefetchQueue).
 // `Winograd`: Winograd's form (see winograd_input) where winograd<Heads, Cols>() allows it, else the direct one.
 //
-// Only the forward correlation (ea_correlate) takes Winograd's form. Measured on AMD EPYC (Zen 4), H = 12,
-// alternating builds: forward in place 9.7 -> 7.8 ms at N = 512, B = 2 and 2.2 -> 1.85 ms at N = 128, B = 8.
-// In backward it gained nothing: its input gradient alone was 11.3 -> 9.6 ms at N = 512, but the weight
-// gradient that follows in the same pass then took as much longer (its rows compete in L1 and L2 with the
-// larger ring of transformed rows), 20.3 ms either way. The weight gradient in Winograd's form was slower
-// still (20.3 -> 25 ms): there its products are elementwise per transformed component, so each gradient
-// vector serves one product instead of three and the pass waits on loads.
+// The correlations of ea_correlate and of backward's input gradient take Winograd's form where it applies;
+// the weight gradient keeps the direct form. Measured on AMD EPYC (Zen 4), H = 12, builds alternating in one
+// process: forward in place 9.7 -> 7.4 ms at N = 512, B = 2 and 2.2 -> 1.8 ms at N = 128, B = 8; the whole
+// backward pass 20.1 -> 19.3 ms and 5.0 -> 4.8 ms. The weight gradient in Winograd's form was slower (20.3 ->
+// 25 ms): its products are elementwise per transformed component, so each gradient vector serves one product
+// instead of three and the pass waits on loads.
 template <int Heads, int Cols, bool Winograd = false>
 void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, const Halo* halo = nullptr,
                 bool spread_prefetch = false) {
@@ -733,7 +735,7 @@ void backward(const Input& grad_in, const Output& grad_out, const Input& forward
     const int kr = grad_in.kernel_rows, own_row = -grad_in.row_shift;
     const size_t weights = static_cast<size_t>(heads) * heads * taps;
     std::vector<float> reordered;
-    const Output out = with_reordered_weights(grad_out, heads, taps, reordered);
+    const Output out = with_reordered_weights(grad_out, heads, taps, reordered, winograd<Heads, Cols>());
     const bool in_place = out.out == grad_in.x;
     // Each thread's weight and bias gradients, added up in thread order afterwards: the same bits on every
     // run with the same thread count (an atomic or critical sum would depend on which thread finishes first).
@@ -750,7 +752,7 @@ void backward(const Input& grad_in, const Output& grad_out, const Input& forward
         const float* rows[kMaxHeads];
         for (long t = own.begin; t < own.end; ++t) {
             const int b = static_cast<int>(t / grad_in.rows), i = static_cast<int>(t % grad_in.rows);
-            output_row<Heads, Cols>(grad_in, out, b, i, gradient_ring, in_place ? &own.halo : nullptr);
+            output_row<Heads, Cols, true>(grad_in, out, b, i, gradient_ring, in_place ? &own.halo : nullptr);
             for (int h = 0; h < heads; ++h) rows[h] = gradient_ring.lines[h * kr + own_row];
             weight_grad_row<Heads, Cols>(forward_in, rows, b, i, input_ring, grad_w, grad_b);
         }
