@@ -341,8 +341,10 @@ class EvolvingAttentionCore(torch.autograd.Function):
             grads = {}
             if grad_scores is not None and wanted:
                 found = torch.autograd.grad(scores, wanted, grad_scores.map)
-                if grad_scores.scale != 1.0:  # fresh tensors of Q's, K's and the bias's size
-                    found = [g.mul_(grad_scores.scale) for g in found]
+                if grad_scores.scale != 1.0:
+                    # Not in place: a bias as large as S gets the map itself as its gradient, and the map is
+                    # also A_prev's gradient.
+                    found = [g * grad_scores.scale for g in found]
                 grads = dict(zip(map(id, wanted), found, strict=True))
             grad_query, grad_key, grad_positions = (None if t is None else grads.get(id(t)) for t in leaves)
         if grad_weight is not None:

@@ -132,6 +132,22 @@ def test_core_gradients_when_only_some_outputs_carry_one(evolution_path, scores_
     assert (core[1][2] is None) == (0 not in used)  # the values get a gradient through the output alone
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_a_positional_bias_as_large_as_the_scores_leaves_the_other_gradients_alone(evolution_path, softcap):
+    """A bias of S's own shape (batch 1) gets S's gradient as it is: autograd passes the map through, and on the
+    CPU kernel that map is also A_prev's gradient (see ScaledMap), so scaling it for the bias must not change
+    A_prev's. Every gradient within 1e-5 of the paper's equations."""
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, position=1, previous=0)
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(1, H, 9, D)] * 3 + [(1, H, 9, 9)] * 2
+    leaves = [torch.randn(*shape, generator=generator).requires_grad_() for shape in shapes]
+    arguments = (evolution, *leaves, None, None, None, softcap)
+    core = outputs_and_gradients(lambda: run_core(*arguments), leaves, evolution)
+    reference = outputs_and_gradients(lambda: unfused_layer(*arguments, None), leaves, evolution)
+    assert_close(core[1], reference[1], 1e-5)
+
+
 def test_dropout_uses_one_mask_forward_and_backward():
     """The dropped probabilities returned are P * mask / (1 - p), and the gradients use that same mask."""
     torch.manual_seed(0)
