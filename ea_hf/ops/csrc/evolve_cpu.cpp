@@ -128,11 +128,11 @@ struct RowRing {
     AlignedFloats plain_data;
     const float* plain[kMaxHeads * kMaxKernelRows];
     PrefetchQueue deferred;  // with prepare_rows' `defer_prefetch`: the lines of the next output row's input rows
-    // With `winograd`: each prepared row split into its even and odd columns (see winograd_input), `pair_stride`
-    // floats each, and where the evens of input row dy of head c start.
-    AlignedFloats transformed;
+    // With prepare_rows' `Split`: each prepared row split into its even and odd columns (see split_columns),
+    // `pair_stride` floats each, and where the evens of input row dy of head c start.
+    AlignedFloats split;
     int pair_stride = 0;
-    const float* transforms[kMaxHeads * kMaxKernelRows];
+    const float* evens_of[kMaxHeads * kMaxKernelRows];
 };
 
 // Each ring row: a zero border of one vector (at least kernel_cols / 2 columns) on the left, so that column 0
@@ -228,7 +228,7 @@ inline size_t split_floats(int stride) { return 2 * static_cast<size_t>(stride) 
 
 // The prepared row `d` (zeros before column 0 and after the last) split into its even columns at `e` and its
 // odd ones at e + stride + kLanes: the blocks form the transformed inputs from these with shifted loads.
-inline void winograd_input(const float* d, int cols, int stride, float* e) {
+inline void split_columns(const float* d, int cols, int stride, float* e) {
     float* o = e + stride + kLanes;
     for (int q = 0; q < pair_vectors(cols); ++q) {
         const vfloat low = load(d + 2 * kLanes * q), high = load(d + 2 * kLanes * q + kLanes);
@@ -237,13 +237,18 @@ inline void winograd_input(const float* d, int cols, int stride, float* e) {
     }
 }
 
+// Where the evens of ring slot `slot` of head c start (see RowRing::split).
+inline float* split_slot(const RowRing& ring, int c, int slot, int kernel_rows) {
+    return ring.split.data + (static_cast<size_t>(c) * kernel_rows + slot) * split_floats(ring.pair_stride) + kLanes;
+}
+
 // Fills the ring with the input rows of output row (b, i) (`keep_plain`: also as they were before the gate
-// and the mask, see RowRing), requesting the cache lines of the next output row's as it goes, or with
-// `defer_prefetch` listing them in ring.deferred for the caller to request (see PrefetchQueue).
-template <bool Winograd = false>
+// and the mask, see RowRing; `Split`: also split into even and odd columns for Winograd's form), requesting the
+// cache lines of the next output row's as it goes, or with `defer_prefetch` listing them in ring.deferred for
+// the caller to request (see PrefetchQueue).
+template <bool Split = false>
 void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo = nullptr, bool keep_plain = false,
                   bool defer_prefetch = false) {
-    constexpr bool winograd = Winograd;
     const int heads = in.heads, kr = in.kernel_rows;
     const int width = padded_width(in);
     const size_t map = static_cast<size_t>(in.rows) * in.cols;
@@ -254,9 +259,9 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
         ring.data.assign_zeros(static_cast<size_t>(heads) * kr * width);
         ring.tags.assign(kr, -1);
         if (separate_plain) ring.plain_data.assign_zeros(static_cast<size_t>(heads) * kr * width);
-        if (winograd) {
+        if (Split) {
             ring.pair_stride = pair_vectors(in.cols) * kLanes;
-            ring.transformed.assign_zeros(static_cast<size_t>(heads) * kr * split_floats(ring.pair_stride));
+            ring.split.assign_zeros(static_cast<size_t>(heads) * kr * split_floats(ring.pair_stride));
         }
     }
     for (int dy = 0; dy < kr; ++dy) {
@@ -268,8 +273,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
             const size_t offset = (static_cast<size_t>(c) * kr + slot) * width + kLead;
             ring.lines[c * kr + dy] = ring.data.data + offset;
             ring.plain[c * kr + dy] = (separate_plain ? ring.plain_data.data : ring.data.data) + offset;
-            if (winograd)
-                ring.transforms[c * kr + dy] = ring.transformed.data + (static_cast<size_t>(c) * kr + slot) * split_floats(ring.pair_stride) + kLanes;
+            if (Split) ring.evens_of[c * kr + dy] = split_slot(ring, c, slot, kr);
         }
         if (ring.tags[slot] == tag) continue;
         ring.tags[slot] = tag;
@@ -278,11 +282,11 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
         for (int c = 0; c < heads; ++c) {
             float* dst = ring.data.data + (static_cast<size_t>(c) * kr + slot) * width + kLead;
             float* plain = separate_plain ? ring.plain_data.data + (dst - ring.data.data) : nullptr;
-            float* transformed = winograd ? ring.transformed.data + (static_cast<size_t>(c) * kr + slot) * split_floats(ring.pair_stride) + kLanes : nullptr;
+            float* split = Split ? split_slot(ring, c, slot, kr) : nullptr;
             if (!inside) {
                 std::memset(dst, 0, sizeof(float) * in.cols);
                 if (plain) std::memset(plain, 0, sizeof(float) * in.cols);
-                if (transformed) std::memset(transformed, 0, sizeof(float) * (2 * ring.pair_stride + kLanes));
+                if (split) std::memset(split, 0, sizeof(float) * (2 * ring.pair_stride + kLanes));
                 continue;
             }
             const size_t start = (static_cast<size_t>(b) * heads + c) * map + row;
@@ -319,7 +323,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
             }
             if (keep)
                 for (int j = 0; j < in.cols; ++j) dst[j] *= keep[j];
-            if (transformed) winograd_input(dst, in.cols, ring.pair_stride, transformed);
+            if (split) split_columns(dst, in.cols, ring.pair_stride, split);
         }
     }
 }
@@ -472,7 +476,7 @@ inline void output_block(const Input& in, const Output& o, int b, int i, int j0,
     }
 }
 
-// Whether the correlations take Winograd's form (see winograd_input and output_row): 3-column kernels of
+// Whether the correlations take Winograd's form (see split_columns and output_row): 3-column kernels of
 // a specialised head count, where a group's 4 x group accumulators and the 4 transformed input vectors fit in
 // registers (AVX-512). Building with -DEA_HF_DIRECT_CONVOLUTION keeps the direct form everywhere (the tests
 // compare the two).
@@ -496,7 +500,7 @@ inline void winograd_block(const Input& in, const Output& o, int b, int i, int q
     vfloat acc[kGroup][4] = {};
     for (int c = 0; c < Heads; ++c) {
         for (int dy = 0; dy < kr; ++dy) {
-            const float* e = ring.transforms[c * kr + dy] + q * kLanes;
+            const float* e = ring.evens_of[c * kr + dy] + q * kLanes;
             const float* odds_row = e + stride + kLanes;
             const vfloat even = load(e), odd = load(odds_row);
             const vfloat t0 = load(odds_row - 1) - odd, t1 = even + odd, t2 = odd - even, t3 = even - load(e + 1);
@@ -532,7 +536,7 @@ inline void winograd_block(const Input& in, const Output& o, int b, int i, int q
 // One output row (b, i) for all heads. `Heads` and `Cols` > 0 fix the head count and kernel width at compile
 // time (accumulators in registers, taps unrolled); 0 reads them at run time (any size, slower).
 // `spread_prefetch`: the next row's cache lines are requested a share before each block (see PrefetchQueue).
-// `Winograd`: Winograd's form (see winograd_input) where winograd<Heads, Cols>() allows it, else the direct one.
+// Winograd's form (see split_columns) where winograd<Heads, Cols>() allows it, else the direct one.
 //
 // The correlations of ea_correlate and of backward's input gradient take Winograd's form where it applies;
 // the weight gradient keeps the direct form. Measured on AMD EPYC (Zen 4), H = 12, builds alternating in one
@@ -540,7 +544,7 @@ inline void winograd_block(const Input& in, const Output& o, int b, int i, int q
 // backward pass 20.1 -> 19.3 ms and 5.0 -> 4.8 ms. The weight gradient in Winograd's form was slower (20.3 ->
 // 25 ms): its products are elementwise per transformed component, so each gradient vector serves one product
 // instead of three and the pass waits on loads.
-template <int Heads, int Cols, bool Winograd = false>
+template <int Heads, int Cols>
 void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, const Halo* halo = nullptr,
                 bool spread_prefetch = false) {
     const int heads = Heads > 0 ? Heads : in.heads;
@@ -554,7 +558,7 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
     // AMD EPYC, the forward pass took 12.1 to 25 ms instead of 9.3 with the maps at such offsets.
     const int own = -in.row_shift, kr = in.kernel_rows;
     const bool blend_in_ring = o.blend == in.x && own >= 0 && own < kr;
-    constexpr bool kWinograd = Winograd && winograd<Heads, Cols>();
+    constexpr bool kWinograd = winograd<Heads, Cols>();
     prepare_rows<kWinograd>(in, b, i, ring, halo, blend_in_ring, spread_prefetch);
     const float* out_keep = o.out_keep ? o.out_keep + b * map + row : nullptr;
     if constexpr (kWinograd) {
@@ -585,7 +589,7 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
 }
 
 // `given` with its weights ([h][c][dy][dx]) copied into `reordered` as the kernel reads them, [c][dy][dx][h], or
-// with `winograd` (3 columns) transformed, [c][dy][4][h] (see winograd_input).
+// with `winograd` (3 columns) transformed, [c][dy][4][h] (see split_columns).
 Output with_reordered_weights(const Output& given, int heads, int taps, std::vector<float>& reordered,
                               bool winograd = false) {
     Output o = given;
@@ -626,7 +630,7 @@ void correlate(const Input& in, const Output& given, int threads) {
         const ThreadRows own = thread_rows(in, in_place);
         RowRing ring;
         for (long t = own.begin; t < own.end; ++t)
-            output_row<Heads, Cols, true>(in, o, t / in.rows, t % in.rows, ring, in_place ? &own.halo : nullptr, true);
+            output_row<Heads, Cols>(in, o, t / in.rows, t % in.rows, ring, in_place ? &own.halo : nullptr, true);
     }
 }
 
@@ -752,7 +756,7 @@ void backward(const Input& grad_in, const Output& grad_out, const Input& forward
         const float* rows[kMaxHeads];
         for (long t = own.begin; t < own.end; ++t) {
             const int b = static_cast<int>(t / grad_in.rows), i = static_cast<int>(t % grad_in.rows);
-            output_row<Heads, Cols, true>(grad_in, out, b, i, gradient_ring, in_place ? &own.halo : nullptr);
+            output_row<Heads, Cols>(grad_in, out, b, i, gradient_ring, in_place ? &own.halo : nullptr);
             for (int h = 0; h < heads; ++h) rows[h] = gradient_ring.lines[h * kr + own_row];
             weight_grad_row<Heads, Cols>(forward_in, rows, b, i, input_ring, grad_w, grad_b);
         }
