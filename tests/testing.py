@@ -3,6 +3,7 @@ and small GLUE-format samples. Fixtures live in conftest.py; this module is impo
 import tiny_model``; the tests folder is on pytest's ``pythonpath``)."""
 
 import json
+import types
 
 import pandas as pd
 import torch
@@ -75,6 +76,69 @@ def spy_on(monkeypatch, module, names=("correlate", "backward")) -> list[str]:
 
         monkeypatch.setattr(module, name, spy)
     return called
+
+
+def recorded_triton_launches(monkeypatch, kernels, call) -> list[tuple[str, tuple, dict]]:
+    """(kernel name, positional arguments, keyword arguments) of every launch that ``call()`` makes through
+    ``ea_hf.ops.triton_kernels`` (passed as ``kernels``) as it would on a GPU (tiles and precision for a compiled
+    kernel), without running any: the outputs are left unwritten."""
+    launches = []
+
+    class Launcher:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, args, kwargs))
+
+    with monkeypatch.context() as patch:
+        recorder = types.SimpleNamespace(
+            **{name: Launcher(name) for name in ("correlate", "input_grad", "weight_grad")}
+        )
+        patch.setattr(kernels, "_kernels", lambda: recorder)
+        patch.setattr(kernels, "_interpreting", lambda: False)
+        call()
+    return launches
+
+
+#: Triton's signature types of the tensors the kernels take.
+_TRITON_POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.bool: "*i1",
+    torch.int8: "*i8",
+}
+
+
+def compile_for_cuda(kernel, args: tuple, kwargs: dict, capability: int):
+    """``kernel`` (a ``triton.jit`` function) compiled for a CUDA GPU of compute ``capability`` (90: an H100) as
+    a launch with ``args`` and ``kwargs`` would compile it, without a GPU: Triton's whole compiler down to the
+    cubin (with the ptxas it ships). Tensors become pointers of their dtype, ``None`` a constexpr, keyword
+    arguments constexprs (except the launch options ``num_warps`` and ``num_stages``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(kernel.arg_names)
+    kwargs = dict(kwargs)
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+    signature, constants = {}, {}
+    for name, value in [*zip(names, args, strict=False), *kwargs.items()]:
+        if value is None or name in kwargs:
+            signature[name], constants[(names.index(name),)] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = _TRITON_POINTER_TYPES[value.dtype]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            raise TypeError(f"no Triton type for {name} = {value!r}")
+    missing = set(names) - set(signature)
+    assert not missing, f"arguments not passed: {missing}"
+    source = ASTSource(fn=kernel, signature={name: signature[name] for name in names}, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:

@@ -27,17 +27,19 @@ models were slower on them than on torch operations in the one GPU benchmark so 
 tensors (the interpreter, for tests) also ``TRITON_INTERPRET=1``. Both are read at call time. Without triton
 installed the module still imports and :func:`applicable` is False.
 
-Triton decides when a function is decorated whether it will be interpreted, so the kernels below are plain
-functions wrapped by ``triton.jit`` on first use, once per interpreter setting (:func:`_kernels`). They call
-only Triton builtins (``tl.full``, not ``tl.zeros``; no ``tl.sum``): the helpers that ``triton.language``
-itself defines with ``@triton.jit`` are decorated when triton is imported, and torch imports it early
-(``torch._dynamo``), usually before a test sets ``TRITON_INTERPRET``; the interpreter cannot call them then.
+Triton decides when a function is decorated whether it will be interpreted, so the kernels below and the
+device functions they share (a tile's pixels, the gathered A_in taps, the gated gradient, the tile product) are
+plain functions wrapped by ``triton.jit`` on first use, together and once per interpreter setting
+(:func:`_kernels`). Beyond those they call only Triton builtins (``tl.full``, not ``tl.zeros``; no ``tl.sum``):
+the helpers that ``triton.language`` itself defines with ``@triton.jit`` are decorated when triton is imported,
+and torch imports it early (``torch._dynamo``), usually before a test sets ``TRITON_INTERPRET``; the interpreter
+cannot call them then. ``tests/ops/test_triton_compilation.py`` compiles every launch for an H100 where no GPU is.
 """
 
 import math
 import os
 import threading
-from types import SimpleNamespace
+from types import FunctionType, SimpleNamespace
 
 import torch
 
@@ -405,12 +407,73 @@ def _kernels() -> SimpleNamespace:
         if interpret not in _compiled:
             # triton.jit reads TRITON_INTERPRET itself, now: the wrappers for one setting are never reused for
             # the other.
-            _compiled[interpret] = SimpleNamespace(
-                correlate=triton.jit(_correlate_kernel),
-                input_grad=triton.jit(_input_grad_kernel),
-                weight_grad=triton.jit(_weight_grad_kernel),
+            _compiled[interpret] = _jit_together(
+                {"correlate": _correlate_kernel, "input_grad": _input_grad_kernel, "weight_grad": _weight_grad_kernel},
+                helpers=(_tile_pixels, _input_taps, _gated_gradient, _tile_product),
             )
         return _compiled[interpret]
+
+
+def _jit_together(kernels: dict[str, FunctionType], helpers: tuple[FunctionType, ...]) -> SimpleNamespace:
+    """``triton.jit`` of ``kernels`` and of the device functions they call, for the current interpreter setting.
+
+    A kernel finds a device function by name in its globals, and the two must be jitted for the same setting (a
+    compiled kernel cannot call an interpreted function, nor the interpreter a compiled one). So each function is
+    rebuilt over a copy of this module's namespace in which the helpers' names are bound to their jitted forms."""
+    namespace = dict(globals())
+
+    def rebuilt(fn: FunctionType) -> FunctionType:
+        return FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+
+    for helper in helpers:
+        namespace[helper.__name__] = triton.jit(rebuilt(helper))
+    return SimpleNamespace(**{name: triton.jit(rebuilt(kernel)) for name, kernel in kernels.items()})
+
+
+if tl is not None:
+    # Device functions the kernels below call by name. They are jitted with the kernels, for the same interpreter
+    # setting (see _jit_together).
+
+    def _input_taps(
+        x_ptr, end_ptr, lerp_weight, element, at, keep_ptr, keep_element, r, s, keep_row_stride, keep_col_stride,
+        inside, HAS_END: tl.constexpr, HAS_KEEP: tl.constexpr,
+    ):  # fmt: skip
+        """A_in's taps as float32: ``x`` at ``element + at`` mixed with ``end`` (A_prev), masked by ``keep`` at
+        ``keep_element`` + rows ``r``, columns ``s``; zeros outside ``inside``."""
+        a = tl.load(x_ptr + element + at, mask=inside, other=0.0).to(tl.float32)
+        if HAS_END:
+            end = tl.load(end_ptr + element + at, mask=inside, other=0.0).to(tl.float32)
+            a = a + lerp_weight * (end - a)
+        if HAS_KEEP:
+            keep_at = r * keep_row_stride + s * keep_col_stride
+            a = a * tl.load(keep_ptr + keep_element + keep_at, mask=inside, other=0.0).to(tl.float32)
+        return a
+
+    def _tile_pixels(BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(rows, columns) of the pixels of the program's BLOCK_Q x BLOCK_K tile (program axes 1 and 2), row by
+        row: the columns of a product's pixel side."""
+        pixel = tl.arange(0, BLOCK_Q * BLOCK_K)
+        return tl.program_id(1) * BLOCK_Q + pixel // BLOCK_K, tl.program_id(2) * BLOCK_K + pixel % BLOCK_K
+
+    def _gated_gradient(grad_ptr, gate_ptr, at, inside):
+        """The incoming gradient at ``at`` where the ReLU gate is open, else zero, as float32."""
+        g = tl.load(grad_ptr + at, mask=inside, other=0.0)
+        open_gate = tl.load(gate_ptr + at, mask=inside, other=0).to(tl.int1)
+        return tl.where(open_gate, g, 0.0).to(tl.float32)
+
+    def _tile_product(
+        left, right, acc, map_ptr, HALF: tl.constexpr, TENSOR_CORES: tl.constexpr, FP32_PRECISION: tl.constexpr
+    ):
+        """``acc + left @ right`` (float32 accumulators) as the maps of ``map_ptr`` are multiplied: half-precision
+        maps round the operands to their dtype (on tensor cores where compiled); float32 maps (and the interpreter,
+        whose bfloat16 products are wrong) multiply float32 operands at ``FP32_PRECISION`` (see _product_tiles)."""
+        if HALF:
+            left, right = left.to(map_ptr.dtype.element_ty), right.to(map_ptr.dtype.element_ty)
+        if TENSOR_CORES:
+            acc = tl.dot(left, right, acc)
+        else:
+            acc = tl.dot(left.to(tl.float32), right.to(tl.float32), acc, input_precision=FP32_PRECISION)
+        return acc
 
 
 if tl is not None:
@@ -478,9 +541,7 @@ if tl is not None:
             in_keep_ptr += b * in_keep_batch_stride
         if HAS_OUT_KEEP:
             out_keep_ptr += b * out_keep_batch_stride
-        pixel = tl.arange(0, BLOCK_Q * BLOCK_K)
-        i = tl.program_id(1) * BLOCK_Q + pixel // BLOCK_K
-        j = tl.program_id(2) * BLOCK_K + pixel % BLOCK_K
+        i, j = _tile_pixels(BLOCK_Q, BLOCK_K)
         o = tl.arange(0, BLOCK_H)
         plane = rows * cols
         taps_per_head = KERNEL_ROWS * KERNEL_COLS
@@ -495,21 +556,13 @@ if tl is not None:
             s = j[None, :] + (dx - KERNEL_COLS // 2)[:, None]
             inside = (k < reduction)[:, None] & (r >= 0) & (r < rows) & (s >= 0) & (s < cols)
             at = c[:, None] * plane + r * cols + s
-            a = tl.load(x_ptr + at, mask=inside, other=0.0).to(tl.float32)
-            if HAS_END:
-                end = tl.load(end_ptr + at, mask=inside, other=0.0).to(tl.float32)
-                a = a + lerp_weight * (end - a)
-            if HAS_IN_KEEP:
-                keep_at = r * in_keep_row_stride + s * in_keep_col_stride
-                a = a * tl.load(in_keep_ptr + keep_at, mask=inside, other=0.0).to(tl.float32)
+            a = _input_taps(
+                x_ptr, end_ptr, lerp_weight, 0, at, in_keep_ptr, 0, r, s, in_keep_row_stride, in_keep_col_stride,
+                inside, HAS_END, HAS_IN_KEEP,
+            )  # fmt: skip
             w_inside = (o < heads)[:, None] & (k < reduction)[None, :]
             w = tl.load(w_ptr + o[:, None] * reduction + k[None, :], mask=w_inside, other=0.0)
-            if HALF:  # half-precision maps: the products' operands are rounded to the map's dtype
-                w, a = w.to(x_ptr.dtype.element_ty), a.to(x_ptr.dtype.element_ty)
-            if TENSOR_CORES:  # half precision on tensor cores, accumulating in float32
-                acc = tl.dot(w, a, acc)
-            else:  # float32 maps (3xTF32: float32 accuracy), or the interpreter (its bfloat16 products are wrong)
-                acc = tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision=FP32_PRECISION)
+            acc = _tile_product(w, a, acc, x_ptr, HALF, TENSOR_CORES, FP32_PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + o, mask=o < heads, other=0.0)[:, None]
         if RELU:
@@ -574,9 +627,7 @@ if tl is not None:
             out2_ptr += element
         if HAS_KEEP:
             keep_ptr += b * keep_batch_stride
-        pixel = tl.arange(0, BLOCK_Q * BLOCK_K)
-        i = tl.program_id(1) * BLOCK_Q + pixel // BLOCK_K
-        j = tl.program_id(2) * BLOCK_K + pixel % BLOCK_K
+        i, j = _tile_pixels(BLOCK_Q, BLOCK_K)
         c = tl.arange(0, BLOCK_H)
         plane = rows * cols
         taps_per_head = KERNEL_ROWS * KERNEL_COLS
@@ -590,18 +641,11 @@ if tl is not None:
             s = j[None, :] + (KERNEL_COLS // 2 - k % KERNEL_COLS)[:, None]
             inside = (k < reduction)[:, None] & (r >= 0) & (r < rows) & (s >= 0) & (s < cols)
             at = o[:, None] * plane + r * cols + s
-            g = tl.load(grad_ptr + at, mask=inside, other=0.0)
-            open_gate = tl.load(gate_ptr + at, mask=inside, other=0).to(tl.int1)
-            g = tl.where(open_gate, g, 0.0).to(tl.float32)
+            g = _gated_gradient(grad_ptr, gate_ptr, at, inside)
             w_inside = (c < heads)[:, None] & (k < reduction)[None, :]
             w_at = (o[None, :] * heads + c[:, None]) * taps_per_head + tap[None, :]
             w = tl.load(w_ptr + w_at, mask=w_inside, other=0.0)
-            if HALF:  # half-precision maps: the products' operands are rounded to the map's dtype
-                w, g = w.to(grad_ptr.dtype.element_ty), g.to(grad_ptr.dtype.element_ty)
-            if TENSOR_CORES:  # half precision on tensor cores, accumulating in float32
-                acc = tl.dot(w, g, acc)
-            else:  # float32 maps (3xTF32: float32 accuracy), or the interpreter (its bfloat16 products are wrong)
-                acc = tl.dot(w.to(tl.float32), g.to(tl.float32), acc, input_precision=FP32_PRECISION)
+            acc = _tile_product(w, g, acc, grad_ptr, HALF, TENSOR_CORES, FP32_PRECISION)
         pixel_inside = (i < rows) & (j < cols)
         inside = (c < heads)[:, None] & pixel_inside[None, :]
         if HAS_KEEP:
@@ -674,27 +718,17 @@ if tl is not None:
             pixel_inside = (i < rows) & (j < cols)
             grad_inside = (o < heads)[:, None] & pixel_inside[None, :]
             grad_at = o[:, None] * plane + (i * cols + j)[None, :]
-            g = tl.load(grad_ptr + element + grad_at, mask=grad_inside, other=0.0)
-            open_gate = tl.load(gate_ptr + element + grad_at, mask=grad_inside, other=0).to(tl.int1)
-            g = tl.where(open_gate, g, 0.0).to(tl.float32)
+            g = _gated_gradient(grad_ptr + element, gate_ptr + element, grad_at, grad_inside)
             r = i[:, None] + (dy - context_rows)[None, :]
             s = j[:, None] + (dx - KERNEL_COLS // 2)[None, :]
             inside = pixel_inside[:, None] & (k < reduction)[None, :] & (r >= 0) & (r < rows) & (s >= 0) & (s < cols)
             at = c[None, :] * plane + r * cols + s
-            a = tl.load(scores_ptr + element + at, mask=inside, other=0.0).to(tl.float32)
-            if HAS_PREVIOUS:
-                p = tl.load(previous_ptr + element + at, mask=inside, other=0.0).to(tl.float32)
-                a = a + alpha * (p - a)
-            if HAS_KEEP:
-                keep_at = r * keep_row_stride + s * keep_col_stride
-                a = a * tl.load(keep_ptr + keep_base + keep_at, mask=inside, other=0.0).to(tl.float32)
+            a = _input_taps(
+                scores_ptr, previous_ptr, alpha, element, at,
+                keep_ptr, keep_base, r, s, keep_row_stride, keep_col_stride, inside, HAS_PREVIOUS, HAS_KEEP,
+            )  # fmt: skip
             a = tl.where(pixel_inside[:, None] & (k == reduction)[None, :], 1.0, a)  # the bias column
-            if HALF:  # half-precision maps: the products' operands are rounded to the map's dtype
-                g, a = g.to(grad_ptr.dtype.element_ty), a.to(grad_ptr.dtype.element_ty)
-            if TENSOR_CORES:  # half precision on tensor cores, accumulating in float32
-                acc = tl.dot(g, a, acc)
-            else:  # float32 maps (3xTF32: float32 accuracy), or the interpreter (its bfloat16 products are wrong)
-                acc = tl.dot(g.to(tl.float32), a.to(tl.float32), acc, input_precision=FP32_PRECISION)
+            acc = _tile_product(g, a, acc, grad_ptr, HALF, TENSOR_CORES, FP32_PRECISION)
         at = (split * BLOCK_H + o)[:, None] * (tl.num_programs(1) * BLOCK_TAPS) + k[None, :]
         tl.store(partial_ptr + at, acc)
 

@@ -1,0 +1,76 @@
+"""The Triton kernels compiled for an H100 without a GPU: every launch the evolution step makes, with its own
+arguments and tiles, through Triton's whole compiler (to PTX, then a cubin by the ptxas triton ships).
+
+``test_triton_kernel.py`` checks the kernels' numbers in Triton's CPU interpreter. The interpreter runs the
+kernels as Python, and takes code that the compiler refuses (such as a device function jitted for the other
+setting); it ignores tiles, warps and tensor cores. This module checks those where no GPU is: that the compiler
+takes every kernel as launched, that a program's shared memory fits an H100, and that the products run on
+tensor cores.
+"""
+
+import pytest
+import torch
+from testing import compile_for_cuda, recorded_triton_launches
+
+from ea_hf.ops import triton_kernels as kernels
+
+triton = pytest.importorskip("triton", reason="the Triton kernels need the optional triton package")
+
+H100 = 90
+#: Shared memory one program may use on an H100 (227 KiB).
+H100_SHARED_MEMORY = 232448
+
+
+def launches_of_one_step(monkeypatch, dtype: torch.dtype) -> list[tuple[str, tuple, dict]]:
+    """The launches of a training step's evolution and of a decoding step: forward and backward with A_prev and a
+    padding mask, and without either (their pointers become constexpr ``None``), and the plain correlation of a
+    decoding step's kept rows (a causal 2 x 3 kernel)."""
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, rows = 2, 12, 40
+    scores, previous = (torch.randn(batch, heads, rows, rows, generator=generator).to(dtype) for _ in range(2))
+    keep = torch.ones(batch, 1, rows, rows, dtype=dtype)
+    weight, bias = torch.randn(heads, heads, 3, 3, generator=generator), torch.randn(heads, generator=generator)
+    gate = torch.ones(scores.shape, dtype=torch.bool)
+
+    def step():
+        kernels.evolve(scores, previous, keep, weight, bias, 0.3, 0.8, 1, in_place=False, gate=True)
+        kernels.evolve(scores, None, None, weight, bias, 0.0, 0.8, 1, in_place=False, gate=True)
+        kernels.backward(scores, previous, 0.3, keep, scores.clone(), gate, weight, 1, 0.2)
+        kernels.backward(scores, None, 0.0, None, scores.clone(), gate, weight, 1, 0.2)
+        kernels.convolve(scores, weight[..., 1:, :], bias, row_shift=-1)
+
+    return recorded_triton_launches(monkeypatch, kernels, step)
+
+
+def compile_launch(name: str, args: tuple, launch_kwargs: dict):
+    compiled = compile_for_cuda(getattr(kernels._kernels(), name), args, launch_kwargs, capability=H100)
+    assert len(compiled.asm["cubin"]) > 0
+    assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, compiled.metadata.shared)
+    return compiled
+
+
+def tensor_core_products(compiled) -> int:
+    """The tensor-core product instructions in a compiled kernel."""
+    return compiled.asm["ptx"].count("mma.sync")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_every_launch_compiles_for_an_h100(monkeypatch, tmp_path, dtype):
+    """float32 maps in TF32 (cuDNN's default) and as three TF32 products; half-precision maps in their dtype."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compiled here, not found in a cache
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels jitted for a compiler, as on a GPU
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    launches = launches_of_one_step(monkeypatch, dtype)
+    assert [name for name, _, _ in launches] == [
+        "correlate", "correlate", "input_grad", "weight_grad", "input_grad", "weight_grad", "correlate",
+    ]  # fmt: skip
+    for name, args, launch_kwargs in launches:
+        assert launch_kwargs["TENSOR_CORES"] == (dtype != torch.float32)
+        products = tensor_core_products(compile_launch(name, args, launch_kwargs))
+        assert products > 0, name  # every product on tensor cores
+        if dtype == torch.float32:
+            # float32 accuracy (allow_tf32 off): each product as three TF32 products.
+            assert launch_kwargs["FP32_PRECISION"] == "tf32"
+            exact = compile_launch(name, args, launch_kwargs | {"FP32_PRECISION": "tf32x3"})
+            assert tensor_core_products(exact) == 3 * products, name
