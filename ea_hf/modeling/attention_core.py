@@ -7,11 +7,11 @@ autograd through the separate steps keeps S, the ReLU gate and P for every layer
 next layer's A_prev: three and a quarter [B, H, Q, K] maps where eager attention keeps one (P). At N = 512
 that makes a training step need about 1.5x eager attention's memory.
 
-:class:`EvolvingAttentionCore` keeps only A_logit (which the next layer keeps anyway), the bool ReLU gate and
-dropout's bool mask, and recomputes the rest in backward: S from Q and K (a matmul) and P from A_logit and the
-mask (a softmax, bit-identical to the forward one). Backward then runs the same gradient steps autograd would
-(the shared :func:`~.convolution.evolve_backward` for the evolution). The recomputation costs about one
-QK^T matmul and one softmax per layer and step.
+:class:`EvolvingAttentionCore` keeps only A_logit (which the next layer keeps anyway), the ReLU gate (bit-packed on
+the CPU kernel) and dropout's bool mask, and recomputes the rest in backward: S from Q and K (a matmul) and P from
+A_logit and the mask (a softmax, bit-identical to the forward one). Backward then runs the same gradient steps
+autograd would (the shared :func:`~.convolution.evolve_backward` for the evolution). The recomputation costs about
+one QK^T matmul and one softmax per layer and step.
 
 Where the maps are small, S and P are kept instead (:func:`keeps_small_maps`): when a map is no larger than
 the layer's keys and values, which the core keeps anyway (N <= 2 * head_dim for self-attention: N <= 128 with

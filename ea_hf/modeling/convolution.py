@@ -22,7 +22,8 @@ from .history import ConvolutionHistory
 class FusedKernel(Protocol):
     """What a fused implementation of the evolution step provides (see ``ea_hf.ops.cpu`` for one).
 
-    ``evolve`` is the forward step with beta-scaled weights: (A_logit, the bool ReLU gate), or with ``in_place``
+    ``evolve`` is the forward step with beta-scaled weights: (A_logit, the ReLU gate in the form its ``backward``
+    reads: a bool map, or the CPU kernel's :func:`packed_gate`), or with ``in_place``
     A_logit written over ``scores`` and no gate unless ``gate``; ``convolve`` a plain correlation plus bias whose
     output row i reads input rows ``i + row_shift ..``; ``backward`` the step's gradients (see
     ``ea_hf.ops.cpu.backward``; with ``shared_map=True`` it may return S's gradient as a :class:`ScaledMap` of
@@ -146,7 +147,7 @@ def evolve_for_backward(
     *,
     spend_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(A_logit, the bool ReLU gate, the beta-scaled weight) of a step that :func:`evolve_backward` will
+    """(A_logit, the ReLU gate, the beta-scaled weight) of a step that :func:`evolve_backward` will
     differentiate. S is left as it is (backward needs it), or with ``spend_scores`` (backward recomputes it)
     the fused kernel may write A_logit over it."""
     scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
@@ -278,8 +279,9 @@ def evolve_step(
 
     A_in is S, or with ``previous`` the residual mix lerp(S, previous, alpha): the CPU kernel mixes as it
     reads; elsewhere it is computed in S's storage, or in a new tensor ``for_backward`` (which keeps S; the
-    fused kernel writes A_logit over S all the same with ``spend_scores``). The gate is a bool map of where
-    the ReLU output is positive (a quarter of a float map's memory). Row i of a causal convolution reads input
+    fused kernel writes A_logit over S all the same with ``spend_scores``). The gate says where the ReLU output
+    is positive: a bool map (a quarter of a float map's memory), or on the CPU kernel :func:`packed_gate`'s form
+    (an eighth of that). Row i of a causal convolution reads input
     rows i - c .. i (c = ``context_rows``); ``history`` supplies the earlier rows of step-by-step decoding.
     """
     blend = 1.0 - beta
@@ -376,8 +378,63 @@ def convolution_input_grad(
 
 
 def relu_gate(grad: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The gradient through the ReLU, given the bool map of where its output is positive."""
-    return grad * gate
+    """The gradient through the ReLU, given where its output is positive (a bool map, or :func:`packed_gate`'s
+    form)."""
+    return grad * unpacked_gate(gate, grad.shape[-1])
+
+
+def packed_gate(scores: torch.Tensor) -> torch.Tensor:
+    """An unwritten bit-packed ReLU gate for maps like ``scores`` [B, H, Q, K], the form the CPU kernel writes
+    and reads: per row, ceil(K / 16) little-endian 16-bit words (as bytes), bit j % 16 of word j // 16 for column
+    j, and zeros past the last column. An eighth of a bool map's memory.
+
+    Example:
+        >>> packed_gate(torch.zeros(2, 3, 5, 40)).shape
+        torch.Size([2, 3, 5, 6])
+    """
+    return scores.new_empty(packed_gate_shape(scores.shape), dtype=torch.uint8)
+
+
+def packed_gate_shape(shape: torch.Size) -> torch.Size:
+    """The shape of a :func:`packed_gate` for maps of ``shape``: two bytes a 16 columns (or fewer, at the end).
+
+    Example:
+        >>> tuple(packed_gate_shape(torch.Size([2, 3, 5, 33])))
+        (2, 3, 5, 6)
+    """
+    return torch.Size((*shape[:-1], 2 * -(-shape[-1] // 16)))
+
+
+def pack_gate(gate: torch.Tensor) -> torch.Tensor:
+    """A bool ReLU gate in :func:`packed_gate`'s form (a packed one as it is).
+
+    Example:
+        >>> gate = torch.rand(2, 3, 4, 21) > 0.5
+        >>> torch.equal(unpacked_gate(pack_gate(gate), 21), gate)
+        True
+    """
+    if gate.dtype != torch.bool:
+        return gate
+    cols = gate.shape[-1]
+    padded = gate.new_zeros((*gate.shape[:-1], 16 * -(-cols // 16)))
+    padded[..., :cols] = gate
+    bits = padded.unflatten(-1, (-1, 8)).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=gate.device)
+    return bits.sum(-1, dtype=torch.uint8)
+
+
+def unpacked_gate(gate: torch.Tensor, cols: int) -> torch.Tensor:
+    """A ReLU gate as a bool map of ``cols`` columns: ``gate`` itself where it is one, else unpacked from
+    :func:`packed_gate`'s form.
+
+    Example:
+        >>> packed = torch.tensor([[0b00000101, 0b10000000]], dtype=torch.uint8)
+        >>> unpacked_gate(packed, 16).nonzero()[:, -1].tolist()
+        [0, 2, 15]
+    """
+    if gate.dtype == torch.bool:
+        return gate
+    bits = gate.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=gate.device)
+    return (bits & 1).flatten(-2)[..., :cols].bool()
 
 
 def evolve_convolution(

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..modeling.convolution import ScaledMap
+from ..modeling.convolution import ScaledMap, pack_gate, packed_gate, packed_gate_shape
 from .fused_step import evolve_by_correlation
 
 logger = logging.getLogger(__name__)
@@ -125,6 +125,18 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def _checked_gate(gate: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """``gate`` if it is a contiguous :func:`~ea_hf.modeling.convolution.packed_gate` for maps like ``like``."""
+    if gate is not None:
+        shape = packed_gate_shape(like.shape)
+        if gate.dtype != torch.uint8 or gate.shape != shape or not gate.is_contiguous():
+            raise ValueError(
+                f"the CPU kernel's ReLU gate is bit-packed (packed_gate): a contiguous torch.uint8 map of shape "
+                f"{tuple(shape)}, not {gate.dtype} {tuple(gate.shape)}"
+            )
+    return gate
+
+
 def kernel_keep(keep: torch.Tensor | None, batch: int, rows: int, cols: int) -> torch.Tensor | None:
     """``keep`` as the kernel reads it, a contiguous float32 [B, 1, Q, K] mask, or None."""
     if keep is None:
@@ -174,8 +186,9 @@ def correlate(
 
     Output row i reads rows ``i + row_shift .. i + row_shift + kh - 1`` of ``x`` (zeros outside) and columns
     ``j - kw // 2 .. j + kw // 2``. With ``lerp_end``, ``x`` and ``blend`` are first mixed with it:
-    ``x + lerp_weight * (lerp_end - x)``. Masks are [B, 1, Q, K] floats; ``saved`` (bool, like ``x``)
-    receives where the (ReLU) output is positive: the gate of backward, at a quarter of a float map's memory.
+    ``x + lerp_weight * (lerp_end - x)``. Masks are [B, 1, Q, K] floats; ``saved`` (a
+    :func:`~ea_hf.modeling.convolution.packed_gate` for ``x``) receives where the (ReLU) output is positive, one
+    bit a value: the gate of backward.
     ``in_place`` writes the result over ``x`` (one map less to allocate; ``x`` may also be ``blend``).
     """
     library = cpu_kernel()
@@ -204,7 +217,7 @@ def correlate(
         weight.shape[-1],
         row_shift,
         int(relu),
-        _pointer(saved),
+        _pointer(_checked_gate(saved, x)),
         _pointer(out_keep),
         _pointer(blend),
         float(blend_coef),
@@ -294,7 +307,8 @@ def _backward(
 
     Returns the gradients of S, of A_prev (``None`` without ``previous``), and of the beta-scaled kernel's
     weight and bias, for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha),
-    the ReLU gate ``gate``, the output gradient ``grad`` and blend = 1 - beta; callers check :func:`applicable`.
+    the ReLU gate ``gate`` (bit-packed as :func:`correlate` writes it; a bool map is packed first), the output
+    gradient ``grad`` and blend = 1 - beta; callers check :func:`applicable`.
     ``into`` names maps the caller no longer needs that the gradients of S and of A_prev may be written to
     (``grad`` itself may hold the first: each row is read before it is overwritten). ``addend``, a second
     incoming gradient, is added to ``grad`` as its rows are read (one pass over the maps less than adding first).
@@ -308,7 +322,7 @@ def _backward(
     batch, heads, rows, cols = scores.shape
     kernel_rows, kernel_cols = scaled_weight.shape[-2:]
     transposed = scaled_weight.detach().to(torch.float32).flip(-2, -1).transpose(0, 1).contiguous()
-    scores, grad, gate = scores.contiguous(), grad.contiguous(), gate.contiguous()
+    scores, grad, gate = scores.contiguous(), grad.contiguous(), _checked_gate(pack_gate(gate).contiguous(), scores)
     previous = None if previous is None else previous.contiguous()
     addend = None if addend is None else addend.contiguous()
     keep = kernel_keep(keep, batch, rows, cols)
@@ -379,16 +393,26 @@ EVOLVE_BACKWARD_SCHEMA = (
 
 @torch.library.custom_op("ea_hf::evolve", mutates_args=(), device_types="cpu", schema=EVOLVE_SCHEMA)
 def evolve_operator(scores, previous, keep, weight, bias, alpha, blend, context_rows):
-    """(ReLU(Conv(A_in * keep)) + blend * A_in, its bool ReLU gate), A_in = lerp(S, A_prev, alpha): the
+    """(ReLU(Conv(A_in * keep)) + blend * A_in, its bit-packed ReLU gate), A_in = lerp(S, A_prev, alpha): the
     evolution step's forward pass, differentiable (its backward is ``ea_hf::evolve_backward``)."""
     return evolve_by_correlation(
-        correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=False
+        correlate,
+        scores,
+        previous,
+        keep,
+        weight,
+        bias,
+        alpha,
+        blend,
+        context_rows,
+        in_place=False,
+        new_gate=packed_gate,
     )
 
 
 @evolve_operator.register_fake
 def _(scores, previous, keep, weight, bias, alpha, blend, context_rows):
-    return scores.new_empty(scores.shape), scores.new_empty(scores.shape, dtype=torch.bool)
+    return scores.new_empty(scores.shape), packed_gate(scores)
 
 
 def _save_for_evolve_backward(ctx, inputs, output):
@@ -476,8 +500,9 @@ def evolve(
     if in_place and not torch.compiler.is_compiling():
         if gate:  # the attention core's forward (never compiled): S is spent, A_logit and the gate are kept
             return evolve_by_correlation(
-                correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=True, gate=True
-            )
+                correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=True, gate=True,
+                new_gate=packed_gate,
+            )  # fmt: skip
         torch.ops.ea_hf.evolve_(scores, previous, keep, weight, bias, alpha, blend, context_rows)
         return scores, None
     logits, saved = torch.ops.ea_hf.evolve(scores, previous, keep, weight, bias, alpha, blend, context_rows)

@@ -7,6 +7,11 @@ from collections.abc import Callable
 import torch
 
 
+def bool_gate(scores: torch.Tensor) -> torch.Tensor:
+    """An unwritten bool ReLU gate for maps like ``scores``, one byte a value (the Triton kernels' form)."""
+    return scores.new_empty(scores.shape, dtype=torch.bool)
+
+
 def evolve_by_correlation(
     correlate: Callable[..., torch.Tensor],
     scores: torch.Tensor,
@@ -20,13 +25,15 @@ def evolve_by_correlation(
     *,
     in_place: bool,
     gate: bool | None = None,
+    new_gate: Callable[[torch.Tensor], torch.Tensor] = bool_gate,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(ReLU(Conv(A_in * keep)) + blend * A_in, the bool gate where the ReLU output is positive) with
+    """(ReLU(Conv(A_in * keep)) + blend * A_in, the gate where the ReLU output is positive) with
     A_in = lerp(S, A_prev, alpha), in one pass of ``correlate`` (``ea_hf.ops.cpu.correlate`` or the Triton one);
     ``in_place`` writes the result over ``scores``. The gate is kept if ``gate`` (default: unless in place, i.e.
-    inference). Row i reads input rows ``i - context_rows ..``."""
+    inference), in the map ``new_gate(scores)`` gives (the form ``correlate`` writes). Row i reads input rows
+    ``i - context_rows ..``."""
     keep_gate = not in_place if gate is None else gate
-    saved = scores.new_empty(scores.shape, dtype=torch.bool) if keep_gate else None
+    saved = new_gate(scores) if keep_gate else None
     logits = correlate(
         scores,
         weight,

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import ea_hf
+from ea_hf.modeling.convolution import pack_gate, packed_gate, unpacked_gate
 from ea_hf.ops import cpu as kernels
 
 needs_compiler = pytest.mark.skipif(kernels._compiler() is None, reason="no C++ compiler on this machine")
@@ -59,22 +60,33 @@ def test_correlate_matches_torch(heads, kernel_rows, kernel_cols, row_shift, ble
     keep = (torch.rand(batch, 1, rows, cols) > 0.2).float()
     blend = x if blend_is_input else other
     options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=blend, blend_coef=0.6)
-    saved = torch.empty_like(x, dtype=torch.bool)
+    saved = packed_gate(x)
     out = kernels.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
     expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)
     assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
-    assert torch.equal(saved, expected_saved)
+    assert torch.equal(saved, pack_gate(expected_saved))  # one bit a value, zeros past the last column
+
+
+def library_built_with(tmp_path_factory, name: str, *flags: str):
+    """The kernel built with ``flags`` added to the usual ones, in a cache of its own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EA_HF_CACHE", str(tmp_path_factory.mktemp(name)))
+        patch.setattr(kernels, "FLAGS", (*kernels.FLAGS, *flags))
+        patch.setattr(kernels, "_loaded", {})
+        return kernels.cpu_kernel()
 
 
 @pytest.fixture(scope="session")
 def direct_form_library(tmp_path_factory):
     """The kernel built with -DEA_HF_DIRECT_CONVOLUTION: the direct form of the correlation everywhere, to
     compare with the default build's Winograd form."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("EA_HF_CACHE", str(tmp_path_factory.mktemp("direct-form")))
-        patch.setattr(kernels, "FLAGS", (*kernels.FLAGS, "-DEA_HF_DIRECT_CONVOLUTION"))
-        patch.setattr(kernels, "_loaded", {})
-        return kernels.cpu_kernel()
+    return library_built_with(tmp_path_factory, "direct-form", "-DEA_HF_DIRECT_CONVOLUTION")
+
+
+@pytest.fixture(scope="session")
+def avx2_library(tmp_path_factory):
+    """The kernel built without AVX-512 (-mno-avx512f after -march=native): what CPUs without it run."""
+    return library_built_with(tmp_path_factory, "no-avx512", "-mno-avx512f")
 
 
 def has_avx512() -> bool:
@@ -98,7 +110,7 @@ def test_the_winograd_form_matches_the_direct_form(
     keep = (torch.rand(2, 1, 6, cols) > 0.2).float()
     options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=x, blend_coef=0.6)
     backward = (x, end, 0.3, keep, grad, torch.rand(2, heads, 6, cols) > 0.4, weight, -row_shift, 0.4)
-    saved = torch.empty_like(x, dtype=torch.bool)
+    saved = packed_gate(x)
     winograd = kernels.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
     winograd_grads = kernels.backward(*backward)
     monkeypatch.setattr(kernels, "_loaded", {"cpu": direct_form_library})
@@ -107,13 +119,39 @@ def test_the_winograd_form_matches_the_direct_form(
     expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)
     for form in (winograd, direct):
         assert (form - expected).abs().max() <= 1e-5 * expected.abs().max()
-    assert torch.equal(saved, expected_saved)
+    assert torch.equal(saved, pack_gate(expected_saved))
     for got, want in zip(winograd_grads, direct_grads, strict=True):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     if has_avx512() and cols >= 32:
         assert not torch.equal(winograd, direct)
         assert not torch.equal(winograd_grads[0], direct_grads[0])  # the input gradient's form
         assert torch.equal(winograd_grads[2], direct_grads[2])  # the weight gradient is direct in both
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads", [3, 12])
+@pytest.mark.parametrize("cols", [5, 37])  # a partial vector; two whole ones and a partial one
+def test_a_build_without_avx512_matches_the_default_build(heads, cols, avx2_library, monkeypatch):
+    """CPUs without AVX-512 (most laptops) run the kernel's other paths: register blocks for 16 vector registers,
+    the direct form, and the gate's bits from lane comparisons instead of mask registers. Built so here: forward
+    and backward within 1e-5 of the default build, the same gate bits (none past the last column)."""
+    torch.manual_seed(cols)
+    x, end, grad = (torch.randn(2, heads, 6, cols) for _ in range(3))
+    weight, bias = torch.randn(heads, heads, 3, 3), torch.randn(heads)
+    keep = (torch.rand(2, 1, 6, cols) > 0.2).float()
+    options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=x, blend_coef=0.6)
+    backward = (x, end, 0.3, keep, grad, pack_gate(torch.rand(2, heads, 6, cols) > 0.4), weight, 1, 0.4)
+    results = []
+    for library in (kernels.cpu_kernel(), avx2_library):
+        monkeypatch.setattr(kernels, "_loaded", {"cpu": library})
+        saved = packed_gate(x)
+        results.append((kernels.correlate(x, weight, bias, row_shift=-1, saved=saved, **options), saved))
+        results[-1] += kernels.backward(*backward)
+    (out, saved, *grads), (avx2_out, avx2_saved, *avx2_grads) = results
+    assert torch.equal(avx2_saved, saved)
+    assert torch.equal(saved, pack_gate(unpacked_gate(saved, cols)))  # zeros past the last column
+    for got, want in zip((avx2_out, *avx2_grads), (out, *grads), strict=True):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 @needs_compiler

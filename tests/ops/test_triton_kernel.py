@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton", reason="the Triton kernels need the optio
 from testing import METHODS, patched_model, spy_on, tiny_inputs  # noqa: E402
 
 from ea_hf.modeling import convolution  # noqa: E402
+from ea_hf.modeling.convolution import pack_gate, packed_gate  # noqa: E402
 from ea_hf.modeling.history import ConvolutionHistory  # noqa: E402
 from ea_hf.ops import cpu  # noqa: E402
 from ea_hf.ops import triton_kernels as kernels  # noqa: E402
@@ -316,10 +317,10 @@ def test_correlate_options_match_torch(device, options, kernel_rows, kernel_cols
     assert torch.equal(saved_on_device.cpu(), want_saved)
     saved = saved_on_device.cpu()
     if cpu.applicable(x, keep=keep, weight=weight):
-        cpu_saved = torch.empty_like(saved)
+        cpu_saved = packed_gate(x)  # the CPU kernel's gate is bit-packed
         on_cpu = cpu.correlate(x, weight, with_bias, row_shift=row_shift, saved=cpu_saved, **choices)
         assert relative_error(out, on_cpu) <= FP32_TOLERANCE
-        assert torch.equal(saved, cpu_saved)
+        assert torch.equal(pack_gate(saved), cpu_saved)
 
 
 @pytest.mark.usefixtures("small_tiles")
