@@ -384,15 +384,16 @@ def relu_gate(grad: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def packed_gate(scores: torch.Tensor) -> torch.Tensor:
-    """An unwritten bit-packed ReLU gate for maps like ``scores`` [B, H, Q, K], the form the CPU kernel writes
-    and reads: per row, ceil(K / 16) little-endian 16-bit words (as bytes), bit j % 16 of word j // 16 for column
-    j, and zeros past the last column. An eighth of a bool map's memory.
+    """A bit-packed ReLU gate for maps like ``scores`` [B, H, Q, K], the form the CPU kernel writes and reads:
+    per row, ceil(K / 16) little-endian 16-bit words (as bytes), bit j % 16 of word j // 16 for column j, and
+    zeros past the last column. An eighth of a bool map's memory. Zeros until written (a kernel with 8-column
+    vectors writes a byte a vector and leaves a row's last byte alone where its vectors are odd in number).
 
     Example:
         >>> packed_gate(torch.zeros(2, 3, 5, 40)).shape
         torch.Size([2, 3, 5, 6])
     """
-    return scores.new_empty(packed_gate_shape(scores.shape), dtype=torch.uint8)
+    return scores.new_zeros(packed_gate_shape(scores.shape), dtype=torch.uint8)
 
 
 def packed_gate_shape(shape: torch.Size) -> torch.Size:

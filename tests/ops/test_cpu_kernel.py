@@ -130,11 +130,12 @@ def test_the_winograd_form_matches_the_direct_form(
 
 @needs_compiler
 @pytest.mark.parametrize("heads", [3, 12])
-@pytest.mark.parametrize("cols", [5, 37])  # a partial vector; two whole ones and a partial one
+@pytest.mark.parametrize("cols", [5, 37, 64])  # a partial vector; whole ones and a partial one; whole ones
 def test_a_build_without_avx512_matches_the_default_build(heads, cols, avx2_library, monkeypatch):
-    """CPUs without AVX-512 (most laptops) run the kernel's other paths: register blocks for 16 vector registers,
-    the direct form, and the gate's bits from lane comparisons instead of mask registers. Built so here: forward
-    and backward within 1e-5 of the default build, the same gate bits (none past the last column)."""
+    """CPUs without AVX-512 (most laptops) run the kernel's other paths: 8-lane vectors, register blocks for 16
+    vector registers, the direct form, and the gate's bits a byte a vector from lane comparisons instead of mask
+    registers. Built so here: forward and backward within 1e-5 of the default build, the same gate bits (none
+    past the last column)."""
     torch.manual_seed(cols)
     x, end, grad = (torch.randn(2, heads, 6, cols) for _ in range(3))
     weight, bias = torch.randn(heads, heads, 3, 3), torch.randn(heads)

@@ -23,11 +23,11 @@
 // and bias gradients, sum over b, i, j of gy[b, o, i, j] * a[b, c, i + dy + row_shift, j + dx - kc / 2] with
 // gy = grad * gate. Neither materialises A_in, the gated gradient or the masked input.
 //
-// The gate is bit-packed: row (b, h, i) has gate_words(cols) 16-bit little-endian words, bit j % 16 of word j / 16
+// The gate is bit-packed: row (b, h, i) has ceil(cols / 16) 16-bit little-endian words, bit j % 16 of word j / 16
 // for column j (bits past the last column are 0). A byte a value read a quarter of the bytes of a float map, and
 // selecting by it cost a pass of its own (measured on AMD EPYC at N = 512, B = 2: forward 7.55 -> 7.11 ms, backward
 // 19.2 -> 18.2 ms without the gate at all); a bit a value is an eighth of that memory, and one 16-bit word
-// selects a whole vector.
+// selects a whole vector (a byte, where vectors hold 8 floats). The packed gate took as long as the bytes.
 //
 // No torch headers: a plain shared library called through ctypes, which compiles in about a second. Threads
 // come from OpenMP, the runtime torch itself uses.
@@ -39,12 +39,21 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int kLanes = 16;  // one 512-bit vector of floats (the compiler splits it where vectors are narrower)
+// Floats a vector: one 512-bit register with AVX-512, one 256-bit register with AVX (two 128-bit halves on SSE
+// or NEON targets). With 16 lanes on AVX2 every vector took two of its 16 registers, which left the weight
+// gradient one output head a block: measured built without AVX-512 on AMD EPYC at N = 512, B = 2, backward took
+// 145 ms with 16 lanes (forward 37.5).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 constexpr int kMaxHeads = 64;
 constexpr int kMaxKernelRows = 8;
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
@@ -76,17 +85,21 @@ inline float lanes_sum(vfloat v) {
     return total;
 }
 
-// 16-bit words of a bit-packed gate row of `cols` columns (see the file comment): one per vector of columns.
-inline int gate_words(int cols) { return (cols + kLanes - 1) / kLanes; }
+// A vector's bits of a bit-packed gate (see the file comment): the rows' 16-bit words are read and written as
+// one word a vector with 16 lanes, as one byte a vector (the word's low, then high byte) with 8.
+typedef std::conditional<kLanes == 16, uint16_t, uint8_t>::type GateBits;
 
-// The word of vector `j / kLanes` of gate row `row` (the flat row index (b * heads + h) * rows + i).
-inline size_t gate_word(size_t row, int cols, int j) { return row * gate_words(cols) + j / kLanes; }
+// GateBits units in a gate row of `cols` columns: 2 * ceil(cols / 16) bytes.
+inline int gate_units(int cols) { return 2 * ((cols + 15) / 16) / static_cast<int>(sizeof(GateBits)); }
+
+// The bits of the vector at column `j` of gate row `row` (the flat row index (b * heads + h) * rows + i).
+inline size_t gate_unit(size_t row, int cols, int j) { return row * gate_units(cols) + j / kLanes; }
 
 // Makes the compiler keep `v` in a register (it may not fold its load into each use as a memory operand). A
-// vfloat fits one register only with AVX-512; elsewhere (two or four halves) this does nothing: a 64-byte
-// operand there is an impossible asm constraint, and the kernel would not compile at all.
+// vfloat fits one register with AVX-512 or AVX; elsewhere (two halves) this does nothing: an operand wider
+// than a register is an impossible asm constraint, and the kernel would not compile at all.
 inline void in_register(vfloat& v) {
-#if defined(__AVX512F__)
+#if defined(__AVX__)
     __asm__("" : "+v"(v));
 #else
     (void)v;
@@ -94,20 +107,20 @@ inline void in_register(vfloat& v) {
 }
 
 // Bit k set where lane k of `v` is positive.
-inline uint16_t positive_lanes(vfloat v) {
+inline GateBits positive_lanes(vfloat v) {
 #if defined(__AVX512F__)
     __m512 m;
     std::memcpy(&m, &v, sizeof m);
     return static_cast<uint16_t>(_mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_GT_OQ));
 #else
-    uint16_t bits = 0;
-    for (int k = 0; k < kLanes; ++k) bits |= static_cast<uint16_t>(v[k] > 0.0f) << k;
-    return bits;
+    unsigned bits = 0;
+    for (int k = 0; k < kLanes; ++k) bits |= static_cast<unsigned>(v[k] > 0.0f) << k;
+    return static_cast<GateBits>(bits);
 #endif
 }
 
 // `v` where the bits of `bits` are set, else 0.
-inline vfloat select_lanes(uint16_t bits, vfloat v) {
+inline vfloat select_lanes(GateBits bits, vfloat v) {
 #if defined(__AVX512F__)
     __m512 m;
     std::memcpy(&m, &v, sizeof m);
@@ -127,7 +140,7 @@ struct Input {  // where rows of `a` come from
     const float* lerp_end;
     float lerp_weight;
     const float* addend;
-    const uint16_t* gate;  // bit-packed (see the file comment)
+    const GateBits* gate;  // bit-packed (see the file comment)
     const float* in_keep;
     int batch, heads, rows, cols, kernel_rows, kernel_cols, row_shift;
 };
@@ -191,9 +204,12 @@ struct RowRing {
 
 // Each ring row: a zero border of one vector (at least kernel_cols / 2 columns) on the left, so that column 0
 // is aligned, then the columns rounded up to whole vectors, then a zero border for the last vector's reads.
-constexpr int kLead = kLanes;
+constexpr int kLead = 16;  // MAX_KERNEL_COLUMNS / 2 in ea_hf/ops/cpu.py; 64 bytes, so column 0 stays aligned
+static_assert(kLead % kLanes == 0, "column 0 of a ring row starts a vector");
 
-inline int padded_width(const Input& in) { return kLead + ((in.cols + kLanes - 1) / kLanes) * kLanes + 2 * kLanes; }
+inline int padded_width(const Input& in) {
+    return kLead + ((in.cols + kLanes - 1) / kLanes) * kLanes + std::max(2 * kLanes, kLead);
+}
 
 // Copies of input rows that other threads overwrite when the output replaces the input (ea_correlate with
 // out == x): the rows just outside a thread's own rows that its first and last output rows read.
@@ -267,6 +283,7 @@ inline void prefetch_line_by_line(const void* p, size_t bytes) {
 // rows instead made the ring twice as large: in backward the weight gradient, computed in the same pass, then
 // lost to the cache what the input gradient gained (measured on AMD EPYC, N = 512: 20.3 ms either way, against
 // 19.3 ms with the split rows). The rounding differs from the direct form's by a few units in the last place.
+#if defined(__AVX512F__)  // (16 lanes; the form runs only there, see winograd())
 inline vfloat evens(vfloat a, vfloat b) {
     return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
 }
@@ -274,6 +291,32 @@ inline vfloat evens(vfloat a, vfloat b) {
 inline vfloat odds(vfloat a, vfloat b) {
     return __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+
+// Lanes [half * 8, half * 8 + 8) of `even` and `odd`, interleaved.
+inline vfloat interleaved(vfloat even, vfloat odd, int half) {
+    return half == 0 ? __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
+                     : __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+#else
+inline vfloat evens(vfloat a, vfloat b) {
+    vfloat r;
+    for (int k = 0; k < kLanes / 2; ++k) r[k] = a[2 * k], r[kLanes / 2 + k] = b[2 * k];
+    return r;
+}
+
+inline vfloat odds(vfloat a, vfloat b) {
+    vfloat r;
+    for (int k = 0; k < kLanes / 2; ++k) r[k] = a[2 * k + 1], r[kLanes / 2 + k] = b[2 * k + 1];
+    return r;
+}
+
+inline vfloat interleaved(vfloat even, vfloat odd, int half) {
+    vfloat r;
+    for (int k = 0; k < kLanes / 2; ++k)
+        r[2 * k] = even[half * kLanes / 2 + k], r[2 * k + 1] = odd[half * kLanes / 2 + k];
+    return r;
+}
+#endif
 
 inline int pair_vectors(int cols) { return (cols + 2 * kLanes - 1) / (2 * kLanes); }
 
@@ -358,7 +401,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
                 request(in.x + start + in.cols, bytes);
                 if (in.lerp_end) request(in.lerp_end + start + in.cols, bytes);
                 if (in.addend) request(in.addend + start + in.cols, bytes);
-                if (in.gate) request(in.gate + gate_words(in.cols) * (gate_row + 1), 2 * gate_words(in.cols));
+                if (in.gate) request(in.gate + gate_units(in.cols) * (gate_row + 1), 2 * ((in.cols + 15) / 16));
             }
             const float* copy = halo ? halo->find(static_cast<long>(b) * in.rows + r, c, in.cols, heads) : nullptr;
             const float* src = copy ? copy : in.x + start;
@@ -373,8 +416,8 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
             }
             if (plain) std::memcpy(plain, dst, sizeof(float) * in.cols);
             if (in.gate) {  // (dst is zero past the last column, and so are the gate's bits there)
-                const uint16_t* gate = in.gate + gate_words(in.cols) * gate_row;
-                for (int v = 0; v < gate_words(in.cols); ++v)
+                const GateBits* gate = in.gate + gate_units(in.cols) * gate_row;
+                for (int v = 0; v < (in.cols + kLanes - 1) / kLanes; ++v)
                     store(dst + v * kLanes, select_lanes(gate[v], load(dst + v * kLanes)));
             }
             if (keep)
@@ -388,7 +431,7 @@ struct Output {
     const float* w;  // [c][dy][dx][h] inside the kernel (ea_correlate takes [h][c][dy][dx] and reorders it)
     const float* bias;
     int relu;
-    uint16_t* saved;  // bit-packed (see the file comment)
+    GateBits* saved;  // bit-packed (see the file comment)
     const float* out_keep;
     const float* blend;
     float blend_coef;
@@ -427,7 +470,7 @@ __attribute__((noinline, cold)) void finish_partial(const Input& in, const Outpu
                                                     size_t word, const float* out_keep, int valid,
                                                     const float* mixed_row) {
     float keep[kLanes] = {}, blend[kLanes] = {}, end[kLanes] = {}, out[kLanes], out2[kLanes];
-    uint16_t saved = 0;
+    GateBits saved = 0;
     const size_t floats = sizeof(float) * valid;
     Input copies_in = in;  // what finish reads and writes, moved to the copies (at offset 0)
     Output copies = o;
@@ -446,7 +489,7 @@ __attribute__((noinline, cold)) void finish_partial(const Input& in, const Outpu
     finish(copies_in, copies, y, 0, 0, out_keep ? keep : nullptr, mixed_row);
     std::memcpy(o.out + at, out, floats);
     if (o.out2) std::memcpy(o.out2 + at, out2, floats);
-    if (o.saved) o.saved[word] = saved & ((1u << valid) - 1);  // no bits past the last column
+    if (o.saved) o.saved[word] = static_cast<GateBits>(saved & ((1u << valid) - 1));  // none past the last column
 }
 
 // Vector registers of the target and how many of them one vfloat takes: the register blocking of output_row
@@ -454,9 +497,9 @@ __attribute__((noinline, cold)) void finish_partial(const Input& in, const Outpu
 #if defined(__AVX512F__)
 constexpr int kVectorRegisters = 32, kRegistersPerVector = 1;
 #elif defined(__AVX__)
-constexpr int kVectorRegisters = 16, kRegistersPerVector = 2;
+constexpr int kVectorRegisters = 16, kRegistersPerVector = 1;
 #else
-constexpr int kVectorRegisters = 16, kRegistersPerVector = 4;
+constexpr int kVectorRegisters = 16, kRegistersPerVector = 2;
 #endif
 
 // Output heads computed together by output_row: 6 where the head count allows (else 4, else all). Measured on AMD
@@ -523,7 +566,7 @@ inline void output_block(const Input& in, const Output& o, int b, int i, int j0,
         const int valid = std::min(kLanes, in.cols - ju);
         for (int g = 0; g < group; ++g) {
             const size_t at = (static_cast<size_t>(b) * heads + h0 + g) * map + row + ju;
-            const size_t word = gate_word((static_cast<size_t>(b) * heads + h0 + g) * in.rows + i, in.cols, ju);
+            const size_t word = gate_unit((static_cast<size_t>(b) * heads + h0 + g) * in.rows + i, in.cols, ju);
             const float* mixed = blend_in_ring ? ring.plain[(h0 + g) * kr + own] + ju : nullptr;
             if (valid == kLanes) finish(in, o, acc[g][u], at, word, out_keep ? out_keep + ju : nullptr, mixed);
             else finish_partial(in, o, acc[g][u], at, word, out_keep ? out_keep + ju : nullptr, valid, mixed);
@@ -573,15 +616,13 @@ inline void winograd_block(const Input& in, const Output& o, int b, int i, int q
         const float bias = o.bias ? o.bias[h0 + g] : 0.0f;
         const vfloat even = acc[g][0] + acc[g][1] + acc[g][2] + bias;
         const vfloat odd = acc[g][1] - acc[g][2] - acc[g][3] + bias;
-        const vfloat halves[2] = {
-            __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
-            __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31)};
+        const vfloat halves[2] = {interleaved(even, odd, 0), interleaved(even, odd, 1)};
         for (int u = 0; u < 2; ++u) {
             const int ju = 2 * kLanes * q + u * kLanes;
             const int valid = std::min(kLanes, in.cols - ju);
             if (valid <= 0) break;
             const size_t at = (static_cast<size_t>(b) * Heads + h0 + g) * map + row + ju;
-            const size_t word = gate_word((static_cast<size_t>(b) * Heads + h0 + g) * in.rows + i, in.cols, ju);
+            const size_t word = gate_unit((static_cast<size_t>(b) * Heads + h0 + g) * in.rows + i, in.cols, ju);
             const float* mixed = blend_in_ring ? ring.plain[(h0 + g) * kr + own] + ju : nullptr;
             if (valid == kLanes) finish(in, o, halves[u], at, word, out_keep ? out_keep + ju : nullptr, mixed);
             else finish_partial(in, o, halves[u], at, word, out_keep ? out_keep + ju : nullptr, valid, mixed);
@@ -852,14 +893,14 @@ inline bool supported(int heads, int kernel_rows, int kernel_cols) {
 extern "C" {
 
 // Both return 0 on success and 1 for sizes the kernels do not take (the caller checks them first).
-int ea_correlate(const float* x, const float* lerp_end, float lerp_weight, const uint16_t* gate, const float* in_keep,
+int ea_correlate(const float* x, const float* lerp_end, float lerp_weight, const void* gate, const float* in_keep,
                  const float* w, const float* bias, int batch, int heads, int rows, int cols, int kernel_rows,
-                 int kernel_cols, int row_shift, int relu, uint16_t* saved, const float* out_keep, const float* blend,
+                 int kernel_cols, int row_shift, int relu, void* saved, const float* out_keep, const float* blend,
                  float blend_coef, float* out, float out_scale, float* out2, float out2_scale, int threads) {
     if (!supported(heads, kernel_rows, kernel_cols)) return 1;
-    const Input in{x, lerp_end, lerp_weight, nullptr, gate, in_keep, batch, heads, rows, cols, kernel_rows,
+    const Input in{x, lerp_end, lerp_weight, nullptr, static_cast<const GateBits*>(gate), in_keep, batch, heads, rows, cols, kernel_rows,
                    kernel_cols, row_shift};
-    const Output o{w, bias, relu, saved, out_keep, blend, blend_coef, out, out_scale, out2, out2_scale};
+    const Output o{w, bias, relu, static_cast<GateBits*>(saved), out_keep, blend, blend_coef, out, out_scale, out2, out2_scale};
     EA_DISPATCH(correlate, heads, kernel_cols, in, o, threads);
 }
 
@@ -870,11 +911,11 @@ int ea_correlate(const float* x, const float* lerp_end, float lerp_weight, const
 // be `grad` (written over it); neither output may be grad_addend. (The blend reads the incoming gradient from
 // the ring, where the addend is already added: row_shift_t puts the output's own row in the ring.)
 int ea_backward(const float* scores, const float* previous, float alpha, const float* keep, const float* grad,
-                const float* grad_addend, const uint16_t* gate, const float* w_t, int batch, int heads, int rows, int cols,
+                const float* grad_addend, const void* gate, const float* w_t, int batch, int heads, int rows, int cols,
                 int kernel_rows, int kernel_cols, int row_shift, int row_shift_t, float blend_coef, float* out,
                 float out_scale, float* out2, float out2_scale, float* grad_weight, float* grad_bias, int threads) {
     if (!supported(heads, kernel_rows, kernel_cols) || -row_shift_t < 0 || -row_shift_t >= kernel_rows) return 1;
-    const Input grad_in{grad, nullptr, 0.0f, grad_addend, gate, nullptr, batch, heads, rows, cols, kernel_rows,
+    const Input grad_in{grad, nullptr, 0.0f, grad_addend, static_cast<const GateBits*>(gate), nullptr, batch, heads, rows, cols, kernel_rows,
                         kernel_cols, row_shift_t};
     const Output grad_out{w_t, nullptr, 0, nullptr, keep, grad, blend_coef, out, out_scale, out2, out2_scale};
     const Input forward_in{scores, previous, alpha, nullptr, nullptr, keep, batch, heads, rows, cols,
@@ -882,5 +923,5 @@ int ea_backward(const float* scores, const float* previous, float alpha, const f
     EA_DISPATCH(backward, heads, kernel_cols, grad_in, grad_out, forward_in, grad_weight, grad_bias, threads);
 }
 
-int ea_kernel_version() { return 11; }
+int ea_kernel_version() { return 12; }
 }
