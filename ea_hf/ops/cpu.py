@@ -391,7 +391,10 @@ EVOLVE_BACKWARD_SCHEMA = (
 )
 
 
-@torch.library.custom_op("ea_hf::evolve", mutates_args=(), device_types="cpu", schema=EVOLVE_SCHEMA)
+# Named for its gate: torch.compile's caches key a graph by the operators' names, not their fake implementations,
+# so a graph cached with an earlier version of this operator (which returned a bool gate, ``ea_hf::evolve``)
+# must not match it. Such a graph failed at run time, in inductor's output size check.
+@torch.library.custom_op("ea_hf::evolve_with_gate_bits", mutates_args=(), device_types="cpu", schema=EVOLVE_SCHEMA)
 def evolve_operator(scores, previous, keep, weight, bias, alpha, blend, context_rows):
     """(ReLU(Conv(A_in * keep)) + blend * A_in, its bit-packed ReLU gate), A_in = lerp(S, A_prev, alpha): the
     evolution step's forward pass, differentiable (its backward is ``ea_hf::evolve_backward``)."""
@@ -435,7 +438,7 @@ evolve_operator.register_autograd(_evolve_backward, setup_context=_save_for_evol
 
 @torch.library.custom_op("ea_hf::evolve_", mutates_args=("scores",), device_types="cpu", schema=EVOLVE_IN_PLACE_SCHEMA)
 def evolve_in_place_operator(scores, previous, keep, weight, bias, alpha, blend, context_rows):
-    """``ea_hf::evolve`` written over ``scores``, without the gate (inference: one map less)."""
+    """``ea_hf::evolve_with_gate_bits`` written over ``scores``, without the gate (inference: one map less)."""
     if scores.is_contiguous():
         evolve_by_correlation(
             correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=True
@@ -462,7 +465,7 @@ def _(x, weight, bias, row_shift):
 
 @torch.library.custom_op("ea_hf::evolve_backward", mutates_args=(), device_types="cpu", schema=EVOLVE_BACKWARD_SCHEMA)
 def evolve_backward_operator(scores, previous, keep, grad, gate, weight, alpha, blend, context_rows):
-    """Gradients of S, A_prev (empty without it), the weight and the bias of ``ea_hf::evolve``."""
+    """Gradients of S, A_prev (empty without it), the weight and the bias of ``ea_hf::evolve_with_gate_bits``."""
     grad_scores, grad_previous, grad_weight, grad_bias = _backward(
         scores, previous, alpha, keep, grad, gate, weight, context_rows, blend
     )
@@ -505,7 +508,9 @@ def evolve(
             )  # fmt: skip
         torch.ops.ea_hf.evolve_(scores, previous, keep, weight, bias, alpha, blend, context_rows)
         return scores, None
-    logits, saved = torch.ops.ea_hf.evolve(scores, previous, keep, weight, bias, alpha, blend, context_rows)
+    logits, saved = torch.ops.ea_hf.evolve_with_gate_bits(
+        scores, previous, keep, weight, bias, alpha, blend, context_rows
+    )
     return logits, saved if gate else None
 
 

@@ -104,10 +104,10 @@ def test_compiled_graphs_call_the_kernel_operators():
     backend = aot_autograd(fw_compiler=record, bw_compiler=record)
     with torch.no_grad():
         torch.compile(model, fullgraph=True, backend=backend)(**inputs)
-    assert called == ["ea_hf.evolve.default"] * 3
+    assert called == ["ea_hf.evolve_with_gate_bits.default"] * 3
     called.clear()
     torch.compile(model, fullgraph=True, backend=backend)(**inputs)[0].pow(2).mean().backward()
-    assert sorted(called) == ["ea_hf.evolve.default"] * 3 + ["ea_hf.evolve_backward.default"] * 3
+    assert sorted(called) == ["ea_hf.evolve_backward.default"] * 3 + ["ea_hf.evolve_with_gate_bits.default"] * 3
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -124,4 +124,4 @@ def test_torch_export_of_an_ea_encoder(tmp_path, strict):
         for exported in (program, loaded):
             assert (exported.module()(**inputs).last_hidden_state - expected).abs().max() <= TOLERANCE
     operators = [str(node.target) for node in program.graph.nodes if str(node.target).startswith("ea_hf.")]
-    assert operators == (["ea_hf.evolve.default"] * 3 if cpu.cpu_kernel() is not None else [])
+    assert operators == (["ea_hf.evolve_with_gate_bits.default"] * 3 if cpu.cpu_kernel() is not None else [])

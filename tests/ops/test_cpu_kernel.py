@@ -364,8 +364,8 @@ def test_a_shared_map_holds_both_gradients(alpha, with_previous):
 
 
 def operator_samples(requires_grad: bool):
-    """Arguments of ``ea_hf::evolve`` (beta-scaled kernel, blend = 1 - beta): with and without A_prev and a
-    padding mask, centred and causal kernels."""
+    """Arguments of ``ea_hf::evolve_with_gate_bits`` (beta-scaled kernel, blend = 1 - beta): with and without
+    A_prev and a padding mask, centred and causal kernels."""
     torch.manual_seed(3)
     samples = []
     for previous, masked, kernel_rows in [(True, True, 3), (False, False, 3), (True, False, 2), (False, True, 2)]:
@@ -384,11 +384,11 @@ def test_the_operators_pass_opcheck(requires_grad):
     """Schemas, fake (meta) implementations, the autograd registration and AOT dispatch of every operator."""
     for scores, end, keep, weight, bias, alpha, blend, rows in operator_samples(requires_grad):
         arguments = (scores, end, keep, weight, bias, alpha, blend, rows)
-        torch.library.opcheck(torch.ops.ea_hf.evolve.default, arguments)
+        torch.library.opcheck(torch.ops.ea_hf.evolve_with_gate_bits.default, arguments)
         detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in arguments)
         torch.library.opcheck(torch.ops.ea_hf.evolve_.default, (detached[0].clone(), *detached[1:]))
         torch.library.opcheck(torch.ops.ea_hf.convolve.default, (detached[0], detached[3], detached[4], -rows))
-        logits, gate = torch.ops.ea_hf.evolve(*detached)
+        logits, gate = torch.ops.ea_hf.evolve_with_gate_bits(*detached)
         backward_arguments = (detached[0], detached[1], keep, torch.randn_like(logits), gate, detached[3])
         torch.library.opcheck(torch.ops.ea_hf.evolve_backward.default, (*backward_arguments, alpha, blend, rows))
 
@@ -396,13 +396,13 @@ def test_the_operators_pass_opcheck(requires_grad):
 @needs_compiler
 @pytest.mark.parametrize("sample", range(4))
 def test_the_evolve_operator_differentiates_like_the_torch_formulation(sample):
-    """``ea_hf::evolve`` with its registered autograd against autograd through the same steps as torch
+    """``ea_hf::evolve_with_gate_bits`` with its registered autograd against autograd through the same steps as torch
     operations (float32, so 1e-5)."""
     scores, end, keep, weight, bias, alpha, blend, rows = operator_samples(True)[sample]
     upstream = torch.randn(scores.shape)
     leaves = [t for t in (scores, end, weight, bias) if t is not None]
     options = dict(lerp_end=end, lerp_weight=alpha, in_keep=keep, relu=True, blend=scores, blend_coef=blend)
-    ours = torch.ops.ea_hf.evolve(scores, end, keep, weight, bias, alpha, blend, rows)[0]
+    ours = torch.ops.ea_hf.evolve_with_gate_bits(scores, end, keep, weight, bias, alpha, blend, rows)[0]
     reference = correlate_with_torch(scores, weight, bias, -rows, **options)[0]
     for got, expected in zip(
         [ours.detach(), *torch.autograd.grad(ours, leaves, upstream)],

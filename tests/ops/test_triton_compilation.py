@@ -43,6 +43,8 @@ def launches_of_one_step(monkeypatch, dtype: torch.dtype) -> list[tuple[str, tup
 
 
 def compile_launch(name: str, args: tuple, launch_kwargs: dict):
+    """The kernel ``name`` compiled for an H100 as this launch would compile it: a cubin, whose program's shared
+    memory fits the GPU."""
     compiled = compile_for_cuda(getattr(kernels._kernels(), name), args, launch_kwargs, capability=H100)
     assert len(compiled.asm["cubin"]) > 0
     assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, compiled.metadata.shared)
