@@ -416,9 +416,8 @@ def pack_gate(gate: torch.Tensor) -> torch.Tensor:
     """
     if gate.dtype != torch.bool:
         return gate
-    cols = gate.shape[-1]
-    padded = gate.new_zeros((*gate.shape[:-1], 16 * -(-cols // 16)))
-    padded[..., :cols] = gate
+    padded = gate.new_zeros((*gate.shape[:-1], 8 * packed_gate_shape(gate.shape)[-1]))
+    padded[..., : gate.shape[-1]] = gate
     bits = padded.unflatten(-1, (-1, 8)).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=gate.device)
     return bits.sum(-1, dtype=torch.uint8)
 

@@ -39,8 +39,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -89,8 +89,11 @@ inline float lanes_sum(vfloat v) {
 // one word a vector with 16 lanes, as one byte a vector (the word's low, then high byte) with 8.
 typedef std::conditional<kLanes == 16, uint16_t, uint8_t>::type GateBits;
 
-// GateBits units in a gate row of `cols` columns: 2 * ceil(cols / 16) bytes.
-inline int gate_units(int cols) { return 2 * ((cols + 15) / 16) / static_cast<int>(sizeof(GateBits)); }
+// Bytes of a gate row of `cols` columns: one 16-bit word a 16 columns (or fewer, at the end).
+inline int gate_row_bytes(int cols) { return 2 * ((cols + 15) / 16); }
+
+// GateBits units in a gate row of `cols` columns.
+inline int gate_units(int cols) { return gate_row_bytes(cols) / static_cast<int>(sizeof(GateBits)); }
 
 // The bits of the vector at column `j` of gate row `row` (the flat row index (b * heads + h) * rows + i).
 inline size_t gate_unit(size_t row, int cols, int j) { return row * gate_units(cols) + j / kLanes; }
@@ -401,7 +404,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
                 request(in.x + start + in.cols, bytes);
                 if (in.lerp_end) request(in.lerp_end + start + in.cols, bytes);
                 if (in.addend) request(in.addend + start + in.cols, bytes);
-                if (in.gate) request(in.gate + gate_units(in.cols) * (gate_row + 1), 2 * ((in.cols + 15) / 16));
+                if (in.gate) request(in.gate + gate_units(in.cols) * (gate_row + 1), gate_row_bytes(in.cols));
             }
             const float* copy = halo ? halo->find(static_cast<long>(b) * in.rows + r, c, in.cols, heads) : nullptr;
             const float* src = copy ? copy : in.x + start;
@@ -443,10 +446,10 @@ struct Output {
 
 // The epilogue of one whole vector of outputs at flat offset `at` (see the file comment; `out_keep`: the mask
 // at its columns).
-inline void finish(const Input& in, const Output& o, vfloat y, size_t at, size_t word, const float* out_keep,
+inline void finish(const Input& in, const Output& o, vfloat y, size_t at, size_t gate_at, const float* out_keep,
                    const float* mixed_row = nullptr) {
     if (o.relu) y = y > 0.0f ? y : 0.0f;
-    if (o.saved) o.saved[word] = positive_lanes(y);
+    if (o.saved) o.saved[gate_at] = positive_lanes(y);
     if (out_keep) y *= load(out_keep);
     if (o.blend) {
         vfloat mixed;
@@ -467,7 +470,7 @@ inline void finish(const Input& in, const Output& o, vfloat y, size_t at, size_t
 // valid columns are written back. Out of line: it runs once per row and head, and inlined into the column loop
 // it would slow the whole vectors' path.
 __attribute__((noinline, cold)) void finish_partial(const Input& in, const Output& o, vfloat y, size_t at,
-                                                    size_t word, const float* out_keep, int valid,
+                                                    size_t gate_at, const float* out_keep, int valid,
                                                     const float* mixed_row) {
     float keep[kLanes] = {}, blend[kLanes] = {}, end[kLanes] = {}, out[kLanes], out2[kLanes];
     GateBits saved = 0;
@@ -489,7 +492,7 @@ __attribute__((noinline, cold)) void finish_partial(const Input& in, const Outpu
     finish(copies_in, copies, y, 0, 0, out_keep ? keep : nullptr, mixed_row);
     std::memcpy(o.out + at, out, floats);
     if (o.out2) std::memcpy(o.out2 + at, out2, floats);
-    if (o.saved) o.saved[word] = static_cast<GateBits>(saved & ((1u << valid) - 1));  // none past the last column
+    if (o.saved) o.saved[gate_at] = static_cast<GateBits>(saved & ((1u << valid) - 1));  // none past the last column
 }
 
 // Vector registers of the target and how many of them one vfloat takes: the register blocking of output_row
@@ -566,10 +569,10 @@ inline void output_block(const Input& in, const Output& o, int b, int i, int j0,
         const int valid = std::min(kLanes, in.cols - ju);
         for (int g = 0; g < group; ++g) {
             const size_t at = (static_cast<size_t>(b) * heads + h0 + g) * map + row + ju;
-            const size_t word = gate_unit((static_cast<size_t>(b) * heads + h0 + g) * in.rows + i, in.cols, ju);
+            const size_t gate_at = gate_unit((static_cast<size_t>(b) * heads + h0 + g) * in.rows + i, in.cols, ju);
             const float* mixed = blend_in_ring ? ring.plain[(h0 + g) * kr + own] + ju : nullptr;
-            if (valid == kLanes) finish(in, o, acc[g][u], at, word, out_keep ? out_keep + ju : nullptr, mixed);
-            else finish_partial(in, o, acc[g][u], at, word, out_keep ? out_keep + ju : nullptr, valid, mixed);
+            if (valid == kLanes) finish(in, o, acc[g][u], at, gate_at, out_keep ? out_keep + ju : nullptr, mixed);
+            else finish_partial(in, o, acc[g][u], at, gate_at, out_keep ? out_keep + ju : nullptr, valid, mixed);
         }
     }
 }
@@ -622,10 +625,10 @@ inline void winograd_block(const Input& in, const Output& o, int b, int i, int q
             const int valid = std::min(kLanes, in.cols - ju);
             if (valid <= 0) break;
             const size_t at = (static_cast<size_t>(b) * Heads + h0 + g) * map + row + ju;
-            const size_t word = gate_unit((static_cast<size_t>(b) * Heads + h0 + g) * in.rows + i, in.cols, ju);
+            const size_t gate_at = gate_unit((static_cast<size_t>(b) * Heads + h0 + g) * in.rows + i, in.cols, ju);
             const float* mixed = blend_in_ring ? ring.plain[(h0 + g) * kr + own] + ju : nullptr;
-            if (valid == kLanes) finish(in, o, halves[u], at, word, out_keep ? out_keep + ju : nullptr, mixed);
-            else finish_partial(in, o, halves[u], at, word, out_keep ? out_keep + ju : nullptr, valid, mixed);
+            if (valid == kLanes) finish(in, o, halves[u], at, gate_at, out_keep ? out_keep + ju : nullptr, mixed);
+            else finish_partial(in, o, halves[u], at, gate_at, out_keep ? out_keep + ju : nullptr, valid, mixed);
         }
     }
 }
@@ -898,9 +901,10 @@ int ea_correlate(const float* x, const float* lerp_end, float lerp_weight, const
                  int kernel_cols, int row_shift, int relu, void* saved, const float* out_keep, const float* blend,
                  float blend_coef, float* out, float out_scale, float* out2, float out2_scale, int threads) {
     if (!supported(heads, kernel_rows, kernel_cols)) return 1;
-    const Input in{x, lerp_end, lerp_weight, nullptr, static_cast<const GateBits*>(gate), in_keep, batch, heads, rows, cols, kernel_rows,
-                   kernel_cols, row_shift};
-    const Output o{w, bias, relu, static_cast<GateBits*>(saved), out_keep, blend, blend_coef, out, out_scale, out2, out2_scale};
+    const Input in{x, lerp_end, lerp_weight, nullptr, static_cast<const GateBits*>(gate), in_keep, batch, heads,
+                   rows, cols, kernel_rows, kernel_cols, row_shift};
+    const Output o{w, bias, relu, static_cast<GateBits*>(saved), out_keep, blend, blend_coef, out, out_scale,
+                   out2, out2_scale};
     EA_DISPATCH(correlate, heads, kernel_cols, in, o, threads);
 }
 
@@ -915,8 +919,8 @@ int ea_backward(const float* scores, const float* previous, float alpha, const f
                 int kernel_rows, int kernel_cols, int row_shift, int row_shift_t, float blend_coef, float* out,
                 float out_scale, float* out2, float out2_scale, float* grad_weight, float* grad_bias, int threads) {
     if (!supported(heads, kernel_rows, kernel_cols) || -row_shift_t < 0 || -row_shift_t >= kernel_rows) return 1;
-    const Input grad_in{grad, nullptr, 0.0f, grad_addend, static_cast<const GateBits*>(gate), nullptr, batch, heads, rows, cols, kernel_rows,
-                        kernel_cols, row_shift_t};
+    const Input grad_in{grad, nullptr, 0.0f, grad_addend, static_cast<const GateBits*>(gate), nullptr, batch, heads,
+                        rows, cols, kernel_rows, kernel_cols, row_shift_t};
     const Output grad_out{w_t, nullptr, 0, nullptr, keep, grad, blend_coef, out, out_scale, out2, out2_scale};
     const Input forward_in{scores, previous, alpha, nullptr, nullptr, keep, batch, heads, rows, cols,
                            kernel_rows, kernel_cols, row_shift};
