@@ -19,6 +19,10 @@ the layer's keys and values, which the core keeps anyway (N <= 2 * head_dim for 
 and the softmax. On BERT-Base at N = 128, batch 8 (Intel Xeon, profiler), keeping S saved about 30 ms of a
 1.8 s training step and keeping P about 10 ms more.
 
+While ``torch.compile`` traces, :func:`compiled_core` runs the layer's operators instead, inside a selective
+activation checkpoint that keeps A_logit and the gate and recomputes S and P: the maps this node keeps, in a
+graph that inductor plans.
+
 Where S is the plain product (:func:`plain_scores`), the queries are kept contiguous and pre-scaled
 (:func:`contiguous_query`: one pass where the product would copy them anyway), S is recomputed from them without
 autograd, and the gradients of Q and K come from :func:`scores_backward`; a positional bias or soft-capping
@@ -30,11 +34,13 @@ transformers and sibling files (single-dot relative imports).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .convolution import evolve_backward, evolve_for_backward, scale_kernel
+from .convolution import evolve_backward, evolve_convolution, evolve_for_backward, fused_kernel, scale_kernel
 
 
 def exact_scaling(scaling: float) -> bool:
@@ -350,3 +356,79 @@ class EvolvingAttentionCore(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight, grad_bias = grad_weight.to(weight.dtype), grad_bias.to(bias.dtype)
         return (grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias, *[None] * 10)
+
+
+#: Operators whose outputs :func:`compiled_core` keeps for backward: the fused kernel's A_logit and gate, and
+#: dropout's mask (a random operator: recomputing it would need the same random numbers again).
+KEPT_OPERATORS = ("ea_hf::evolve_with_gate_bits", "aten::native_dropout")
+
+
+def _keep_logits_and_gate(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpointing's policy of :func:`compiled_core`: keep the outputs of :data:`KEPT_OPERATORS`,
+    recompute the rest (S, the mask, the softmax) in backward. By name: a remote-code copy of this file may run
+    where the kernel's operators are not registered."""
+    name = getattr(getattr(op, "_schema", None), "name", "")
+    return CheckpointPolicy.MUST_SAVE if name in KEPT_OPERATORS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compiled_core(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    previous: torch.Tensor | None,
+    position_bias: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    conv_mask: torch.Tensor | None,
+    allowed: torch.Tensor | None,
+    additive: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    alpha: float,
+    beta: float,
+    causal: bool,
+    context_rows: int,
+    dropout: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :class:`EvolvingAttentionCore` computes, with the arguments of its ``apply``, in a form
+    ``torch.compile`` traces: the layer's operators inside a selective activation checkpoint that keeps A_logit
+    and the gate of the fused CPU kernel (and dropout's mask) and recomputes S and P in backward, as the core
+    does. Without it, a compiled training step keeps S, A_logit and P per layer (1.5x a compiled eager step's
+    memory at N = 512). Where the maps are small (:func:`keeps_small_maps`) or no fused kernel applies (the
+    torch-operation path: recomputing would repeat its convolution), the operators run without a checkpoint.
+
+    Example:
+        >>> q, k, v = (torch.randn(1, 2, 20, 4) for _ in range(3))
+        >>> weight, bias = torch.randn(2, 2, 3, 3), torch.zeros(2)
+        >>> arguments = (q, k, v, None, None, weight, bias, None, None, None, 0.5, None, 0.0, 0.3, False, 1, 0.0)
+        >>> got, expected = compiled_core(*arguments), EvolvingAttentionCore.apply(*arguments)
+        >>> all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
+        True
+    """
+
+    def core(query, key, value, previous, position_bias, weight, bias):
+        scores = full_precision(attention_scores(query, key, scaling, position_bias, softcap))
+        keep = None if conv_mask is None else conv_mask.to(scores.dtype)
+        logits = evolve_convolution(
+            scores, keep, weight, bias, beta, causal, None, context_rows, previous=previous, alpha=alpha
+        )
+        probabilities = torch.softmax(masked_logits(logits, allowed, additive), dim=-1).to(value.dtype)
+        if dropout > 0.0:
+            probabilities = torch.nn.functional.dropout(probabilities, dropout, training=True)
+        return torch.matmul(probabilities, value), logits, probabilities
+
+    tensors = (query, key, value, previous, position_bias, weight, bias)
+    # A stand-in with S's shape, device and dtype (no memory) to ask whether a fused kernel takes the maps.
+    map_dtype = full_precision(query.new_empty(())).dtype
+    maps = torch.empty((), dtype=map_dtype, device=query.device).expand(*query.shape[:-1], key.shape[-2])
+    if (
+        keeps_small_maps(query, key, position_bias, softcap)
+        or fused_kernel(maps, previous, keep=conv_mask, weight=weight) is None
+    ):
+        return core(*tensors)
+    return checkpoint(
+        core,
+        *tensors,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_logits_and_gate),
+    )

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as hf_init
 
-from .attention_core import EvolvingAttentionCore, attention_scores, full_precision
+from .attention_core import EvolvingAttentionCore, attention_scores, compiled_core, full_precision
 from .chain import REPLAYS_KEY, SPARE_KEY
 from .convolution import begin_history, evolve_convolution
 from .history import ConvolutionHistory
@@ -222,15 +222,10 @@ class AttentionMapEvolution(nn.Module):
         return logits
 
     def fuses_attention(self, history: ConvolutionHistory | None) -> bool:
-        """Whether :meth:`attend` should run this layer's whole attention core: with autograd, a convolution,
+        """Whether :meth:`attend` should run this layer's whole attention core: with autograd, a convolution and
         no earlier decoding rows (a forward pass with a fresh cache, as training with ``use_cache`` makes, has
-        none), and not while torch.compile traces (compiled graphs plan their own memory)."""
-        return (
-            self.beta != 0.0
-            and (history is None or history.rows is None)
-            and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-        )
+        none). While torch.compile traces, the core is :func:`~.attention_core.compiled_core`."""
+        return self.beta != 0.0 and (history is None or history.rows is None) and torch.is_grad_enabled()
 
     def attend(
         self,
@@ -249,13 +244,15 @@ class AttentionMapEvolution(nn.Module):
         softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output [B, H, Q, D], attention weights) of the layer from its queries, keys and values, through
-        :class:`~.attention_core.EvolvingAttentionCore`, which keeps one map for backward instead of three;
+        :class:`~.attention_core.EvolvingAttentionCore`, which keeps one map for backward instead of three (while
+        torch.compile traces, :func:`~.attention_core.compiled_core`, which keeps what the core keeps);
         records A_logit in ``chain`` as :meth:`forward` does, and a fresh ``history`` its last rows.
         ``dropout``: the probability (0 in eval)."""
         previous = self.previous_logits(chain)
         if history is not None:
             self.begin_history(history, query, key, previous, conv_mask, scaling, position_bias, softcap)
-        output, logits, probabilities = EvolvingAttentionCore.apply(
+        core = compiled_core if torch.compiler.is_compiling() else EvolvingAttentionCore.apply
+        output, logits, probabilities = core(
             query,
             key,
             value,

@@ -1,16 +1,21 @@
 """The memory-lean attention core (one autograd node per layer) against the unfused layer and the paper's
 equations: outputs, every gradient, dropout, gradcheck, what it keeps for backward, and whole models."""
 
+import operator
+
 import pytest
 import torch
 import transformers
 from testing import ALL_ARCHITECTURES, defined, first_output, patched_model, tiny_config, tiny_inputs
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import ea_hf
 from ea_hf.modeling import attention_core
 from ea_hf.modeling.attention_core import (
     EvolvingAttentionCore,
     attention_scores,
+    compiled_core,
     contiguous_query,
     exact_scaling,
     keeps_small_maps,
@@ -18,6 +23,7 @@ from ea_hf.modeling.attention_core import (
     scores_backward,
 )
 from ea_hf.modeling.evolution import AttentionMapEvolution
+from ea_hf.ops import cpu
 
 B, H, D = 2, 3, 5
 
@@ -162,6 +168,86 @@ def test_dropout_uses_one_mask_forward_and_backward():
     reference = outputs_and_gradients(lambda: unfused_layer(*arguments, kept), leaves[:4], evolution)
     assert_close(core[0], reference[0], 1e-12)
     assert_close(core[1], reference[1], 1e-12)
+
+
+def compile_core(evolution, allowed, conv_mask, dropout=0.0):
+    """:func:`compiled_core` for this layer through ``torch.compile(fullgraph=True)``, partitioned into forward
+    and backward as inductor does (AOTAutograd's min-cut partitioner), and the maps its forward graph keeps for
+    backward: among the graph's outputs after the layer's three, the [B, H, Q, ...] tensors it computes (not its
+    inputs), as "operator dtype"."""
+    kept: list[str] = []
+
+    def record_kept(graph, example_inputs):
+        returned = next(node for node in graph.graph.nodes if node.op == "output").args[0]
+        for node in returned[3:]:
+            value = node.meta["val"]
+            if node.op != "placeholder" and value.dim() == 4 and value.shape[:3] == allowed.shape[:1] + (H, 24):
+                producer = node.args[0] if node.target is operator.getitem else node  # an operator's output
+                kept.append(f"{producer.target} {value.dtype}")
+        return graph
+
+    def layer(q, k, v, previous):
+        return compiled_core(
+            q, k, v, previous, None, evolution.weight, evolution.bias, conv_mask, allowed, None,
+            D**-0.5, None, evolution.alpha, evolution.beta, evolution.causal, evolution.context_rows, dropout,
+        )  # fmt: skip
+
+    torch._dynamo.reset()
+    backend = aot_autograd(
+        fw_compiler=record_kept, bw_compiler=lambda graph, _: graph, partition_fn=min_cut_rematerialization_partition
+    )
+    return torch.compile(layer, fullgraph=True, backend=backend), kept
+
+
+@pytest.mark.skipif(cpu.cpu_kernel() is None, reason="no C++ compiler: compiled_core checkpoints the CPU kernel only")
+@pytest.mark.parametrize("role", ["encoder", "decoder", "cross"])
+def test_compiled_core_keeps_one_map_and_matches_the_core(role):
+    """Compiled, a layer whose maps are larger than its keys and values keeps A_logit (and the bit-packed gate)
+    for backward and recomputes S and P, as the core does: its outputs and gradients are the core's within 1e-5.
+    Without the checkpoint (as for small maps) the graph keeps S and P instead (A_logit, returned, stays alive as
+    the next layer's A_prev either way)."""
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, role=role, position=1, previous=0)
+    leaves, allowed, conv_mask = layer_inputs(role, queries=24)
+    q, k, v, previous, _ = leaves
+    assert not keeps_small_maps(q, k, None, None)
+    compiled, kept = compile_core(evolution, allowed, conv_mask)
+    got = outputs_and_gradients(lambda: compiled(q, k, v, previous), leaves[:4], evolution)
+    arguments = (evolution, q, k, v, previous, None, allowed, None, conv_mask, None)
+    expected = outputs_and_gradients(lambda: run_core(*arguments), leaves[:4], evolution)
+    assert_close(got[0], expected[0], 1e-5)
+    assert_close(got[1], expected[1], 1e-5)
+    kernel = "ea_hf.evolve_with_gate_bits.default"
+    assert kept == [f"{kernel} torch.float32", f"{kernel} torch.uint8"]  # A_logit and the bit-packed gate
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_core, "keeps_small_maps", lambda *arguments: True)
+        compiled, kept = compile_core(evolution, allowed, conv_mask)
+        compiled(q, k, v, previous)
+    assert sorted(kept) == [
+        "aten._softmax.default torch.float32",  # P
+        "aten.view.default torch.float32",  # S (the product's batched result, viewed)
+        f"{kernel} torch.uint8",
+    ]
+
+
+@pytest.mark.skipif(cpu.cpu_kernel() is None, reason="no C++ compiler: compiled_core checkpoints the CPU kernel only")
+def test_compiled_core_recomputes_around_one_dropout_mask():
+    """Dropout inside the compiled checkpoint draws its mask once: backward uses the mask the returned weights
+    show, as the paper's equations with that mask give (within 1e-5), and keeps it rather than drawing again."""
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, position=1, previous=0)
+    leaves, allowed, conv_mask = layer_inputs("encoder", queries=24)
+    q, k, v, previous, _ = leaves
+    compiled, kept = compile_core(evolution, allowed, conv_mask, dropout=DROPOUT)
+    got = outputs_and_gradients(lambda: compiled(q, k, v, previous), leaves[:4], evolution)
+    dropped = got[0][2] != 0
+    assert 0.55 < dropped[allowed.expand_as(dropped)].double().mean() < 0.85  # about 1 - p of the allowed entries
+    arguments = (evolution, q, k, v, previous, None, allowed, None, conv_mask, None)
+    reference = outputs_and_gradients(lambda: unfused_layer(*arguments, dropped), leaves[:4], evolution)
+    assert_close(got[0], reference[0], 1e-5)
+    assert_close(got[1], reference[1], 1e-5)
+    assert "aten.native_dropout.default torch.bool" in kept
 
 
 @pytest.mark.parametrize("scaling", [1.0, 0.125, 64**-0.5 * 0.9], ids=["one", "power-of-two", "other"])

@@ -1,11 +1,13 @@
 """``torch.compile(model, fullgraph=True)`` of EA models: no graph break in inference or a training step, and the
 same outputs and gradients as eager mode.
 
-Compiled graphs call the CPU kernel as the torch operators ``ea_hf::evolve`` and ``ea_hf::evolve_backward``
-(asserted below), and the map-reuse of inference is skipped before it reads a reference count. The backend is
-``aot_eager``: it traces forward and backward through AOTAutograd like inductor does, in seconds rather than
-the minute inductor's C++ build takes here (inductor gave the same outputs to 3e-9 and gradients to 1.5e-8 on
-the tiny BERT). ``torch.export`` of an EA encoder is tested at the end.
+Compiled graphs call the CPU kernel as the torch operators ``ea_hf::evolve_with_gate_bits`` and
+``ea_hf::evolve_backward`` (asserted below), and the map-reuse of inference is skipped before it reads a reference
+count. Where the maps are larger than a layer's keys and values, a training step recomputes S and P inside a
+selective activation checkpoint (``compiled_core``; what it keeps is tested in ``test_attention_core.py``).
+The backend is ``aot_eager``: it traces forward and backward through AOTAutograd like inductor does, in seconds
+rather than the minute inductor's C++ build takes here (inductor gave the same outputs to 3e-9 and gradients to
+1.5e-8 on the tiny BERT). ``torch.export`` of an EA encoder is tested at the end.
 """
 
 import pytest
@@ -47,10 +49,10 @@ def training_step(model, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
     return output.detach(), grads
 
 
-def assert_compiles_like_eager(model, model_type: str) -> None:
+def assert_compiles_like_eager(model, model_type: str, length: int = 9) -> None:
     """No graph break; inference, and for all but the encoder-decoder families a training step, through
     ``torch.compile(fullgraph=True)`` give eager mode's outputs and gradients within TOLERANCE."""
-    inputs = tiny_inputs(model_type)
+    inputs = tiny_inputs(model_type, length=length)
     with torch.no_grad():
         explanation = torch._dynamo.explain(model)(**inputs)
         assert explanation.graph_break_count == 0, [str(reason.reason) for reason in explanation.break_reasons]
@@ -76,6 +78,18 @@ def assert_compiles_like_eager(model, model_type: str) -> None:
 def test_fullgraph_compile_matches_eager_in_inference_and_training(model_type):
     model = patched_model(model_type, {"alpha": 0.3, "beta": 0.4}, head=FAMILIES[model_type])
     assert_compiles_like_eager(model, model_type)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cpu.cpu_kernel() is None, reason="no C++ compiler: compiled_core checkpoints the CPU kernel only")
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_fullgraph_compile_of_large_maps_recomputes_them_like_eager(model_type):
+    """Sequences longer than twice the heads' width (8 here): a compiled training step runs each layer inside a
+    selective activation checkpoint, still without a graph break and with eager mode's gradients."""
+    model = patched_model(model_type, {"alpha": 0.3, "beta": 0.4}, head=FAMILIES[model_type])
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert 24 > 2 * head_dim
+    assert_compiles_like_eager(model, model_type, length=24)
 
 
 @pytest.mark.slow
