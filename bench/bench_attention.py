@@ -13,7 +13,10 @@ See bench/README.md for what each figure means.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import datetime
+import gc
 import itertools
 import json
 import os
@@ -47,7 +50,11 @@ TARGETS = {
 }
 #: Default batch size per sequence length (the issue's shapes).
 DEFAULT_BATCHES = {128: 8, 512: 2}
+#: The compiled rows: where the core keeps S and P (N = 128) and where a compiled step recomputes them (N = 512).
+DEFAULT_COMPILED = [("128", "training"), ("512", "training")]
 MIB = 1024.0 * 1024.0
+#: Steps whose memory the compiled row measures per variant (the largest is reported, as for the table).
+MEMORY_STEPS = 3
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -87,6 +94,32 @@ def minor_faults() -> int:
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (ru_maxrss is in KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def step_memory_mib(step, device) -> float:
+    """What one call of ``step`` adds to memory at its peak, in MiB, measured in a process that has run steps
+    before (the compiled row, whose models are compiled in one process). On CPU: the peak RSS during the step
+    (VmHWM, reset through ``/proc/self/clear_refs``) above the RSS before it, after glibc has returned its free
+    heap to the kernel (``malloc_trim``), so that memory freed by earlier steps does not hide what this one
+    takes. On CUDA: ``max_memory_allocated`` above ``memory_allocated`` (untested: no GPU here)."""
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / MIB
+    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # resets VmHWM to the current RSS
+    before = current_rss_mib()
+    step()
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024.0
+    return peak - before
 
 
 def build_model(variant: str, device):
@@ -291,7 +324,7 @@ def run_paired(
                 times[variant].append(elapsed)
                 faults[variant].append(step_faults)
         index += 1
-    return {
+    result = {
         "n": length,
         "mode": mode,
         "batch": batch,
@@ -302,6 +335,14 @@ def run_paired(
         "times_s": times,
         "minor_faults": faults,
     }
+    if compiled:  # the separate processes measure memory for the table; the compiled models live only here
+
+        def measured(model) -> float:
+            model.zero_grad(set_to_none=True)  # the last step's gradients belong to no step
+            return step_memory_mib(lambda: step(model), device)
+
+        result["step_memory_mib"] = {v: [measured(models[v]) for _ in range(MEMORY_STEPS)] for v in variants}
+    return result
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -346,8 +387,10 @@ def batch_of(args: argparse.Namespace, length: int) -> int:
 
 
 def compiled_row(timing: dict) -> dict:
-    """The compiled row: medians of compiled eager and compiled EA steps, and their ratio."""
+    """The compiled row: medians of compiled eager and compiled EA steps and their ratio, and the step memory of
+    each (the largest of its measured steps, see :func:`step_memory_mib`) and its ratio."""
     medians = {v: statistics.median(timing["times_s"][v]) for v in COMPILED_VARIANTS}
+    memory = {v: max(timing["step_memory_mib"][v]) if "step_memory_mib" in timing else None for v in COMPILED_VARIANTS}
     return {
         "n": timing["n"],
         "batch": timing["batch"],
@@ -355,15 +398,24 @@ def compiled_row(timing: dict) -> dict:
         "eager_compiled_median_ms": medians["eager"] * 1e3,
         "ea_compiled_median_ms": medians["ea"] * 1e3,
         "ea_over_eager_compiled_time": medians["ea"] / medians["eager"],
+        "eager_compiled_step_mib": memory["eager"],
+        "ea_compiled_step_mib": memory["ea"],
+        "ea_over_eager_compiled_step_memory": ratio(memory["ea"], memory["eager"]),
         "steps": timing["repeats"],
     }
 
 
-def compiled_table(row: dict) -> str:
+def compiled_table(rows: list[dict]) -> str:
     header = ["N", "batch", "mode", "compiled eager ms", "compiled EA ms", "EA/eager time, both compiled"]
-    cells = [str(row["n"]), str(row["batch"]), row["mode"], number(row["eager_compiled_median_ms"], 1)]
-    cells += [number(row["ea_compiled_median_ms"], 1), number(row["ea_over_eager_compiled_time"], 3)]
-    return "\n".join([table_row(header), "|" + "|".join(["---:"] * 2 + ["---"] + ["---:"] * 3) + "|", table_row(cells)])
+    header += ["compiled eager step MiB", "compiled EA step MiB", "EA/eager step memory, both compiled"]
+    lines = [table_row(header), "|" + "|".join(["---:"] * 2 + ["---"] + ["---:"] * 6) + "|"]
+    for row in rows:
+        cells = [str(row["n"]), str(row["batch"]), row["mode"], number(row["eager_compiled_median_ms"], 1)]
+        cells += [number(row["ea_compiled_median_ms"], 1), number(row["ea_over_eager_compiled_time"], 3)]
+        cells += [number(row.get("eager_compiled_step_mib"), 0), number(row.get("ea_compiled_step_mib"), 0)]
+        cells += [number(row.get("ea_over_eager_compiled_step_memory"), 3)]
+        lines.append(table_row(cells))
+    return "\n".join(lines)
 
 
 def run_result_process(command: list[str], threads: int, what: str) -> dict:
@@ -629,11 +681,13 @@ def main_parent(args: argparse.Namespace) -> None:
                 )
     rows = compare(results, paired, args.lengths, batches)
     table = markdown_table(rows)
-    compiled = None
-    if args.compiled:
-        length, mode = args.compiled
-        what = f"compiled timing N={length} {mode}"
-        compiled = compiled_row(spawn(["--compiled-timing", str(length), mode], args, what, length))
+    compiled = [
+        compiled_row(
+            spawn(["--compiled-timing", str(length), mode], args, f"compiled timing N={length} {mode}", length)
+        )
+        for length, mode in args.compiled
+    ]
+    if compiled:
         table += "\nBoth compiled (torch.compile, inductor):\n\n" + compiled_table(compiled) + "\n"
     wall = time.perf_counter() - start
     report = {
@@ -652,7 +706,8 @@ def main_parent(args: argparse.Namespace) -> None:
             },
             "batch": batches,
             "compiled": "eager and EA each through torch.compile (inductor, default options), paired like the "
-            "table's times; warm-up steps (at least 2) include the compilation",
+            "table's times; warm-up steps (at least 2) include the compilation; then step memory (see "
+            "step_memory_mib), in the same process",
             "threads": args.threads,
             "repeats": args.repeats,
             "rounds": args.rounds,
@@ -715,14 +770,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--compiled",
         nargs=2,
+        action="append",
         metavar=("N", "MODE"),
-        default=["128", "training"],
-        help="also time compiled eager against compiled EA at this length and mode (default 128 training)",
+        help="also time compiled eager against compiled EA (and their step memory) at this length and mode; "
+        "repeat for more rows (default: 128 training and 512 training)",
     )
     parser.add_argument(
         "--compiled-timing", nargs=2, metavar=("N", "MODE"), help="internal: run the compiled paired timing"
     )
-    parser.add_argument("--no-compiled", dest="compiled", action="store_const", const=None, help="skip it")
+    parser.add_argument("--no-compiled", dest="compiled", action="store_const", const=[], help="skip them")
     parser.add_argument("--batch", type=int, default=1, help="internal: the batch size of a child process")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every case")
     parser.add_argument("--quick", action="store_true", help="smoke test: N=64, 2 repeats, 1 warm-up")
@@ -734,16 +790,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.repeats, args.warmup, args.rounds, args.paired_seconds = [64], 2, 1, 1, 0.0
-        args.compiled = None
+        args.compiled = []
     if args.case:
         variant, length, mode = args.case
         if variant not in VARIANTS or mode not in MODES:
             parser.error(f"--case expects VARIANT in {VARIANTS} and MODE in {MODES}")
         args.case = (variant, int(length), mode)
-    if args.compiled:
-        if args.compiled[1] not in MODES:
-            parser.error(f"--compiled expects N and MODE in {MODES}")
-        args.compiled = (int(args.compiled[0]), args.compiled[1])
+    if args.compiled is None:
+        args.compiled = DEFAULT_COMPILED
+    if any(mode not in MODES for _, mode in args.compiled):
+        parser.error(f"--compiled expects N and MODE in {MODES}")
+    args.compiled = [(int(length), mode) for length, mode in args.compiled]
     if args.batches and len(args.batches) not in (1, len(args.lengths)):
         parser.error("--batches takes one batch size per length in --lengths, or one for all")
     if min(args.repeats, args.rounds, args.batch, args.threads, *(args.batches or [1])) < 1 or args.warmup < 0:

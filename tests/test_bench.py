@@ -52,9 +52,11 @@ def test_ratios_come_from_the_paired_steps_and_memory_from_the_separate_processe
 def test_quick_mode_is_a_short_smoke_run(bench):
     args = bench.parse_args(["--quick"])
     assert (args.lengths, args.repeats, args.rounds, args.paired_seconds) == ([64], 2, 1, 0.0)
-    assert args.compiled is None
+    assert args.compiled == []
     defaults = bench.parse_args([])
-    assert defaults.paired_seconds == 300.0 and defaults.compiled == (128, "training")
+    assert defaults.paired_seconds == 300.0 and defaults.compiled == [(128, "training"), (512, "training")]
+    assert bench.parse_args(["--compiled", "256", "inference"]).compiled == [(256, "inference")]
+    assert bench.parse_args(["--no-compiled"]).compiled == []
 
 
 def test_batches_follow_the_lengths(bench):
@@ -71,6 +73,26 @@ def test_batches_follow_the_lengths(bench):
 def test_the_compiled_row(bench):
     timing = {"n": 128, "batch": 8, "mode": "training", "repeats": 3}
     timing["times_s"] = {"eager": [2.0, 1.0, 1.0], "ea": [1.1, 1.3, 1.2]}
+    timing["step_memory_mib"] = {"eager": [900.0, 1000.0, 950.0], "ea": [1040.0, 1100.0, 990.0]}
     row = bench.compiled_row(timing)
     assert row["ea_over_eager_compiled_time"] == pytest.approx(1.2)
-    assert bench.compiled_table(row).splitlines()[2] == "| 128 | 8 | training | 1000.0 | 1200.0 | 1.200 |"
+    assert row["ea_over_eager_compiled_step_memory"] == pytest.approx(1.1)  # the largest step of each
+    line = "| 128 | 8 | training | 1000.0 | 1200.0 | 1.200 | 1000 | 1100 | 1.100 |"
+    assert bench.compiled_table([row]).splitlines()[2] == line
+    del timing["step_memory_mib"]  # results of the benchmark before it measured memory there
+    earlier = bench.compiled_row(timing)
+    assert bench.compiled_table([row, earlier]).splitlines()[3].endswith("| 1.200 | - | - | - |")
+
+
+def test_step_memory_is_what_a_step_adds_at_its_peak(bench):
+    """The compiled row's memory: a step that fills 64 MiB and frees it again adds 64 MiB at its peak, and the
+    peak of an earlier step does not count for the next (an empty step adds nothing after it)."""
+    import torch
+
+    def fill() -> None:  # 64 MiB of floats in 8 MiB blocks, touched
+        blocks = [torch.ones(2 * 1024 * 1024) for _ in range(8)]
+        del blocks
+
+    cpu = torch.device("cpu")
+    assert 62 <= bench.step_memory_mib(fill, cpu) <= 68
+    assert bench.step_memory_mib(lambda: None, cpu) < 2

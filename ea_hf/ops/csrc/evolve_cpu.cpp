@@ -643,7 +643,9 @@ inline void winograd_block(const Input& in, const Output& o, int b, int i, int q
 // process: forward in place 9.7 -> 7.4 ms at N = 512, B = 2 and 2.2 -> 1.8 ms at N = 128, B = 8; the whole
 // backward pass 20.1 -> 19.3 ms and 5.0 -> 4.8 ms. The weight gradient in Winograd's form was slower (20.3 ->
 // 25 ms): its products are elementwise per transformed component, so each gradient vector serves one product
-// instead of three and the pass waits on loads.
+// instead of three and the pass waits on loads. Written later as the transpose of forward's form (four sums a
+// kernel row, transforms made once a row, 3 output heads x 2 input rows x 4 sums a block) it still lost, by 10 to
+// 45 % of the backward pass over four blockings: the transformed rows, twice as large, stream from L2.
 template <int Heads, int Cols>
 void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, const Halo* halo = nullptr,
                 bool spread_prefetch = false) {
