@@ -62,13 +62,18 @@ MEMORY_STEPS = 3
 # --------------------------------------------------------------------------------------------------------------
 
 
-def current_rss_mib() -> float:
-    """Resident set size of this process now (VmRSS), in MiB."""
+def status_mib(field: str) -> float:
+    """A memory field of this process's /proc/self/status (``VmRSS``, ``VmHWM``: kB there), in MiB."""
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024.0
     return float("nan")
+
+
+def current_rss_mib() -> float:
+    """Resident set size of this process now (VmRSS), in MiB."""
+    return status_mib("VmRSS")
 
 
 def system_cpu_seconds() -> tuple[float, float]:
@@ -117,9 +122,7 @@ def step_memory_mib(step, device) -> float:
         clear_refs.write("5")  # resets VmHWM to the current RSS
     before = current_rss_mib()
     step()
-    with open("/proc/self/status") as status:
-        peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024.0
-    return peak - before
+    return status_mib("VmHWM") - before
 
 
 def build_model(variant: str, device):

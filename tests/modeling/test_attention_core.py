@@ -179,9 +179,10 @@ def compile_core(evolution, allowed, conv_mask, dropout=0.0):
 
     def record_kept(graph, example_inputs):
         returned = next(node for node in graph.graph.nodes if node.op == "output").args[0]
+        layer_rows = (allowed.shape[0], H, allowed.shape[-2])  # [B, H, Q]
         for node in returned[3:]:
             value = node.meta["val"]
-            if node.op != "placeholder" and value.dim() == 4 and value.shape[:3] == allowed.shape[:1] + (H, 24):
+            if node.op != "placeholder" and value.dim() == 4 and tuple(value.shape[:3]) == layer_rows:
                 producer = node.args[0] if node.target is operator.getitem else node  # an operator's output
                 kept.append(f"{producer.target} {value.dtype}")
         return graph
