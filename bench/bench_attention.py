@@ -96,6 +96,17 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM, and with it ru_maxrss) to its current RSS; False if not possible
+    (Linux >= 4.0: writing 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (ru_maxrss is in KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -118,8 +129,8 @@ def step_memory_mib(step, device) -> float:
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - before) / MIB
     ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # resets VmHWM to the current RSS
+    if not reset_peak_rss():
+        raise RuntimeError("step memory needs a resettable peak RSS (Linux /proc/self/clear_refs)")
     before = current_rss_mib()
     step()
     return status_mib("VmHWM") - before

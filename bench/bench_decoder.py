@@ -39,6 +39,8 @@ number = attention_bench.number
 table_row = attention_bench.table_row
 MIB = attention_bench.MIB
 RESULT_PREFIX = attention_bench.RESULT_PREFIX
+status_mib = attention_bench.status_mib
+reset_peak_rss = attention_bench.reset_peak_rss
 
 VARIANTS = ("eager", "sdpa", "ea", "ea-layers")
 EA_VARIANTS = ("ea", "ea-layers")
@@ -75,29 +77,6 @@ TINY_CONFIG = {
 # --------------------------------------------------------------------------------------------------------------
 # Child: one (variant, N) case.
 # --------------------------------------------------------------------------------------------------------------
-
-
-def status_mib(field: str) -> float:
-    """A field of /proc/self/status given in kB (VmRSS, VmHWM), in MiB."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (VmHWM, and with it ru_maxrss) to its current RSS; False if not possible.
-
-    Without it the peak would include model construction, whose transient allocations can exceed a short prefill
-    (Linux >= 4.0: writing 5 to /proc/self/clear_refs).
-    """
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-    except OSError:
-        return False
-    return True
 
 
 def peak_rss_mib() -> float:
@@ -191,6 +170,8 @@ def run_case(
     input_ids = torch.randint(0, config.vocab_size, (1, length), generator=generator)
 
     gc.collect()
+    # Without the reset the peak would include model construction, whose transient allocations can exceed a
+    # short prefill.
     peak_reset = reset_peak_rss()
     loaded_mib = attention_bench.current_rss_mib()
     load_before = os.getloadavg()
