@@ -2,6 +2,7 @@
 server on loopback (tests/hub_server.py), loading back from it, and failures that leave the run untouched."""
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import socket
@@ -67,7 +68,10 @@ def test_the_card_renders_offline_with_settings_results_recipe_versions_and_cita
     assert f'AutoModelForSequenceClassification.from_pretrained("{REPO}", trust_remote_code=True)' in text
     assert f"| GLUE SST-2 | validation | accuracy | {accuracy:.4f} |" in text
     assert "learning_rate: 0.001" in text and "max_steps: 2" in text  # the resolved recipe
-    assert f"- transformers {transformers.__version__}" in text and f"- torch {torch.__version__}" in text
+    # As pip names the installed releases: a CUDA wheel's torch.__version__ adds a local tag (2.15.0+cu132) that
+    # its distribution, the one `pip install torch==...` gets, does not have.
+    installed = importlib.metadata.version
+    assert f"- transformers {installed('transformers')}" in text and f"- torch {installed('torch')}" in text
     assert "Evolving Attention with Residual Convolutions" in text
     assert "Convolution-enhanced Evolving Attention Networks" in text
     assert "@inproceedings{wang2021evolving" in text and "@article{wang2023convolution" in text
