@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from testing import bench_script
+from testing import INTERPRETER_TRITON, bench_script
 
 # ea_hf's attention graph-breaks torch.compile on sys.getrefcount; the dry run records it, no need to warn here.
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning")
@@ -28,7 +28,9 @@ def bench():
 def report(bench, tmp_path_factory):
     """The whole dry run, in this process (about 30 s on a busy core, most of it torch.compile's graph capture
     and the interpreted Triton kernels)."""
-    pytest.importorskip("triton", reason="the dry run's ea-triton cases need the optional triton package")
+    pytest.importorskip(
+        "triton", minversion=INTERPRETER_TRITON, reason="the dry run's ea-triton cases need the optional triton package"
+    )
     import torch
 
     threads = torch.get_num_threads()  # the dry run sets one thread; give the other tests theirs back
@@ -269,7 +271,9 @@ def test_defaults_output_paths_and_argument_checks(bench):
 def test_a_case_runs_in_its_own_process(bench):
     """The --isolate protocol: ``--case`` in a fresh interpreter, which sets TRITON_INTERPRET before importing
     torch, prints one result line the parent reads."""
-    pytest.importorskip("triton", reason="the ea-triton case needs the optional triton package")
+    pytest.importorskip(
+        "triton", minversion=INTERPRETER_TRITON, reason="the ea-triton case needs the optional triton package"
+    )
     args = bench.parse_args(["--dry-run", "--repeats", "1", "--warmup", "0"])
     result = bench.spawn_case("ea-triton", 16, 2, "inference", "fp32", args)
     assert result["status"] == "ok", result["error"]

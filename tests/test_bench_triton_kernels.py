@@ -7,12 +7,14 @@ import os
 
 import pytest
 import torch
-from testing import bench_script, spy_on
+from testing import INTERPRETER_TRITON, bench_script, spy_on
 
 from ea_hf.modeling import convolution
 from ea_hf.ops import triton_kernels
 
-pytest.importorskip("triton", reason="the Triton kernels need the optional triton package")
+pytest.importorskip(
+    "triton", minversion=INTERPRETER_TRITON, reason="the Triton kernels need the optional triton package"
+)
 
 
 @pytest.fixture(scope="module")

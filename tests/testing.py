@@ -42,6 +42,10 @@ _DECODER_ONLY_CONFIGS = {
     "gemma3_text": {"num_key_value_heads": 2, "query_pre_attn_scalar": 8, **_WINDOW},
     "phi3": {"num_key_value_heads": 2, "sliding_window": 4},
 }
+#: Triton's CPU interpreter runs the kernels from this release on (3.6's interpreter fails on them); compiling
+#: them needs ea_hf.ops.triton_kernels.MIN_TRITON.
+INTERPRETER_TRITON = "3.9"
+
 NUM_LAYERS = 3
 NUM_HEADS = 4
 VOCAB_SIZE = 99

@@ -137,11 +137,41 @@ def argument_references(argument: Any) -> int:
 ARGUMENT_REFERENCES = argument_references(object())
 
 
-def sole_storage_user(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is the only tensor using its storage (no views or aliases of it exist)."""
+def storage_users(tensor: torch.Tensor) -> int | None:
+    """The reference count of ``tensor``'s storage as torch keeps it (None where torch does not expose it)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
-    # untyped_storage() holds one more reference while it is being counted.
-    return use_count is not None and tensor._base is None and use_count(tensor.untyped_storage()._cdata) == 2
+    if use_count is None:
+        return None
+    # Held while counted: a temporary's reference may already be gone (torch 2.8) or not (2.13).
+    storage = tensor.untyped_storage()
+    return use_count(storage._cdata)
+
+
+def measured_sole_storage_users() -> int | None:
+    """What :func:`storage_users` gives for a tensor that is its storage's only user (2: the tensor and the
+    storage object held while counting), or None where the private count cannot be trusted: it must be small and
+    grow by one with a view. Measured rather than assumed, as it is a private function of torch's."""
+    alone, shared = torch.empty(1), torch.empty(1)
+    view = shared[:]  # noqa: F841 - held while counted
+    sole, with_view = storage_users(alone), storage_users(shared)
+    if sole is None or with_view is None or not 0 < sole < 8 or with_view != sole + 1:
+        return None
+    return sole
+
+
+#: :func:`storage_users` of a tensor that is its storage's only user, measured (None: unknown, never reuse).
+SOLE_STORAGE_USERS = measured_sole_storage_users()
+
+
+def sole_storage_user(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the only tensor using its storage (no views or aliases of it exist).
+
+    Example:
+        >>> whole = torch.zeros(4)
+        >>> sole_storage_user(whole), sole_storage_user(whole[1:])
+        (True, False)
+    """
+    return SOLE_STORAGE_USERS is not None and tensor._base is None and storage_users(tensor) == SOLE_STORAGE_USERS
 
 
 def pass_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:

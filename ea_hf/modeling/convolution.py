@@ -82,7 +82,11 @@ def register_fused_kernel(kernel: FusedKernel) -> None:
 
 def fused_kernel(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor):
     """The first registered kernel applicable to these tensors, or None (torch operations)."""
-    return next((k for k in FUSED_KERNELS if k.applicable(*tensors, keep=keep, weight=weight)), None)
+    # A loop, not next() over a generator: torch 2.8's dynamo cannot trace that (fullgraph fails).
+    for kernel in FUSED_KERNELS:
+        if kernel.applicable(*tensors, keep=keep, weight=weight):
+            return kernel
+    return None
 
 
 class EvolveConvolution(torch.autograd.Function):

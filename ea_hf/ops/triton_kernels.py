@@ -38,7 +38,9 @@ cannot call them then. ``tests/ops/test_triton_compilation.py`` compiles every l
 
 import math
 import os
+import re
 import threading
+import warnings
 from types import FunctionType, SimpleNamespace
 
 import torch
@@ -46,12 +48,39 @@ import torch
 from ..modeling.convolution import plus_addend
 from .fused_step import evolve_by_correlation
 
+#: The oldest triton the kernels compile with (the ``gpu`` extra's floor). An older one, such as the triton 3.2
+#: to 3.5 that torch 2.6 to 2.9 install with themselves, counts as absent: :func:`applicable` declines every
+#: map (and warns where ``EA_HF_TRITON=1`` asked for the kernels).
+MIN_TRITON = "3.6"
+
 try:  # optional dependency: the module must import (and decline every map) without it
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
+
+
+def release(version: str) -> tuple[int, ...]:
+    """A version's release numbers, for comparison: ``"3.6.0+git1a2b"`` -> ``(3, 6, 0)``.
+
+    Example:
+        >>> release("3.5.1") < release(MIN_TRITON) <= release("3.6.0+git1a2b")
+        True
+    """
+    numbers = []
+    for part in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        numbers.append(int(digits.group()))
+    return tuple(numbers)
+
+
+#: The installed triton's version where it is older than :data:`MIN_TRITON` (then unused), else None.
+TOO_OLD_TRITON = None
+if triton is not None and release(triton.__version__) < release(MIN_TRITON):
+    TOO_OLD_TRITON, triton, tl = triton.__version__, None, None
 
 #: Limits mirrored from the CPU kernel (the kernels below would take more heads and taps, at the cost of
 #: larger padded products).
@@ -122,6 +151,12 @@ def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, 
     within the CPU kernel's limits.
     """
     if triton is None or not _opted_in():
+        if TOO_OLD_TRITON is not None and _opted_in():
+            warnings.warn(
+                f"EA_HF_TRITON=1, but triton {TOO_OLD_TRITON} is older than the {MIN_TRITON} the kernels need; "
+                f"using torch operations (pip install 'triton>={MIN_TRITON}')",
+                stacklevel=2,
+            )
         return False
     if weight.dim() != 4 or weight.shape[-1] % 2 == 0:  # an even width has no centre column
         return False

@@ -14,7 +14,9 @@ from testing import compile_for_cuda, recorded_triton_launches
 
 from ea_hf.ops import triton_kernels as kernels
 
-triton = pytest.importorskip("triton", reason="the Triton kernels need the optional triton package")
+triton = pytest.importorskip(
+    "triton", minversion=kernels.MIN_TRITON, reason="the Triton kernels need the optional triton package"
+)
 
 H100 = 90
 #: Shared memory one program may use on an H100 (227 KiB).

@@ -17,10 +17,11 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from testing import INTERPRETER_TRITON, METHODS, patched_model, spy_on, tiny_inputs  # noqa: E402
 
-triton = pytest.importorskip("triton", reason="the Triton kernels need the optional triton package")
-
-from testing import METHODS, patched_model, spy_on, tiny_inputs  # noqa: E402
+triton = pytest.importorskip(
+    "triton", minversion=INTERPRETER_TRITON, reason="the Triton kernels need the optional triton package"
+)
 
 from ea_hf.modeling import convolution  # noqa: E402
 from ea_hf.modeling.convolution import pack_gate, packed_gate  # noqa: E402
