@@ -86,7 +86,11 @@ def convolution_history(cache: Any, key: tuple[str, int], past: int) -> Convolut
 
     ``past`` is the number of tokens the cache held before this step; a step with no past starts afresh.
     """
-    histories = cache.__dict__.setdefault(CACHE_ATTRIBUTE, {})
+    # getattr and setattr, not cache.__dict__.setdefault: torch 2.10's dynamo cannot trace that (a graph break).
+    histories = getattr(cache, CACHE_ATTRIBUTE, None)
+    if histories is None:
+        histories = {}
+        setattr(cache, CACHE_ATTRIBUTE, histories)
     history = histories.get(key)
     if past <= 0:
         history = histories[key] = ConvolutionHistory(self_attention=key[0] != "cross")
@@ -102,6 +106,6 @@ def convolution_history(cache: Any, key: tuple[str, int], past: int) -> Convolut
 
 def reorder_convolution_histories(cache: Any, beam_idx: torch.LongTensor) -> None:
     """Reorder the kept convolution rows along the batch like the KV cache (beam search)."""
-    for history in cache.__dict__.get(CACHE_ATTRIBUTE, {}).values():
+    for history in getattr(cache, CACHE_ATTRIBUTE, {}).values():
         if history.rows is not None:
             history.rows = history.rows.index_select(0, beam_idx.to(history.rows.device))
