@@ -91,8 +91,8 @@ def supported_model_types() -> list[str]:
 
 
 def release(version: str) -> tuple[int, ...]:
-    """A transformers version as numbers to compare (``"5.10.4"`` -> ``(5, 10, 4)``; suffixes such as
-    ``.dev0`` are dropped).
+    """A release version (transformers, torch, triton) as numbers to compare (``"5.10.4"`` -> ``(5, 10, 4)``;
+    suffixes such as ``.dev0`` or ``+cu132`` are dropped).
 
     Example:
         >>> release("5.9.0") < release("5.10.0.dev0")

@@ -38,13 +38,13 @@ cannot call them then. ``tests/ops/test_triton_compilation.py`` compiles every l
 
 import math
 import os
-import re
 import threading
 import warnings
 from types import FunctionType, SimpleNamespace
 
 import torch
 
+from ..modeling.architectures import release
 from ..modeling.convolution import plus_addend
 from .fused_step import evolve_by_correlation
 
@@ -59,22 +59,6 @@ try:  # optional dependency: the module must import (and decline every map) with
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
-
-
-def release(version: str) -> tuple[int, ...]:
-    """A version's release numbers, for comparison: ``"3.6.0+git1a2b"`` -> ``(3, 6, 0)``.
-
-    Example:
-        >>> release("3.5.1") < release(MIN_TRITON) <= release("3.6.0+git1a2b")
-        True
-    """
-    numbers = []
-    for part in version.split("+")[0].split("."):
-        digits = re.match(r"\d+", part)
-        if digits is None:
-            break
-        numbers.append(int(digits.group()))
-    return tuple(numbers)
 
 
 #: The installed triton's version where it is older than :data:`MIN_TRITON` (then unused), else None.

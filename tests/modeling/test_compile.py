@@ -17,6 +17,7 @@ from testing import SEQ2SEQ_ARCHITECTURES, defined, patched_model, tiny_inputs
 from torch._dynamo.backends.common import aot_autograd
 
 import ea_hf
+from ea_hf.modeling.architectures import release
 from ea_hf.ops import cpu
 
 #: One family of each kind: encoder, vision, encoder-decoder (T5 and BART, forward), decoder-only.
@@ -31,7 +32,6 @@ TOLERANCE = 1e-5
 #: The oldest torch whose dynamo traces transformers' own encoder-decoder forward in one graph: on 2.10 and 2.12
 #: unpatched BART and T5 break it too (EncoderDecoderCache copies the config, copy.deepcopy / __reduce_ex__).
 SEQ2SEQ_COMPILE_TORCH = (2, 13)
-TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +56,7 @@ def training_step(model, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
 def assert_compiles_like_eager(model, model_type: str, length: int = 9) -> None:
     """No graph break; inference, and for all but the encoder-decoder families a training step, through
     ``torch.compile(fullgraph=True)`` give eager mode's outputs and gradients within TOLERANCE."""
-    if model_type in SEQ2SEQ_ARCHITECTURES and TORCH_RELEASE < SEQ2SEQ_COMPILE_TORCH:
+    if model_type in SEQ2SEQ_ARCHITECTURES and release(torch.__version__) < SEQ2SEQ_COMPILE_TORCH:
         pytest.skip(f"transformers' own {model_type} forward has graph breaks on torch {torch.__version__}")
     inputs = tiny_inputs(model_type, length=length)
     with torch.no_grad():

@@ -19,15 +19,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from testing import INTERPRETER_TRITON, METHODS, patched_model, spy_on, tiny_inputs  # noqa: E402
 
-triton = pytest.importorskip(
-    "triton", minversion=INTERPRETER_TRITON, reason="the Triton kernels need the optional triton package"
-)
-
 from ea_hf.modeling import convolution  # noqa: E402
+from ea_hf.modeling.architectures import release  # noqa: E402
 from ea_hf.modeling.convolution import pack_gate, packed_gate  # noqa: E402
 from ea_hf.modeling.history import ConvolutionHistory  # noqa: E402
 from ea_hf.ops import cpu  # noqa: E402
 from ea_hf.ops import triton_kernels as kernels  # noqa: E402
+
+# Compiled on a GPU the kernels need the release ea_hf uses them from; the interpreter, INTERPRETER_TRITON.
+triton = pytest.importorskip(
+    "triton", minversion=kernels.MIN_TRITON, reason="the Triton kernels need the optional triton package"
+)
 
 #: Tiles for most tests: one or two tiles per map, few interpreted programs.
 TILES = dict(BLOCK_ROWS=8, BLOCK_COLS=16, WEIGHT_BLOCK_ROWS=8, WEIGHT_BLOCK_COLS=16)
@@ -61,7 +63,7 @@ def restore_interpret_setting():
 
 #: Triton's interpreter runs these kernels from 3.9 on; 3.6's fails in them ("only 0-dimensional arrays can be
 #: converted to Python scalars"), though 3.6 compiles them for a GPU.
-INTERPRETER_RUNS_THE_KERNELS = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9)
+INTERPRETER_RUNS_THE_KERNELS = release(triton.__version__) >= release(INTERPRETER_TRITON)
 
 
 @pytest.fixture(
