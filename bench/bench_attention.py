@@ -17,7 +17,6 @@ import ctypes
 import ctypes.util
 import datetime
 import gc
-import itertools
 import json
 import os
 import platform
@@ -505,8 +504,17 @@ def compare(
     results: list[dict], paired: list[dict], lengths: list[int], batches: dict[int, int] | None = None
 ) -> list[dict]:
     """One row per (N, mode): time medians and ratios from the paired runs, peaks and memory ratios from the
-    separate processes (rounds pooled; their time ratios are kept too, as ``*_separate``)."""
-    paired_by_key = {(r["n"], r["mode"]): r for r in paired}
+    separate processes (rounds pooled; their time ratios are kept too, as ``*_separate``).
+
+    A (N, mode) may have several paired runs, each a fresh process (one per round): the time ratio is then the
+    median over the processes of each process's ratio of medians, and the ms columns the median of the
+    processes' medians. A process as a whole runs some percent faster or slower than the next (the allocator's
+    history decides where large maps come from, and so the page faults of each variant): one process's ratio is
+    one sample of that, and the median of several is not at the mercy of one. Each process's ratio is kept too
+    (``*_over_eager_time_per_process``)."""
+    paired_by_key: dict[tuple, list[dict]] = {}
+    for r in paired:
+        paired_by_key.setdefault((r["n"], r["mode"]), []).append(r)
     by_key: dict[tuple, list[dict]] = {}
     for r in results:
         by_key.setdefault((r["variant"], r["n"], r["mode"]), []).append(r)
@@ -515,23 +523,28 @@ def compare(
     for length in lengths:
         for mode in MODES:
             cases = {v: by_key[(v, length, mode)] for v in VARIANTS}
-            times = paired_by_key[(length, mode)]["times_s"]
-            faults = paired_by_key[(length, mode)].get("minor_faults")  # absent from runs before it was recorded
-            medians = {v: statistics.median(times[v]) for v in VARIANTS}
+            processes = paired_by_key[(length, mode)]
+            times = {v: [t for p in processes for t in p["times_s"][v]] for v in VARIANTS}
+            # Absent from runs before they were recorded.
+            faults = {v: [f for p in processes for f in p.get("minor_faults", {}).get(v, [])] for v in VARIANTS}
+            process_medians = [{v: statistics.median(p["times_s"][v]) for v in VARIANTS} for p in processes]
+            medians = {v: statistics.median(m[v] for m in process_medians) for v in VARIANTS}
             eager = cases["eager"]
             row = {"n": length, "batch": (batches or {}).get(length), "mode": mode}
             for v in VARIANTS:
                 row[f"{v}_median_ms"] = medians[v] * 1e3
-                row[f"{v}_minor_faults_per_step_median"] = statistics.median(faults[v]) if faults else None
+                row[f"{v}_minor_faults_per_step_median"] = statistics.median(faults[v]) if faults[v] else None
                 row[f"{v}_median_ms_separate"] = cases[v]["median_s"] * 1e3
                 row[f"{v}_peak_mib"] = cases[v]["peak_mib"]
                 row[f"{v}_increment_mib"] = cases[v]["increment_mib"]
             for v in ("sdpa", "ea"):
-                row[f"{v}_over_eager_time"] = medians[v] / medians["eager"]
+                per_process = [m[v] / m["eager"] for m in process_medians]
+                row[f"{v}_over_eager_time"] = statistics.median(per_process)
+                row[f"{v}_over_eager_time_per_process"] = per_process
                 row[f"{v}_over_eager_time_min"] = min(times[v]) / min(times["eager"])
                 # Each step against the eager step next to it, then the median of those ratios.
                 row[f"{v}_over_eager_time_paired_median"] = statistics.median(
-                    a / b for a, b in zip(times[v], times["eager"], strict=True)
+                    a / b for p in processes for a, b in zip(p["times_s"][v], p["times_s"]["eager"], strict=True)
                 )
                 row[f"{v}_over_eager_time_separate"] = cases[v]["median_s"] / eager["median_s"]
                 row[f"{v}_over_eager_peak_memory"] = cases[v]["peak_mib"] / eager["peak_mib"]
@@ -579,6 +592,7 @@ def markdown_table(rows: list[dict]) -> str:
         "sdpa ms",
         "EA ms",
         "EA/eager time",
+        "EA/eager time, each process",
         "time target",
         "EA/sdpa time",
         "EA/eager time, separate processes",
@@ -590,7 +604,7 @@ def markdown_table(rows: list[dict]) -> str:
         "EA peak MiB",
         "EA/eager total RSS",
     ]
-    lines = [table_row(header), "|" + "|".join(["---:"] * 2 + ["---"] + ["---:"] * 14) + "|"]
+    lines = [table_row(header), "|" + "|".join(["---:"] * 2 + ["---"] + ["---:"] * 15) + "|"]
     for r in rows:
         cells = [
             str(r["n"]),
@@ -600,6 +614,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['sdpa_median_ms']:.1f}",
             f"{r['ea_median_ms']:.1f}",
             f"{r['ea_over_eager_time']:.3f}",
+            " / ".join(f"{value:.3f}" for value in sorted(r.get("ea_over_eager_time_per_process", []))) or "-",
             target_cell(r["ea_time_target"], r["ea_time_pass"]),
             number(ratio(r["ea_median_ms"], r["sdpa_median_ms"]), 3),
             f"{r['ea_over_eager_time_separate']:.3f}",
@@ -670,29 +685,33 @@ def main_parent(args: argparse.Namespace) -> None:
     results, paired = [], []
     for length in args.lengths:
         for mode in MODES:
-            timing = spawn(["--paired", str(length), mode], args, f"paired timing N={length} {mode}", length)
-            paired.append(timing)
-            print(
-                f"  paired N={length:<4} {mode:<9} medians "
-                + "  ".join(f"{LABELS[v]} {statistics.median(timing['times_s'][v]) * 1e3:.1f} ms" for v in VARIANTS)
-                + "; minor faults per step (median) "
-                + "  ".join(f"{LABELS[v]} {statistics.median(timing['minor_faults'][v]):.0f}" for v in VARIANTS)
-                + f"  [{timing['process_wall_s']:.0f} s]",
-                flush=True,
-            )
-            # Rounds interleave the variants, so that a slow spell of the machine hits all of them alike.
-            for round_index, variant in itertools.product(range(args.rounds), VARIANTS):
-                result = spawn_case(variant, length, mode, args)
-                result["round"] = round_index
-                results.append(result)
+            # Each round: one paired process (its share of --paired-seconds), then each variant alone; rounds
+            # interleave, so that a slow spell of the machine hits all of them alike.
+            for round_index in range(args.rounds):
+                timing = spawn(["--paired", str(length), mode], args, f"paired timing N={length} {mode}", length)
+                timing["round"] = round_index
+                paired.append(timing)
+                medians = {v: statistics.median(timing["times_s"][v]) for v in VARIANTS}
                 print(
-                    f"  {LABELS[variant]:<5} N={length:<4} {mode:<9} round {round_index + 1}/{args.rounds} "
-                    f"median {result['median_s'] * 1e3:8.1f} ms  "
-                    f"peak {result['peak_mib']:7.0f} MiB (before {result['before_mib']:.0f} MiB)  "
-                    f"cpu/wall {result['cpu_over_wall']:.2f}  other {result['other_processes_cpu_s']:.1f} s  "
-                    f"[{result['process_wall_s']:.0f} s]",
+                    f"  paired N={length:<4} {mode:<9} round {round_index + 1}/{args.rounds} medians "
+                    + "  ".join(f"{LABELS[v]} {medians[v] * 1e3:.1f} ms" for v in VARIANTS)
+                    + f" (EA/eager {medians['ea'] / medians['eager']:.3f}); minor faults per step (median) "
+                    + "  ".join(f"{LABELS[v]} {statistics.median(timing['minor_faults'][v]):.0f}" for v in VARIANTS)
+                    + f"  [{timing['process_wall_s']:.0f} s]",
                     flush=True,
                 )
+                for variant in VARIANTS:
+                    result = spawn_case(variant, length, mode, args)
+                    result["round"] = round_index
+                    results.append(result)
+                    print(
+                        f"  {LABELS[variant]:<5} N={length:<4} {mode:<9} round {round_index + 1}/{args.rounds} "
+                        f"median {result['median_s'] * 1e3:8.1f} ms  "
+                        f"peak {result['peak_mib']:7.0f} MiB (before {result['before_mib']:.0f} MiB)  "
+                        f"cpu/wall {result['cpu_over_wall']:.2f}  other {result['other_processes_cpu_s']:.1f} s  "
+                        f"[{result['process_wall_s']:.0f} s]",
+                        flush=True,
+                    )
     rows = compare(results, paired, args.lengths, batches)
     table = markdown_table(rows)
     compiled = [
@@ -733,8 +752,10 @@ def main_parent(args: argparse.Namespace) -> None:
             "training_step": "model.train(); forward; loss = last_hidden_state.float().pow(2).mean(); backward "
             "(gradients set to None before every repetition, outside the timed region)",
             "timing": "time.perf_counter around one step. The table's times and time ratios: the three models in "
-            "one process, one step of each in turn (order rotating), at least repeats x rounds steps each after "
-            "the warm-ups and more until the timed steps took paired_seconds, medians. Also reported (*_separate): "
+            "one process, one step of each in turn (order rotating), at least repeats steps each after the "
+            "warm-ups and more until the timed steps took paired_seconds / rounds; one such process per round; "
+            "per process the medians and their ratio, and in the table the median over the processes (each "
+            "process's ratio in *_over_eager_time_per_process). Also reported (*_separate): "
             "each variant alone in fresh processes, rounds interleaved, repetitions pooled. Each paired step's "
             "minor page faults (getrusage ru_minflt) are kept too (paired_timing[].minor_faults, and their median "
             "per step in the comparison rows)",
@@ -771,8 +792,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--paired-seconds",
         type=float,
         default=300.0,
-        help="paired timing: keep stepping until the timed steps of all variants took this long (default 300: "
-        "about 30 steps of each at the training sizes; with fewer, the host's noise moves a ratio by 1 to 2 %%)",
+        help="paired timing: keep stepping until the timed steps of all variants took this long, in all: each of "
+        "the rounds' processes takes its share (default 300: about 30 steps of each at the training sizes, 10 a "
+        "process; with fewer, the host's noise moves a ratio by 1 to 2 %%)",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs per case")
     parser.add_argument(
@@ -830,8 +852,9 @@ def main(argv: list[str] | None = None) -> None:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.paired:
         length, mode = int(args.paired[0]), args.paired[1]
+        # One of the rounds' paired processes: its share of the steps and of the seconds.
         result = run_paired(
-            length, mode, args.repeats * args.rounds, args.warmup, args.batch, args.threads, args.paired_seconds
+            length, mode, args.repeats, args.warmup, args.batch, args.threads, args.paired_seconds / args.rounds
         )
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.compiled_timing:

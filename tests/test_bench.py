@@ -33,6 +33,7 @@ def test_ratios_come_from_the_paired_steps_and_memory_from_the_separate_processe
     training = rows[1]
     assert training["eager_median_ms"] == pytest.approx(1000.0)
     assert training["ea_over_eager_time"] == pytest.approx(1.2)  # medians 1.2 / 1.0
+    assert training["ea_over_eager_time_per_process"] == pytest.approx([1.2])
     assert training["ea_over_eager_time_min"] == pytest.approx(1.1)
     assert training["ea_over_eager_time_paired_median"] == pytest.approx(1.2)  # ratios 1.1, 1.3, 1.2
     assert training["ea_over_eager_time_separate"] == pytest.approx(1.0)  # 0.6 / median(0.5, 0.7, 0.5, 0.7)
@@ -45,8 +46,30 @@ def test_ratios_come_from_the_paired_steps_and_memory_from_the_separate_processe
     assert training["ea_memory_target"] == 1.2 and training["ea_memory_pass"] is False
     table = bench.markdown_table(rows).splitlines()
     assert len(table) == 4 and table[3].startswith("| 512 | 2 | training |")
-    assert "| 1.200 | <= 1.12 FAIL | 1.333 |" in table[3]  # EA/sdpa: 1.2 / 0.9
+    assert "| 1.200 | 1.200 | <= 1.12 FAIL | 1.333 |" in table[3]  # EA/sdpa: 1.2 / 0.9
     assert "| 210 | 500 | 2.381 | <= 1.2 FAIL | 1010 | 1300 | 1.287 |" in table[3]
+
+
+def test_several_paired_processes_give_the_median_of_their_ratios(bench):
+    """One paired process per round: the ratio is the median over the processes of each one's ratio of
+    medians (not the ratio of pooled medians), and the table lists every process's ratio."""
+
+    def process(eager, ea):
+        return {"n": 512, "mode": "training", "times_s": {"eager": eager, "sdpa": eager, "ea": ea}}
+
+    # Ratios of medians 1.25 (a slow process for EA), 1.05 and 1.10; pooled, the medians would give 1.5 / 1.2.
+    paired = [process([1.0, 1.0, 1.0], [1.25, 1.25, 1.25]), process([2.0, 2.0], [2.1, 2.1]), process([1.2], [1.32])]
+    paired += [{**p, "mode": "inference"} for p in paired]
+    results = [separate_case(v, 512, mode, [1.0], 1000.0) for mode in bench.MODES for v in bench.VARIANTS]
+    training = bench.compare(results, paired, [512], {512: 2})[1]
+    assert training["ea_over_eager_time"] == pytest.approx(1.10)
+    assert training["ea_over_eager_time_per_process"] == pytest.approx([1.25, 1.05, 1.10])
+    assert training["ea_time_pass"] is True
+    assert (training["eager_median_ms"], training["ea_median_ms"]) == pytest.approx((1200.0, 1320.0))
+    # The step-by-step ratios pooled: 1.25 x 3, 1.05 x 2, 1.1, whose median the slow process pulls up.
+    assert training["ea_over_eager_time_paired_median"] == pytest.approx(1.175)
+    assert training["ea_minor_faults_per_step_median"] is None  # runs that did not record them
+    assert "| 1.100 | 1.050 / 1.100 / 1.250 | <= 1.12 pass |" in bench.markdown_table([training])
 
 
 def test_quick_mode_is_a_short_smoke_run(bench):
