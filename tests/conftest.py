@@ -1,16 +1,26 @@
 """Shared fixtures: offline settings and a network guard, the real MiniLM checkpoint, real images, the test Hub.
 Helper functions and constants are in testing.py."""
 
+import atexit
 import importlib.util
 import os
+import shutil
 import socket
 import tempfile
 
-# Before transformers is imported anywhere: never reach the Hub, keep remote-code modules out of ~/.cache.
+# Before transformers is imported anywhere: never reach the Hub. The run's remote-code modules (out of ~/.cache)
+# and the temporary files of the processes it starts (torchrun leaves a torchelastic_* folder in the temporary
+# folder at every launch) go to a folder of the run's own, removed when it ends. (This process's own temporary
+# folder, and so pytest's tmp_path, stays where it was: tempfile settles on it at its first use, the mkdtemp
+# below, before TMPDIR changes.)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="ea_hf_modules_"))
+RUN_FOLDER = tempfile.mkdtemp(prefix="ea_hf_tests_")
+atexit.register(shutil.rmtree, RUN_FOLDER, ignore_errors=True)
+os.environ.setdefault("HF_MODULES_CACHE", os.path.join(RUN_FOLDER, "modules"))
+os.makedirs(os.path.join(RUN_FOLDER, "tmp"))
+os.environ["TMPDIR"] = os.path.join(RUN_FOLDER, "tmp")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
