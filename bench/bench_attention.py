@@ -399,10 +399,15 @@ def batch_of(args: argparse.Namespace, length: int) -> int:
     return DEFAULT_BATCHES.get(length, 1)
 
 
+def paired_medians(timing: dict, variants: tuple[str, ...] = VARIANTS) -> dict[str, float]:
+    """The median step time (s) of each variant in one paired process's result (:func:`run_paired`)."""
+    return {v: statistics.median(timing["times_s"][v]) for v in variants}
+
+
 def compiled_row(timing: dict) -> dict:
     """The compiled row: medians of compiled eager and compiled EA steps and their ratio, and the step memory of
     each (the largest of its measured steps, see :func:`step_memory_mib`) and its ratio."""
-    medians = {v: statistics.median(timing["times_s"][v]) for v in COMPILED_VARIANTS}
+    medians = paired_medians(timing, COMPILED_VARIANTS)
     memory = {v: max(timing["step_memory_mib"][v]) if "step_memory_mib" in timing else None for v in COMPILED_VARIANTS}
     return {
         "n": timing["n"],
@@ -527,7 +532,7 @@ def compare(
             times = {v: [t for p in processes for t in p["times_s"][v]] for v in VARIANTS}
             # Absent from runs before they were recorded.
             faults = {v: [f for p in processes for f in p.get("minor_faults", {}).get(v, [])] for v in VARIANTS}
-            process_medians = [{v: statistics.median(p["times_s"][v]) for v in VARIANTS} for p in processes]
+            process_medians = [paired_medians(p) for p in processes]
             medians = {v: statistics.median(m[v] for m in process_medians) for v in VARIANTS}
             eager = cases["eager"]
             row = {"n": length, "batch": (batches or {}).get(length), "mode": mode}
@@ -691,7 +696,7 @@ def main_parent(args: argparse.Namespace) -> None:
                 timing = spawn(["--paired", str(length), mode], args, f"paired timing N={length} {mode}", length)
                 timing["round"] = round_index
                 paired.append(timing)
-                medians = {v: statistics.median(timing["times_s"][v]) for v in VARIANTS}
+                medians = paired_medians(timing)
                 print(
                     f"  paired N={length:<4} {mode:<9} round {round_index + 1}/{args.rounds} medians "
                     + "  ".join(f"{LABELS[v]} {medians[v] * 1e3:.1f} ms" for v in VARIANTS)
