@@ -10,9 +10,6 @@ import sys
 import pytest
 from testing import INTERPRETER_TRITON, bench_script
 
-# ea_hf's attention graph-breaks torch.compile on sys.getrefcount; the dry run records it, no need to warn here.
-pytestmark = pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace:UserWarning")
-
 LENGTHS = (16, 24)
 LAYERS = 2
 #: Environment variables the cases set for their duration.

@@ -14,12 +14,11 @@ import sys
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention_core import attention_scores, full_precision, masked_logits
+from .attention_core import attend_values, attention_scores, full_precision
 from .chain import CHAIN_KWARG, SPARE_KEY
 from .history import convolution_history
 from .masks import convolution_mask, evolving_attention_mask, split_attention_mask
@@ -64,6 +63,7 @@ def evolving_attention_forward(
     if scaling is None:
         scaling = query.size(-1) ** -0.5
     allowed, additive = split_attention_mask(attention_mask)
+    dropout = dropout if module.training else 0.0
     evolution = getattr(module, MODULE_ATTRIBUTE, None)
     if evolution is not None:
         chain = kwargs.get(CHAIN_KWARG)
@@ -85,56 +85,56 @@ def evolving_attention_forward(
                 chain,
                 history,
                 scaling=scaling,
-                dropout=dropout if module.training else 0.0,
+                dropout=dropout,
                 position_bias=position_bias,
                 softcap=softcap,
             )
             return output.transpose(1, 2).contiguous(), probs
     scores = attention_scores(query, key, scaling, position_bias, softcap)
+    spare = None
     if evolution is not None:
         scores = evolution(full_precision(scores), conv_mask, chain, history, query=query, past=past)
-    # The spare map is passed on without a local name here: attention_probabilities counts its references.
-    probs = attention_probabilities(
-        masked_logits(scores, allowed, additive),
-        chain.pop(SPARE_KEY, None) if evolution is not None and chain is not None else None,
-    ).to(value.dtype)
-    probs = F.dropout(probs, p=dropout, training=module.training)
-    output = torch.matmul(probs, value).transpose(1, 2).contiguous()
-    return output, probs
+        spare = spare_map(chain, scores)
+    output, probs, _, _ = attend_values(scores, allowed, additive, value, dropout, out=spare)
+    return output.transpose(1, 2).contiguous(), probs
 
 
-def attention_probabilities(scores: torch.Tensor, spare: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax over the keys, written into ``spare`` (a map nothing reads any more) where it fits.
+def spare_map(chain: dict | None, scores: torch.Tensor) -> torch.Tensor | None:
+    """Takes the spare map (the previous layer's logits, which nothing reads any more) out of ``chain`` and returns
+    it where this layer's probabilities may be written into it: without autograd and outside compilation, with the
+    shape, dtype and device of ``scores``, and held by nothing else.
 
     Without autograd the previous layer's logits are dead once this layer has mixed them in; reusing their
     storage spares the allocator a fresh [B, H, Q, K] map per layer, whose first touch costs page faults that
     weigh as much as the convolution on long sequences. Nothing else may hold the map: not the tensor object
-    (a forward hook on the evolution module may have kept it; callers pass ``spare`` without keeping a
-    reference) and not a view of its storage.
+    (a forward hook on the evolution module may have kept it) and not a view of its storage. The references are
+    counted here, right after the map leaves the chain, so the functions that use it may pass it on freely.
     """
+    spare = None if chain is None else chain.pop(SPARE_KEY, None)
     # Compiling first: dynamo reads it as a constant and stops there, never tracing the reference count (a
     # graph break); a compiled graph plans its own buffers anyway.
-    if (
-        not torch.compiler.is_compiling()
-        and spare is not None
-        and not torch.is_grad_enabled()
-        and sys.getrefcount(spare) == ARGUMENT_REFERENCES
+    if spare is None or torch.compiler.is_compiling() or torch.is_grad_enabled():
+        return None
+    reusable = (
+        sys.getrefcount(spare) == LOCAL_REFERENCES
         and spare.shape == scores.shape
         and spare.dtype == scores.dtype
         and spare.device == scores.device
         and spare.is_contiguous()
         and sole_storage_user(spare)
-    ):
-        return torch.ops.aten._softmax.out(scores, -1, False, out=spare)
-    return F.softmax(scores, dim=-1)
+    )
+    return spare if reusable else None
 
 
-def argument_references(argument: Any) -> int:
-    return sys.getrefcount(argument)
+def local_references() -> int:
+    """What ``sys.getrefcount`` gives for an object that only a local name holds, once taken out of a dict."""
+    holder = {SPARE_KEY: object()}
+    taken = holder.pop(SPARE_KEY)
+    return sys.getrefcount(taken)
 
 
-#: References to an argument that the caller passed without keeping it (interpreter-dependent, so measured).
-ARGUMENT_REFERENCES = argument_references(object())
+#: References to a map that only :func:`spare_map`'s local name holds (interpreter-dependent, so measured).
+LOCAL_REFERENCES = local_references()
 
 
 def storage_users(tensor: torch.Tensor) -> int | None:

@@ -97,6 +97,43 @@ def masked_logits(logits: torch.Tensor, allowed: torch.Tensor | None, additive: 
     return logits
 
 
+def softmax_probabilities(
+    logits: torch.Tensor, allowed: torch.Tensor | None, additive: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """P = softmax over the keys of the masked ``logits``, into ``out`` where given: the same numbers either way,
+    so that backward may recompute forward's P bit for bit."""
+    scores = masked_logits(logits, allowed, additive)
+    return torch.softmax(scores, -1) if out is None else torch.ops.aten._softmax.out(scores, -1, False, out=out)
+
+
+def attend_values(
+    logits: torch.Tensor,
+    allowed: torch.Tensor | None,
+    additive: torch.Tensor | None,
+    value: torch.Tensor,
+    dropout: float,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The tail every attention path shares: P = softmax over the keys of the masked ``logits`` (into ``out``
+    where given), dropout and the product with ``value``. Returns (dropout(P) @ V, dropout(P) in the values'
+    dtype, P in the logits' dtype, dropout's bool mask or None).
+
+    Dropout is ``torch.native_dropout``: the random numbers of ``torch.nn.functional.dropout`` (which runs it on
+    GPUs) and a bool mask for backward instead of a float one.
+
+    Example:
+        >>> logits, value = torch.randn(1, 2, 3, 5), torch.randn(1, 2, 5, 4)
+        >>> output, weights, probabilities, mask = attend_values(logits, None, None, value, 0.0)
+        >>> torch.allclose(output, logits.softmax(-1) @ value), weights is probabilities, mask is None
+        (True, True, True)
+    """
+    probabilities = softmax_probabilities(logits, allowed, additive, out)
+    weights, mask = probabilities.to(value.dtype), None
+    if dropout > 0.0:
+        weights, mask = torch.native_dropout(weights, dropout, True)
+    return torch.matmul(weights, value), weights, probabilities, mask
+
+
 def plain_scores(query: torch.Tensor, position_bias: torch.Tensor | None, softcap: float | None) -> bool:
     """Whether S is the plain product in full precision (no positional bias or soft-capping, no upcast or
     autocast): :class:`EvolvingAttentionCore` then keeps the queries contiguous and pre-scaled
@@ -239,12 +276,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         logits, gate, _ = evolve_for_backward(
             scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, spend_scores=not small
         )
-        full = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
-        probabilities = full.to(value.dtype)
-        dropout_mask = None
-        if dropout > 0.0:
-            probabilities, dropout_mask = torch.native_dropout(probabilities, dropout, True)
-        output = torch.matmul(probabilities, value)
+        output, probabilities, full, dropout_mask = attend_values(logits, allowed, additive, value, dropout)
         # Kept: S and P (A_logit is kept by the next layer, as its A_prev). Else A_logit, to recompute P from.
         kept = (scores, full, None) if small else (None, None, logits)
         ctx.save_for_backward(
@@ -272,7 +304,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         if kept_probabilities is not None:
             full = kept_probabilities
         else:
-            full = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
+            full = softmax_probabilities(logits, allowed, additive)
         dropout_scale = 1.0 / (1.0 - dropout) if dropout > 0.0 else 1.0
         # Outputs without a gradient come as None (see forward): the attention weights usually, the last
         # layer's A_logit, both without a map of zeros to allocate and add.
@@ -412,10 +444,8 @@ def compiled_core(
         logits = evolve_convolution(
             scores, keep, weight, bias, beta, causal, None, context_rows, previous=previous, alpha=alpha
         )
-        probabilities = torch.softmax(masked_logits(logits, allowed, additive), dim=-1).to(value.dtype)
-        if dropout > 0.0:
-            probabilities = torch.nn.functional.dropout(probabilities, dropout, training=True)
-        return torch.matmul(probabilities, value), logits, probabilities
+        output, probabilities, _, _ = attend_values(logits, allowed, additive, value, dropout)
+        return output, logits, probabilities
 
     tensors = (query, key, value, previous, position_bias, weight, bias)
     # A stand-in with S's shape, device and dtype (no memory) to ask whether a fused kernel takes the maps.

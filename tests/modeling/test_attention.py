@@ -9,6 +9,7 @@ from transformers.masking_utils import bidirectional_mask_function, causal_mask_
 import ea_hf
 import ea_hf.modeling.attention as attention_module
 from ea_hf.modeling.attention import CACHE_KWARG, evolving_attention_forward
+from ea_hf.modeling.attention_core import attend_values
 from ea_hf.modeling.chain import CHAIN_KWARG
 from ea_hf.modeling.convolution import EvolveConvolution
 from ea_hf.modeling.evolution import AttentionMapEvolution
@@ -349,32 +350,33 @@ def test_inference_drops_consumed_logits_from_the_chain():
 
 def test_probabilities_go_into_a_spare_map_only_when_nothing_else_holds_it():
     scores = torch.randn(B, H, N, N)
-    expected = scores.softmax(-1)
-    probabilities = attention_module.attention_probabilities
+    spare_map = attention_module.spare_map
 
-    def spare_and_pointer():
+    def chain_and_pointer():
         chain = {"spare": torch.randn(B, H, N, N)}
         return chain, chain["spare"].data_ptr()
 
     with torch.no_grad():
-        chain, pointer = spare_and_pointer()
-        reused = probabilities(scores, chain.pop("spare"))  # as the attention function passes it
-        assert reused.data_ptr() == pointer and torch.equal(reused, expected)
+        chain, pointer = chain_and_pointer()
+        spare = spare_map(chain, scores)
+        assert spare is not None and spare.data_ptr() == pointer and "spare" not in chain
+        # Passed on through further calls, as the attention function does: counted once, where it was taken.
+        _, _, probabilities, _ = attend_values(scores, None, None, torch.randn(B, H, N, D), 0.0, out=spare)
+        assert probabilities.data_ptr() == pointer and torch.equal(probabilities, scores.softmax(-1))
 
-        chain, pointer = spare_and_pointer()
-        held = chain["spare"]
-        assert probabilities(scores, chain.pop("spare")).data_ptr() != pointer  # the caller still holds it
-        assert not torch.equal(held, expected)
+        chain, _ = chain_and_pointer()
+        held = chain["spare"]  # noqa: F841 - the caller still holds it
+        assert spare_map(chain, scores) is None and "spare" not in chain
 
-        chain, pointer = spare_and_pointer()
-        view = chain["spare"][0]
-        assert probabilities(scores, chain.pop("spare")).data_ptr() != pointer  # a view shares its storage
-        assert not torch.equal(view, expected[0])
+        chain, _ = chain_and_pointer()
+        view = chain["spare"][0]  # noqa: F841 - a view shares its storage
+        assert spare_map(chain, scores) is None
 
-        wrong_shape = {"spare": torch.randn(B, H, N, N + 1)}
-        assert torch.equal(probabilities(scores, wrong_shape.pop("spare")), expected)
-    chain, pointer = spare_and_pointer()
-    assert probabilities(scores, chain.pop("spare")).data_ptr() != pointer  # autograd may have saved it
+        assert spare_map({"spare": torch.randn(B, H, N, N + 1)}, scores) is None  # another shape
+        assert spare_map({"spare": torch.randn(B, H, N, N).double()}, scores) is None  # another dtype
+        assert spare_map({}, scores) is None and spare_map(None, scores) is None
+    chain, _ = chain_and_pointer()
+    assert spare_map(chain, scores) is None  # autograd may have saved it
 
 
 def test_inference_reuses_consumed_logits_without_changing_a_number(monkeypatch):

@@ -14,6 +14,7 @@ import ea_hf
 from ea_hf.modeling import attention_core
 from ea_hf.modeling.attention_core import (
     EvolvingAttentionCore,
+    attend_values,
     attention_scores,
     compiled_core,
     contiguous_query,
@@ -168,6 +169,21 @@ def test_dropout_uses_one_mask_forward_and_backward():
     reference = outputs_and_gradients(lambda: unfused_layer(*arguments, kept), leaves[:4], evolution)
     assert_close(core[0], reference[0], 1e-12)
     assert_close(core[1], reference[1], 1e-12)
+
+
+def test_attention_tail_drops_out_as_eager_attention_does_and_keeps_a_bool_mask():
+    """attend_values draws the random numbers of ``torch.nn.functional.dropout`` (eager attention's), so a
+    patched model with alpha = beta = 0 drops the same entries; its mask for backward is one byte a value."""
+    length = 7
+    logits, value = torch.randn(B, H, length, length), torch.randn(B, H, length, D)
+    allowed = torch.rand(B, 1, length, length) > 0.3
+    torch.manual_seed(3)
+    output, weights, probabilities, mask = attend_values(logits, allowed, None, value, DROPOUT)
+    torch.manual_seed(3)
+    eager = torch.nn.functional.dropout(masked_logits(logits, allowed, None).softmax(-1), DROPOUT, training=True)
+    assert torch.equal(probabilities, masked_logits(logits, allowed, None).softmax(-1))
+    assert torch.equal(weights, eager) and torch.equal(output, eager @ value)
+    assert mask.dtype == torch.bool and torch.equal(mask & (probabilities != 0), eager != 0)
 
 
 def compile_core(evolution, allowed, conv_mask, dropout=0.0):
