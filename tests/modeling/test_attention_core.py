@@ -221,8 +221,8 @@ def compile_core(evolution, allowed, conv_mask, dropout=0.0):
 def test_compiled_core_keeps_one_map_and_matches_the_core(role):
     """Compiled, a layer whose maps are larger than its keys and values keeps A_logit (and the bit-packed gate)
     for backward and recomputes S and P, as the core does: its outputs and gradients are the core's within 1e-5.
-    Without the checkpoint (as for small maps) the graph keeps S and P instead (A_logit, returned, stays alive as
-    the next layer's A_prev either way)."""
+    Small maps keep S as well, computed before the checkpoint, and recompute only P (A_logit, returned, stays
+    alive as the next layer's A_prev either way)."""
     torch.manual_seed(0)
     evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, role=role, position=1, previous=0)
     leaves, allowed, conv_mask = layer_inputs(role, queries=24)
@@ -240,18 +240,22 @@ def test_compiled_core_keeps_one_map_and_matches_the_core(role):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(attention_core, "keeps_small_maps", lambda *arguments: True)
         compiled, kept = compile_core(evolution, allowed, conv_mask)
-        compiled(q, k, v, previous)
+        small = outputs_and_gradients(lambda: compiled(q, k, v, previous), leaves[:4], evolution)
     assert sorted(kept) == [
-        "aten._softmax.default torch.float32",  # P
         "aten.view.default torch.float32",  # S (the product's batched result, viewed)
+        f"{kernel} torch.float32",
         f"{kernel} torch.uint8",
     ]
+    assert_close(small[0], expected[0], 1e-5)
+    assert_close(small[1], expected[1], 1e-5)
 
 
 @pytest.mark.skipif(cpu.cpu_kernel() is None, reason="no C++ compiler: compiled_core checkpoints the CPU kernel only")
-def test_compiled_core_recomputes_around_one_dropout_mask():
+@pytest.mark.parametrize("small_maps", [False, True], ids=["large-maps", "small-maps"])
+def test_compiled_core_recomputes_around_one_dropout_mask(small_maps, monkeypatch):
     """Dropout inside the compiled checkpoint draws its mask once: backward uses the mask the returned weights
     show, as the paper's equations with that mask give (within 1e-5), and keeps it rather than drawing again."""
+    monkeypatch.setattr(attention_core, "keeps_small_maps", lambda *arguments: small_maps)
     torch.manual_seed(0)
     evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, position=1, previous=0)
     leaves, allowed, conv_mask = layer_inputs("encoder", queries=24)
