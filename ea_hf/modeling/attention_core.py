@@ -21,7 +21,7 @@ and the softmax. On BERT-Base at N = 128, batch 8 (Intel Xeon, profiler), keepin
 
 While ``torch.compile`` traces, :func:`compiled_core` runs the layer's operators instead, inside a selective
 activation checkpoint that keeps A_logit and the gate and recomputes S and P: the maps this node keeps, in a
-graph that inductor plans.
+graph that inductor plans. Where the maps are small it keeps S as well, and recomputes P, which this node keeps.
 
 Where S is the plain product (:func:`plain_scores`), the queries are kept contiguous and pre-scaled
 (:func:`contiguous_query`: one pass where the product would copy them anyway), S is recomputed from them without

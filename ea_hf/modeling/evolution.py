@@ -245,8 +245,8 @@ class AttentionMapEvolution(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output [B, H, Q, D], attention weights) of the layer from its queries, keys and values, through
         :class:`~.attention_core.EvolvingAttentionCore`, which keeps one map for backward instead of three (while
-        torch.compile traces, :func:`~.attention_core.compiled_core`, which keeps what the core keeps);
-        records A_logit in ``chain`` as :meth:`forward` does, and a fresh ``history`` its last rows.
+        torch.compile traces, :func:`~.attention_core.compiled_core`, which keeps what the core keeps, less P on
+        small maps); records A_logit in ``chain`` as :meth:`forward` does, and a fresh ``history`` its last rows.
         ``dropout``: the probability (0 in eval)."""
         previous = self.previous_logits(chain)
         if history is not None:
