@@ -113,7 +113,7 @@ def peak_rss_mib() -> float:
 
 def step_memory_mib(step, device) -> float:
     """What one call of ``step`` adds to memory at its peak, in MiB, measured in a process that has run steps
-    before (the compiled row, whose models are compiled in one process). On CPU: the peak RSS during the step
+    before (the compiled row, whose warm-up steps compile the model). On CPU: the peak RSS during the step
     (VmHWM, reset through ``/proc/self/clear_refs``) above the RSS before it, after glibc has returned its free
     heap to the kernel (``malloc_trim``), so that memory freed by earlier steps does not hide what this one
     takes. On CUDA: ``max_memory_allocated`` above ``memory_allocated`` (untested: no GPU here)."""
@@ -279,37 +279,23 @@ def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, ba
     }
 
 
-def run_paired(
-    length: int,
-    mode: str,
-    repeats: int,
-    warmup: int,
-    batch: int,
-    threads: int,
-    min_seconds: float = 0.0,
-    compiled: bool = False,
-) -> dict:
-    """The three variants in one process, one step of each in turn (the order rotating), so that slow and
-    fast spells of the machine hit them alike: the time ratios of the table. At least ``repeats`` timed steps
-    each, more until the timed steps took ``min_seconds`` (short cases would otherwise sample a few seconds
-    of the machine's drift). Memory comes from the separate processes of :func:`run_case`.
-
-    ``compiled``: eager and EA only, each through ``torch.compile`` (inductor); the warm-up steps, at least two,
-    include the compilation of forward (and backward)."""
+def prepared_models(variants: tuple[str, ...], length: int, mode: str, batch: int, threads: int, compiled: bool):
+    """The models of ``variants`` (each through ``torch.compile`` if ``compiled``) in train or eval mode, and
+    ``step(model) -> (seconds, minor page faults)``: one inference or training step of a model on the shared
+    random batch, gradients set to ``None`` first (outside the timed region)."""
     import torch
 
     torch.set_num_threads(threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    variants = COMPILED_VARIANTS if compiled else VARIANTS
     models = {v: build_model(v, device) for v in variants}
+    vocab_size = next(iter(models.values())).config.vocab_size
     generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, models["eager"].config.vocab_size, (batch, length), generator=generator).to(device)
+    input_ids = torch.randint(0, vocab_size, (batch, length), generator=generator).to(device)
     attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
     for model in models.values():
         model.train(mode == "training")
     if compiled:
         models = {v: torch.compile(model) for v, model in models.items()}
-        warmup = max(warmup, 2)
 
     def step(model) -> tuple[float, int]:
         model.zero_grad(set_to_none=True)
@@ -326,6 +312,30 @@ def run_paired(
             torch.cuda.synchronize()
         return time.perf_counter() - start, minor_faults() - faults
 
+    return models, step, device
+
+
+def run_paired(
+    length: int,
+    mode: str,
+    repeats: int,
+    warmup: int,
+    batch: int,
+    threads: int,
+    min_seconds: float = 0.0,
+    compiled: bool = False,
+) -> dict:
+    """The three variants in one process, one step of each in turn (the order rotating), so that slow and
+    fast spells of the machine hit them alike: the time ratios of the table. At least ``repeats`` timed steps
+    each, more until the timed steps took ``min_seconds`` (short cases would otherwise sample a few seconds
+    of the machine's drift). Memory comes from the separate processes of :func:`run_case`.
+
+    ``compiled``: eager and EA only, each through ``torch.compile`` (inductor); the warm-up steps, at least two,
+    include the compilation of forward (and backward). Their memory comes from :func:`run_compiled_memory`."""
+    variants = COMPILED_VARIANTS if compiled else VARIANTS
+    models, step, _ = prepared_models(variants, length, mode, batch, threads, compiled)
+    if compiled:
+        warmup = max(warmup, 2)
     times: dict[str, list[float]] = {v: [] for v in variants}
     faults: dict[str, list[int]] = {v: [] for v in variants}
     index = 0
@@ -337,7 +347,7 @@ def run_paired(
                 times[variant].append(elapsed)
                 faults[variant].append(step_faults)
         index += 1
-    result = {
+    return {
         "n": length,
         "mode": mode,
         "batch": batch,
@@ -348,14 +358,22 @@ def run_paired(
         "times_s": times,
         "minor_faults": faults,
     }
-    if compiled:  # the separate processes measure memory for the table; the compiled models live only here
 
-        def measured(model) -> float:
-            model.zero_grad(set_to_none=True)  # the last step's gradients belong to no step
-            return step_memory_mib(lambda: step(model), device)
 
-        result["step_memory_mib"] = {v: [measured(models[v]) for _ in range(MEMORY_STEPS)] for v in variants}
-    return result
+def run_compiled_memory(variant: str, length: int, mode: str, warmup: int, batch: int, threads: int) -> dict:
+    """The step memory of one compiled model alone in a fresh process (the compiled row's memory columns):
+    at least two warm-up steps (the compilation), then :data:`MEMORY_STEPS` steps measured by
+    :func:`step_memory_mib`. Alone, because the heap a second compiled model leaves behind moves what a step
+    takes from the kernel (1.05x against 1.34x EA/eager at N = 512 for the same code, alone and together)."""
+    models, step, device = prepared_models((variant,), length, mode, batch, threads, compiled=True)
+    model = models[variant]
+    for _ in range(max(warmup, 2)):
+        step(model)
+    memory = []
+    for _ in range(MEMORY_STEPS):
+        model.zero_grad(set_to_none=True)  # the last step's gradients belong to no step
+        memory.append(step_memory_mib(lambda: step(model), device))
+    return {"variant": variant, "n": length, "mode": mode, "batch": batch, "step_memory_mib": memory}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -404,11 +422,12 @@ def paired_medians(timing: dict, variants: tuple[str, ...] = VARIANTS) -> dict[s
     return {v: statistics.median(timing["times_s"][v]) for v in variants}
 
 
-def compiled_row(timing: dict) -> dict:
-    """The compiled row: medians of compiled eager and compiled EA steps and their ratio, and the step memory of
-    each (the largest of its measured steps, see :func:`step_memory_mib`) and its ratio."""
+def compiled_row(timing: dict, memory: dict[str, dict] | None = None) -> dict:
+    """The compiled row: medians of compiled eager and compiled EA steps (``timing``, :func:`run_paired`) and
+    their ratio, and the step memory of each (``memory``: variant -> its :func:`run_compiled_memory` result; the
+    largest of its measured steps) and its ratio (``None`` without ``memory``)."""
     medians = paired_medians(timing, COMPILED_VARIANTS)
-    memory = {v: max(timing["step_memory_mib"][v]) if "step_memory_mib" in timing else None for v in COMPILED_VARIANTS}
+    memory = {v: max(memory[v]["step_memory_mib"]) if memory else None for v in COMPILED_VARIANTS}
     return {
         "n": timing["n"],
         "batch": timing["batch"],
@@ -719,12 +738,25 @@ def main_parent(args: argparse.Namespace) -> None:
                     )
     rows = compare(results, paired, args.lengths, batches)
     table = markdown_table(rows)
-    compiled = [
-        compiled_row(
-            spawn(["--compiled-timing", str(length), mode], args, f"compiled timing N={length} {mode}", length)
+    compiled, compiled_memory = [], []
+    for length, mode in args.compiled:
+        timing = spawn(["--compiled-timing", str(length), mode], args, f"compiled timing N={length} {mode}", length)
+        memory = {
+            v: spawn(["--compiled-memory", v, str(length), mode], args, f"compiled {v} memory N={length}", length)
+            for v in COMPILED_VARIANTS
+        }
+        compiled.append(compiled_row(timing, memory))
+        compiled_memory += memory.values()
+        row = compiled[-1]
+        print(
+            f"  compiled N={length:<4} {mode:<9} EA/eager time {row['ea_over_eager_compiled_time']:.3f}  step memory "
+            + "  ".join(
+                f"{LABELS[v]} " + " / ".join(f"{m:.0f}" for m in memory[v]["step_memory_mib"]) + " MiB"
+                for v in COMPILED_VARIANTS
+            )
+            + f" (EA/eager {row['ea_over_eager_compiled_step_memory']:.3f})  [{timing['process_wall_s']:.0f} s]",
+            flush=True,
         )
-        for length, mode in args.compiled
-    ]
     if compiled:
         table += "\nBoth compiled (torch.compile, inductor):\n\n" + compiled_table(compiled) + "\n"
     wall = time.perf_counter() - start
@@ -744,8 +776,9 @@ def main_parent(args: argparse.Namespace) -> None:
             },
             "batch": batches,
             "compiled": "eager and EA each through torch.compile (inductor, default options), paired like the "
-            "table's times; warm-up steps (at least 2) include the compilation; then step memory (see "
-            "step_memory_mib), in the same process",
+            "table's times; warm-up steps (at least 2) include the compilation. Step memory: each compiled model "
+            "alone in a fresh process, after its warm-up steps, the largest of 3 steps (see step_memory_mib; "
+            "compiled_memory)",
             "threads": args.threads,
             "repeats": args.repeats,
             "rounds": args.rounds,
@@ -773,6 +806,7 @@ def main_parent(args: argparse.Namespace) -> None:
         "paired_timing": paired,
         "comparison": rows,
         "compiled": compiled,
+        "compiled_memory": compiled_memory,
         "markdown_table": table,
         "wall_time_s": wall,
     }
@@ -819,6 +853,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--compiled-timing", nargs=2, metavar=("N", "MODE"), help="internal: run the compiled paired timing"
     )
+    parser.add_argument(
+        "--compiled-memory",
+        nargs=3,
+        metavar=("VARIANT", "N", "MODE"),
+        help="internal: measure the step memory of one compiled model",
+    )
     parser.add_argument("--no-compiled", dest="compiled", action="store_const", const=[], help="skip them")
     parser.add_argument("--batch", type=int, default=1, help="internal: the batch size of a child process")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every case")
@@ -837,6 +877,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if variant not in VARIANTS or mode not in MODES:
             parser.error(f"--case expects VARIANT in {VARIANTS} and MODE in {MODES}")
         args.case = (variant, int(length), mode)
+    if args.compiled_memory and args.compiled_memory[0] not in COMPILED_VARIANTS:
+        parser.error(f"--compiled-memory expects VARIANT in {COMPILED_VARIANTS}")
     if args.compiled is None:
         args.compiled = DEFAULT_COMPILED
     if any(mode not in MODES for _, mode in args.compiled):
@@ -867,6 +909,10 @@ def main(argv: list[str] | None = None) -> None:
         result = run_paired(
             length, mode, args.repeats, args.warmup, args.batch, args.threads, args.paired_seconds / 2, compiled=True
         )
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+    elif args.compiled_memory:
+        variant, length, mode = args.compiled_memory
+        result = run_compiled_memory(variant, int(length), mode, args.warmup, args.batch, args.threads)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     else:
         main_parent(args)

@@ -80,6 +80,9 @@ def test_quick_mode_is_a_short_smoke_run(bench):
     assert defaults.paired_seconds == 300.0 and defaults.compiled == [(128, "training"), (512, "training")]
     assert bench.parse_args(["--compiled", "256", "inference"]).compiled == [(256, "inference")]
     assert bench.parse_args(["--no-compiled"]).compiled == []
+    assert bench.parse_args(["--compiled-memory", "ea", "128", "training"]).compiled_memory == ["ea", "128", "training"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--compiled-memory", "sdpa", "128", "training"])  # no compiled sdpa row
 
 
 def test_batches_follow_the_lengths(bench):
@@ -96,14 +99,14 @@ def test_batches_follow_the_lengths(bench):
 def test_the_compiled_row(bench):
     timing = {"n": 128, "batch": 8, "mode": "training", "repeats": 3}
     timing["times_s"] = {"eager": [2.0, 1.0, 1.0], "ea": [1.1, 1.3, 1.2]}
-    timing["step_memory_mib"] = {"eager": [900.0, 1000.0, 950.0], "ea": [1040.0, 1100.0, 990.0]}
-    row = bench.compiled_row(timing)
+    steps = {"eager": [900.0, 1000.0, 950.0], "ea": [1040.0, 1100.0, 990.0]}
+    memory = {variant: {"variant": variant, "step_memory_mib": steps[variant]} for variant in steps}
+    row = bench.compiled_row(timing, memory)
     assert row["ea_over_eager_compiled_time"] == pytest.approx(1.2)
     assert row["ea_over_eager_compiled_step_memory"] == pytest.approx(1.1)  # the largest step of each
     line = "| 128 | 8 | training | 1000.0 | 1200.0 | 1.200 | 1000 | 1100 | 1.100 |"
     assert bench.compiled_table([row]).splitlines()[2] == line
-    del timing["step_memory_mib"]  # results of the benchmark before it measured memory there
-    earlier = bench.compiled_row(timing)
+    earlier = bench.compiled_row(timing)  # no memory measured
     assert bench.compiled_table([row, earlier]).splitlines()[3].endswith("| 1.200 | - | - | - |")
 
 
