@@ -877,8 +877,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if variant not in VARIANTS or mode not in MODES:
             parser.error(f"--case expects VARIANT in {VARIANTS} and MODE in {MODES}")
         args.case = (variant, int(length), mode)
-    if args.compiled_memory and args.compiled_memory[0] not in COMPILED_VARIANTS:
-        parser.error(f"--compiled-memory expects VARIANT in {COMPILED_VARIANTS}")
+    if args.compiled_memory and (
+        args.compiled_memory[0] not in COMPILED_VARIANTS or args.compiled_memory[2] not in MODES
+    ):
+        parser.error(f"--compiled-memory expects VARIANT in {COMPILED_VARIANTS} and MODE in {MODES}")
     if args.compiled is None:
         args.compiled = DEFAULT_COMPILED
     if any(mode not in MODES for _, mode in args.compiled):

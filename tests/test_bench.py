@@ -83,6 +83,8 @@ def test_quick_mode_is_a_short_smoke_run(bench):
     assert bench.parse_args(["--compiled-memory", "ea", "128", "training"]).compiled_memory == ["ea", "128", "training"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--compiled-memory", "sdpa", "128", "training"])  # no compiled sdpa row
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--compiled-memory", "ea", "128", "decoding"])
 
 
 def test_batches_follow_the_lengths(bench):
