@@ -54,6 +54,8 @@ DEFAULT_COMPILED = [("128", "training"), ("512", "training")]
 MIB = 1024.0 * 1024.0
 #: Steps whose memory the compiled row measures per variant (the largest is reported, as for the table).
 MEMORY_STEPS = 3
+#: The fewest warm-up steps of a compiled model: they compile its forward (and backward), and none is timed.
+COMPILED_WARMUP = 2
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -335,7 +337,7 @@ def run_paired(
     variants = COMPILED_VARIANTS if compiled else VARIANTS
     models, step, _ = prepared_models(variants, length, mode, batch, threads, compiled)
     if compiled:
-        warmup = max(warmup, 2)
+        warmup = max(warmup, COMPILED_WARMUP)
     times: dict[str, list[float]] = {v: [] for v in variants}
     faults: dict[str, list[int]] = {v: [] for v in variants}
     index = 0
@@ -367,7 +369,7 @@ def run_compiled_memory(variant: str, length: int, mode: str, warmup: int, batch
     takes from the kernel (1.05x against 1.34x EA/eager at N = 512 for the same code, alone and together)."""
     models, step, device = prepared_models((variant,), length, mode, batch, threads, compiled=True)
     model = models[variant]
-    for _ in range(max(warmup, 2)):
+    for _ in range(max(warmup, COMPILED_WARMUP)):
         step(model)
     memory = []
     for _ in range(MEMORY_STEPS):
