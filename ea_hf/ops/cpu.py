@@ -247,7 +247,8 @@ def backward(
     *,
     shared_map: bool = False,
 ) -> tuple[torch.Tensor | ScaledMap, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The evolution step's whole backward (the operator ``ea_hf::evolve_backward``); see :func:`_backward`.
+    """The evolution step's whole backward (see :func:`_backward`; while torch.compile traces, the operator
+    ``ea_hf::evolve_backward_one_map``).
 
     The incoming gradient is ``grad`` plus ``addend`` (where given). Outside torch.compile (a compiled graph plans
     its own buffers), the kernel adds them as it reads, and with ``into`` writes the gradients of S and of A_prev
@@ -270,10 +271,10 @@ def backward(
         )
     if addend is not None:
         grad = grad + addend
-    grad_scores, grad_previous, grad_weight, grad_bias = torch.ops.ea_hf.evolve_backward(
+    grad_map, grad_weight, grad_bias = torch.ops.ea_hf.evolve_backward_one_map(
         scores, previous, keep, grad, gate, scaled_weight, alpha, 1.0 - beta, context_rows
     )
-    return grad_scores, None if previous is None else grad_previous, grad_weight, grad_bias
+    return (*split_map_gradient(grad_map, previous, alpha), grad_weight, grad_bias)
 
 
 def _output_map(buffer: torch.Tensor | None, like: torch.Tensor, read: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
@@ -302,6 +303,7 @@ def _backward(
     addend: torch.Tensor | None = None,
     *,
     shared_map: bool = False,
+    scores_map: bool = False,
 ) -> tuple[torch.Tensor | ScaledMap, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's whole backward in one pass over the rows (see ``ea_backward``).
 
@@ -317,6 +319,8 @@ def _backward(
     A_prev's gradient, alpha * G_in, and S's is returned as ``ScaledMap(it, (1 - alpha) / alpha)``; with alpha
     = 0 it is S's, ``ScaledMap(G_in, 1.0)``, and A_prev's is ``None`` (none flows). Writing a second map costs
     as much as a tenth of the pass (measured on AMD EPYC, N = 512: 23 -> 20.5 ms) and a map of memory.
+    ``scores_map``: G_in is written once too, as S's gradient (see :func:`split_map_gradient`), and A_prev's is
+    returned as ``None``.
     """
     library = cpu_kernel()
     batch, heads, rows, cols = scores.shape
@@ -328,11 +332,14 @@ def _backward(
     keep = kernel_keep(keep, batch, rows, cols)
     grad_scores = _output_map(into[0], scores, (scores, previous, addend))
     grad_previous = None
-    if previous is not None and not shared_map:
+    if previous is not None and not (shared_map or scores_map):
         grad_previous = _output_map(into[1], scores, (scores, previous, grad, addend, grad_scores))
-    # The first map's scale: 1 - alpha (S's gradient), or alpha where it is shared as A_prev's.
+    # The first map's scale: 1 - alpha (S's gradient), or alpha where it is shared as A_prev's; G_in itself as
+    # the one map of S's gradient where alpha = 1 (where it is A_prev's alone).
     shares = shared_map and previous is not None and alpha != 0.0
     out_scale = 1.0 if previous is None else (alpha if shares else 1.0 - alpha)
+    if scores_map and alpha == 1.0:
+        out_scale = 1.0
     grad_weight = torch.empty(heads, heads, kernel_rows, kernel_cols)
     grad_bias = torch.empty(heads)
     status = library.ea_backward(
@@ -370,6 +377,30 @@ def _backward(
     return grad_scores, grad_previous, grad_weight, grad_bias
 
 
+def split_map_gradient(
+    grad_map: torch.Tensor, previous: torch.Tensor | None, alpha: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients of S and of A_prev from the one map ``ea_hf::evolve_backward_one_map`` writes: S's
+    gradient, (1 - alpha) * G_in, is the map (G_in without A_prev), and A_prev's, alpha * G_in, that map times
+    alpha / (1 - alpha); where alpha = 1 the map is G_in, A_prev's, and S's is zero.
+
+    Why S's and not A_prev's: in a compiled graph S's gradient goes into the products for the gradients of Q
+    and K, which read a map as it is, while A_prev's is added to the previous layer's softmax gradient, a
+    pointwise kernel into which inductor fuses the multiplication (no map is written for it).
+
+    Example:
+        >>> grad_in = torch.ones(1, 1, 2, 2)
+        >>> grad_scores, grad_previous = split_map_gradient((1 - 0.2) * grad_in, torch.zeros(1, 1, 2, 2), 0.2)
+        >>> torch.allclose(grad_scores, 0.8 * grad_in), torch.allclose(grad_previous, 0.2 * grad_in)
+        (True, True)
+    """
+    if previous is None:
+        return grad_map, None
+    if alpha == 1.0:
+        return torch.zeros_like(grad_map), grad_map
+    return grad_map, grad_map * (alpha / (1.0 - alpha))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The kernel as torch operators: what the evolution calls (see ``ea_hf.modeling.convolution.FusedKernel``).
 # --------------------------------------------------------------------------------------------------------------
@@ -387,7 +418,7 @@ EVOLVE_IN_PLACE_SCHEMA = (
 CONVOLVE_SCHEMA = "(Tensor x, Tensor weight, Tensor bias, int row_shift) -> Tensor"
 EVOLVE_BACKWARD_SCHEMA = (
     "(Tensor scores, Tensor? previous, Tensor? keep, Tensor grad, Tensor gate, Tensor weight, float alpha, "
-    "float blend, int context_rows) -> (Tensor, Tensor, Tensor, Tensor)"
+    "float blend, int context_rows) -> (Tensor, Tensor, Tensor)"
 )
 
 
@@ -397,7 +428,7 @@ EVOLVE_BACKWARD_SCHEMA = (
 @torch.library.custom_op("ea_hf::evolve_with_gate_bits", mutates_args=(), device_types="cpu", schema=EVOLVE_SCHEMA)
 def evolve_operator(scores, previous, keep, weight, bias, alpha, blend, context_rows):
     """(ReLU(Conv(A_in * keep)) + blend * A_in, its bit-packed ReLU gate), A_in = lerp(S, A_prev, alpha): the
-    evolution step's forward pass, differentiable (its backward is ``ea_hf::evolve_backward``)."""
+    evolution step's forward pass, differentiable (its backward is ``ea_hf::evolve_backward_one_map``)."""
     return evolve_by_correlation(
         correlate,
         scores,
@@ -427,10 +458,11 @@ def _save_for_evolve_backward(ctx, inputs, output):
 def _evolve_backward(ctx, grad_logits, _grad_gate):
     scores, previous, keep, gate, weight = ctx.saved_tensors
     alpha, blend, context_rows = ctx.constants
-    grad_scores, grad_previous, grad_weight, grad_bias = torch.ops.ea_hf.evolve_backward(
+    grad_map, grad_weight, grad_bias = torch.ops.ea_hf.evolve_backward_one_map(
         scores, previous, keep, grad_logits, gate, weight, alpha, blend, context_rows
     )
-    return grad_scores, None if previous is None else grad_previous, None, grad_weight, grad_bias, None, None, None
+    grad_scores, grad_previous = split_map_gradient(grad_map, previous, alpha)
+    return grad_scores, grad_previous, None, grad_weight, grad_bias, None, None, None
 
 
 evolve_operator.register_autograd(_evolve_backward, setup_context=_save_for_evolve_backward)
@@ -463,25 +495,27 @@ def _(x, weight, bias, row_shift):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("ea_hf::evolve_backward", mutates_args=(), device_types="cpu", schema=EVOLVE_BACKWARD_SCHEMA)
+# One map out instead of the gradients of S and A_prev apart (``ea_hf::evolve_backward`` before, which wrote
+# both). BERT-Base dimensions, N = 512, batch 2, AMD EPYC: the operator alone 33 -> 18 ms (glibc returned two
+# fresh maps to the system after every call, and each call faulted all their pages in again); inside compiled
+# training steps 24.8 -> 20.9 ms a layer (profiler, three steps each), the step itself within its noise.
+# Named anew for torch.compile's caches (see above).
+@torch.library.custom_op(
+    "ea_hf::evolve_backward_one_map", mutates_args=(), device_types="cpu", schema=EVOLVE_BACKWARD_SCHEMA
+)
 def evolve_backward_operator(scores, previous, keep, grad, gate, weight, alpha, blend, context_rows):
-    """Gradients of S, A_prev (empty without it), the weight and the bias of ``ea_hf::evolve_with_gate_bits``."""
-    grad_scores, grad_previous, grad_weight, grad_bias = _backward(
-        scores, previous, alpha, keep, grad, gate, weight, context_rows, blend
+    """The gradient map of ``ea_hf::evolve_with_gate_bits`` (see :func:`split_map_gradient`) and the gradients
+    of its weight and bias."""
+    grad_map, _, grad_weight, grad_bias = _backward(
+        scores, previous, alpha, keep, grad, gate, weight, context_rows, blend, scores_map=True
     )
-    return grad_scores, scores.new_empty(0) if grad_previous is None else grad_previous, grad_weight, grad_bias
+    return grad_map, grad_weight, grad_bias
 
 
 @evolve_backward_operator.register_fake
 def _(scores, previous, keep, grad, gate, weight, alpha, blend, context_rows):
-    grad_previous = scores.new_empty(0) if previous is None else scores.new_empty(scores.shape)
     heads = scores.shape[1]
-    return (
-        scores.new_empty(scores.shape),
-        grad_previous,
-        scores.new_empty(heads, heads, *weight.shape[-2:]),
-        scores.new_empty(heads),
-    )
+    return scores.new_empty(scores.shape), scores.new_empty(heads, heads, *weight.shape[-2:]), scores.new_empty(heads)
 
 
 def evolve(

@@ -2,8 +2,8 @@
 same outputs and gradients as eager mode.
 
 Compiled graphs call the CPU kernel as the torch operators ``ea_hf::evolve_with_gate_bits`` and
-``ea_hf::evolve_backward`` (asserted below), and the map-reuse of inference is skipped before it reads a reference
-count. Where the maps are larger than a layer's keys and values, a training step recomputes S and P inside a
+``ea_hf::evolve_backward_one_map`` (asserted below), and the map-reuse of inference is skipped before it reads a
+reference count. Where the maps are larger than a layer's keys and values, a training step recomputes S and P inside a
 selective activation checkpoint (``compiled_core``; what it keeps is tested in ``test_attention_core.py``).
 The backend is ``aot_eager``: it traces forward and backward through AOTAutograd like inductor does, in seconds
 rather than the minute inductor's C++ build takes here (inductor gave the same outputs to 3e-9 and gradients to
@@ -127,7 +127,7 @@ def test_compiled_graphs_call_the_kernel_operators():
     assert called == ["ea_hf.evolve_with_gate_bits.default"] * 3
     called.clear()
     torch.compile(model, fullgraph=True, backend=backend)(**inputs)[0].pow(2).mean().backward()
-    assert sorted(called) == ["ea_hf.evolve_backward.default"] * 3 + ["ea_hf.evolve_with_gate_bits.default"] * 3
+    assert sorted(called) == ["ea_hf.evolve_backward_one_map.default"] * 3 + ["ea_hf.evolve_with_gate_bits.default"] * 3
 
 
 @pytest.mark.parametrize("strict", [False, True])

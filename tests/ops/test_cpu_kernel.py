@@ -390,15 +390,17 @@ def test_the_operators_pass_opcheck(requires_grad):
         torch.library.opcheck(torch.ops.ea_hf.convolve.default, (detached[0], detached[3], detached[4], -rows))
         logits, gate = torch.ops.ea_hf.evolve_with_gate_bits(*detached)
         backward_arguments = (detached[0], detached[1], keep, torch.randn_like(logits), gate, detached[3])
-        torch.library.opcheck(torch.ops.ea_hf.evolve_backward.default, (*backward_arguments, alpha, blend, rows))
+        backward_operator = torch.ops.ea_hf.evolve_backward_one_map.default
+        torch.library.opcheck(backward_operator, (*backward_arguments, alpha, blend, rows))
 
 
 @needs_compiler
-@pytest.mark.parametrize("sample", range(4))
-def test_the_evolve_operator_differentiates_like_the_torch_formulation(sample):
+@pytest.mark.parametrize(("sample", "alpha"), [(0, None), (1, None), (2, None), (3, None), (0, 0.0), (2, 1.0)])
+def test_the_evolve_operator_differentiates_like_the_torch_formulation(sample, alpha):
     """``ea_hf::evolve_with_gate_bits`` with its registered autograd against autograd through the same steps as torch
-    operations (float32, so 1e-5)."""
-    scores, end, keep, weight, bias, alpha, blend, rows = operator_samples(True)[sample]
+    operations (float32, so 1e-5); also at alpha = 0 and 1, where the one gradient map of backward is G_in."""
+    scores, end, keep, weight, bias, sample_alpha, blend, rows = operator_samples(True)[sample]
+    alpha = sample_alpha if alpha is None else alpha
     upstream = torch.randn(scores.shape)
     leaves = [t for t in (scores, end, weight, bias) if t is not None]
     options = dict(lerp_end=end, lerp_weight=alpha, in_keep=keep, relu=True, blend=scores, blend_coef=blend)
