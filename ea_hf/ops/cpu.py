@@ -271,10 +271,7 @@ def backward(
         )
     if addend is not None:
         grad = grad + addend
-    grad_map, grad_weight, grad_bias = torch.ops.ea_hf.evolve_backward_one_map(
-        scores, previous, keep, grad, gate, scaled_weight, alpha, 1.0 - beta, context_rows
-    )
-    return (*split_map_gradient(grad_map, previous, alpha), grad_weight, grad_bias)
+    return _one_map_backward(scores, previous, keep, grad, gate, scaled_weight, alpha, 1.0 - beta, context_rows)
 
 
 def _output_map(buffer: torch.Tensor | None, like: torch.Tensor, read: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
@@ -334,12 +331,13 @@ def _backward(
     grad_previous = None
     if previous is not None and not (shared_map or scores_map):
         grad_previous = _output_map(into[1], scores, (scores, previous, grad, addend, grad_scores))
-    # The first map's scale: 1 - alpha (S's gradient), or alpha where it is shared as A_prev's; G_in itself as
-    # the one map of S's gradient where alpha = 1 (where it is A_prev's alone).
+    # The first map's scale: 1 - alpha (S's gradient), or alpha where it is shared as A_prev's; as the one map of
+    # ``scores_map``, G_in itself where alpha = 1 (A_prev's alone: see split_map_gradient).
     shares = shared_map and previous is not None and alpha != 0.0
-    out_scale = 1.0 if previous is None else (alpha if shares else 1.0 - alpha)
-    if scores_map and alpha == 1.0:
-        out_scale = 1.0
+    if scores_map:
+        out_scale = 1.0 if previous is None or alpha == 1.0 else 1.0 - alpha
+    else:
+        out_scale = 1.0 if previous is None else (alpha if shares else 1.0 - alpha)
     grad_weight = torch.empty(heads, heads, kernel_rows, kernel_cols)
     grad_bias = torch.empty(heads)
     status = library.ea_backward(
@@ -401,6 +399,15 @@ def split_map_gradient(
     return grad_map, grad_map * (alpha / (1.0 - alpha))
 
 
+def _one_map_backward(scores, previous, keep, grad, gate, weight, alpha, blend, context_rows):
+    """The gradients of S, A_prev (``None`` without it), the weight and the bias through the operator
+    ``ea_hf::evolve_backward_one_map`` and :func:`split_map_gradient`: what compiled graphs call."""
+    grad_map, grad_weight, grad_bias = torch.ops.ea_hf.evolve_backward_one_map(
+        scores, previous, keep, grad, gate, weight, alpha, blend, context_rows
+    )
+    return (*split_map_gradient(grad_map, previous, alpha), grad_weight, grad_bias)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The kernel as torch operators: what the evolution calls (see ``ea_hf.modeling.convolution.FusedKernel``).
 # --------------------------------------------------------------------------------------------------------------
@@ -458,10 +465,9 @@ def _save_for_evolve_backward(ctx, inputs, output):
 def _evolve_backward(ctx, grad_logits, _grad_gate):
     scores, previous, keep, gate, weight = ctx.saved_tensors
     alpha, blend, context_rows = ctx.constants
-    grad_map, grad_weight, grad_bias = torch.ops.ea_hf.evolve_backward_one_map(
+    grad_scores, grad_previous, grad_weight, grad_bias = _one_map_backward(
         scores, previous, keep, grad_logits, gate, weight, alpha, blend, context_rows
     )
-    grad_scores, grad_previous = split_map_gradient(grad_map, previous, alpha)
     return grad_scores, grad_previous, None, grad_weight, grad_bias, None, None, None
 
 
