@@ -101,9 +101,49 @@ def softmax_probabilities(
     logits: torch.Tensor, allowed: torch.Tensor | None, additive: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """P = softmax over the keys of the masked ``logits``, into ``out`` where given: the same numbers either way,
-    so that backward may recompute forward's P bit for bit."""
-    scores = masked_logits(logits, allowed, additive)
-    return torch.softmax(scores, -1) if out is None else torch.ops.aten._softmax.out(scores, -1, False, out=out)
+    so that backward may recompute forward's P bit for bit.
+
+    On CPU, outside autograd and compilation, a mask is applied as it is written into P's map (``out``, else a
+    new one) and the softmax then runs in place there: one map and one pass less than masking into a map of its
+    own, which ``masked_fill`` writes slowly with a mask broadcast over the heads. Measured on AMD EPYC, 2
+    threads, the same bits: 7.4 -> 4.5 ms at [2, 12, 512, 512] with a padding mask; BERT-Base at N = 512 with a
+    padded batch of 2, a training step 2 % and inference 4.6 % faster; a ~125M Llama's prefill (a causal mask,
+    always given) at N = 512, 3.5 % faster.
+
+    Example:
+        >>> logits, allowed = torch.randn(1, 2, 3, 4), torch.rand(1, 1, 3, 4) > 0.3
+        >>> expected = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min).softmax(-1)
+        >>> torch.equal(softmax_probabilities(logits, allowed, None), expected)
+        True
+    """
+    if (allowed is None and additive is None) or not _masks_into_probabilities(logits, allowed, additive, out):
+        scores = masked_logits(logits, allowed, additive)
+        return torch.softmax(scores, -1) if out is None else torch.ops.aten._softmax.out(scores, -1, False, out=out)
+    out = torch.empty_like(logits, memory_format=torch.contiguous_format) if out is None else out
+    if additive is not None:
+        torch.add(logits, additive, out=out)
+    else:  # masked_fill's numbers: the logits where allowed, else the dtype's minimum
+        torch.where(allowed, logits, logits.new_full((), torch.finfo(logits.dtype).min), out=out)
+    return torch.ops.aten._softmax.out(out, -1, False, out=out)
+
+
+def _masks_into_probabilities(
+    logits: torch.Tensor, allowed: torch.Tensor | None, additive: torch.Tensor | None, out: torch.Tensor | None
+) -> bool:
+    """Whether :func:`softmax_probabilities` may write the masked logits into P's map: no autograd graph to
+    record and nothing traced, a mask that broadcasts to the logits' shape, an ``out`` like the logits. On CPU,
+    where aten's softmax reads each row before it writes it (checked bit for bit in the tests); GPU kernels are
+    left to their own allocations."""
+    mask = additive if additive is not None else allowed
+    if torch.compiler.is_compiling() or logits.device.type != "cpu":
+        return False
+    if torch.is_grad_enabled() and (logits.requires_grad or mask.requires_grad):
+        return False
+    if additive is not None and torch.result_type(logits, additive) != logits.dtype:
+        return False
+    if torch.broadcast_shapes(logits.shape, mask.shape) != logits.shape:
+        return False
+    return out is None or (out.shape == logits.shape and out.dtype == logits.dtype)
 
 
 def attend_values(

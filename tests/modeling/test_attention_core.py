@@ -186,6 +186,50 @@ def test_attention_tail_drops_out_as_eager_attention_does_and_keeps_a_bool_mask(
     assert mask.dtype == torch.bool and torch.equal(mask & (probabilities != 0), eager != 0)
 
 
+@pytest.mark.parametrize(
+    "mask_kind, into",
+    [("allowed", False), ("allowed", True), ("additive", False), ("additive", True), ("beyond the logits", False)],
+)
+def test_masked_probabilities_written_in_place_are_the_masked_softmax_bit_for_bit(mask_kind, into, monkeypatch):
+    """Outside autograd the mask is applied as it is written into P's map and the softmax runs in place there
+    (no masked map of its own): the numbers of masking into a map of its own and taking the softmax of that, also
+    into a given map. A mask that broadcasts beyond the logits' shape takes the plain path, with the same result."""
+    length = 7
+    logits = torch.randn(B, H, length, length)
+    allowed = torch.rand(B, 1, length, length) > 0.3
+    allowed[..., 0] = True  # no row fully masked
+    additive = torch.where(allowed, 0.0, torch.finfo(logits.dtype).min) if mask_kind == "additive" else None
+    if mask_kind == "beyond the logits":
+        logits = logits[:1]  # [1, H, Q, K] logits and a [B, 1, Q, K] mask: P is [B, H, Q, K]
+    before = logits.clone()
+    expected = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
+    out = torch.full_like(expected, float("nan")) if into else None
+    if mask_kind != "beyond the logits":  # the in-place path never builds the masked map
+
+        def no_masked_map(*arguments):
+            raise AssertionError("masked_logits called: a map of masked logits was allocated")
+
+        monkeypatch.setattr(attention_core, "masked_logits", no_masked_map)
+    with torch.no_grad():
+        got = attention_core.softmax_probabilities(logits, allowed, additive, out=out)
+    assert got.shape == expected.shape and torch.equal(got, expected)
+    assert got is out if into else got.data_ptr() != logits.data_ptr()
+    assert torch.equal(logits, before)  # the logits are read, never written
+
+
+def test_masked_probabilities_keep_their_autograd_graph():
+    """With autograd recording, P is computed out of place: its gradient reaches the logits, none the masked
+    entries."""
+    logits = torch.randn(B, H, 5, 5, requires_grad=True)
+    allowed = torch.rand(B, 1, 5, 5) > 0.3
+    allowed[..., 0] = True
+    probabilities = attention_core.softmax_probabilities(logits, allowed, None)
+    (grad,) = torch.autograd.grad(probabilities, logits, torch.randn_like(probabilities))
+    expected = torch.softmax(logits.detach().masked_fill(~allowed, torch.finfo(logits.dtype).min), -1)
+    assert torch.equal(probabilities.detach(), expected)
+    assert grad.abs().sum() > 0 and torch.all(grad.masked_select(~allowed.expand_as(grad)) == 0)
+
+
 def compile_core(evolution, allowed, conv_mask, dropout=0.0):
     """:func:`compiled_core` for this layer through ``torch.compile(fullgraph=True)``, partitioned into forward
     and backward as inductor does (AOTAutograd's min-cut partitioner), and the maps its forward graph keeps for
