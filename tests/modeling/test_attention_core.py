@@ -122,6 +122,29 @@ def test_core_matches_the_papers_equations_with_every_gradient(evolution_path, s
     assert_close(core[1], reference[1], 1e-5)
 
 
+@pytest.mark.parametrize("mask", ["bool", "additive"])
+def test_core_gradients_through_a_fully_masked_row(evolution_path, scores_path, mask):
+    """A query row with every key masked (a left-padded decoder's padding rows) has uniform probabilities, and
+    so a softmax gradient everywhere: a bool mask (masked_fill) passes none of it to the logits, an additive one
+    passes all of it, as autograd through the unfused layer does."""
+    torch.manual_seed(0)
+    evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, role="encoder", position=1, previous=0)
+    leaves, allowed, conv_mask = layer_inputs("encoder")
+    allowed, conv_mask = allowed.clone(), conv_mask.clone()
+    allowed[1, :, 0, :] = conv_mask[1, :, 0, :] = False
+    additive = None
+    if mask == "additive":
+        additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    q, k, v, previous, _ = leaves
+    arguments = (evolution, q, k, v, previous, None, allowed, additive, conv_mask, None)
+    used = [q, k, v, previous]
+    core = outputs_and_gradients(lambda: run_core(*arguments), used, evolution)
+    reference = outputs_and_gradients(lambda: unfused_layer(*arguments, None), used, evolution)
+    assert torch.allclose(core[0][2][1, :, 0], torch.full((H, 9), 1 / 9))  # the row's uniform probabilities
+    assert_close(core[0], reference[0], 1e-5)
+    assert_close(core[1], reference[1], 1e-5)
+
+
 @pytest.mark.parametrize(
     "used", [(0,), (0, 1), (1,), (2,), (1, 2)], ids=["output", "output+logits", "logits", "weights", "logits+weights"]
 )
