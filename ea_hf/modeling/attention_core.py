@@ -141,7 +141,12 @@ def _masks_into_probabilities(
         return False
     if additive is not None and torch.result_type(logits, additive) != logits.dtype:
         return False
-    if torch.broadcast_shapes(logits.shape, mask.shape) != logits.shape:
+    # The mask broadcasts to the logits' shape: a plain loop, which costs a decoding step (one query row, where
+    # the maps are tiny) less than torch.broadcast_shapes.
+    if mask.dim() > logits.dim():
+        return False
+    trailing = logits.shape[logits.dim() - mask.dim() :]
+    if any(m not in (1, n) for m, n in zip(mask.shape, trailing, strict=True)):
         return False
     return out is None or (out.shape == logits.shape and out.dtype == logits.dtype)
 
