@@ -87,13 +87,18 @@ def full_precision(scores: torch.Tensor) -> torch.Tensor:
     return scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
 
 
-def masked_logits(logits: torch.Tensor, allowed: torch.Tensor | None, additive: torch.Tensor | None) -> torch.Tensor:
+def masked_logits(
+    logits: torch.Tensor, allowed: torch.Tensor | None, additive: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The logits with the attention mask applied: ``additive`` added, else disallowed entries at the dtype's
-    minimum (see :func:`~.masks.split_attention_mask`)."""
+    minimum (see :func:`~.masks.split_attention_mask`); written into ``out`` where given (the same numbers)."""
     if additive is not None:
-        return logits + additive
+        return logits + additive if out is None else torch.add(logits, additive, out=out)
     if allowed is not None:
-        return logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+        fill = torch.finfo(logits.dtype).min
+        if out is None:
+            return logits.masked_fill(~allowed, fill)
+        return torch.where(allowed, logits, logits.new_full((), fill), out=out)
     return logits
 
 
@@ -120,10 +125,7 @@ def softmax_probabilities(
         scores = masked_logits(logits, allowed, additive)
         return torch.softmax(scores, -1) if out is None else torch.ops.aten._softmax.out(scores, -1, False, out=out)
     out = torch.empty_like(logits, memory_format=torch.contiguous_format) if out is None else out
-    if additive is not None:
-        torch.add(logits, additive, out=out)
-    else:  # masked_fill's numbers: the logits where allowed, else the dtype's minimum
-        torch.where(allowed, logits, logits.new_full((), torch.finfo(logits.dtype).min), out=out)
+    masked_logits(logits, allowed, additive, out=out)
     return torch.ops.aten._softmax.out(out, -1, False, out=out)
 
 

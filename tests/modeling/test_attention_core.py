@@ -227,12 +227,14 @@ def test_masked_probabilities_written_in_place_are_the_masked_softmax_bit_for_bi
     before = logits.clone()
     expected = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
     out = torch.full_like(expected, float("nan")) if into else None
-    if mask_kind != "beyond the logits":  # the in-place path never builds the masked map
+    if mask_kind != "beyond the logits":  # the in-place path never builds the masked map: it masks into P's
 
-        def no_masked_map(*arguments):
-            raise AssertionError("masked_logits called: a map of masked logits was allocated")
+        def into_probabilities_only(*arguments, out=None):
+            if out is None:
+                raise AssertionError("masked_logits without out: a map of masked logits was allocated")
+            return masked_logits(*arguments, out=out)
 
-        monkeypatch.setattr(attention_core, "masked_logits", no_masked_map)
+        monkeypatch.setattr(attention_core, "masked_logits", into_probabilities_only)
     with torch.no_grad():
         got = attention_core.softmax_probabilities(logits, allowed, additive, out=out)
     assert got.shape == expected.shape and torch.equal(got, expected)
