@@ -395,6 +395,25 @@ def test_the_operators_pass_opcheck(requires_grad):
 
 
 @needs_compiler
+def test_outside_compilation_the_operator_bodies_run_directly():
+    """Inference (``evolve`` in place) and decoding (``convolve``) call the kernel without dispatching the custom
+    operators, whose Python dispatch cost a decoding step as much as the correlation itself: the same bits as the
+    operators, also where S is not contiguous (written back over it)."""
+    for scores, end, keep, weight, bias, alpha, blend, rows in operator_samples(False):
+        step = (end, keep, weight, bias, alpha, blend, rows)
+        for given in (scores, scores.transpose(-1, -2).contiguous().transpose(-1, -2)):
+            expected = given.clone()
+            torch.ops.ea_hf.evolve_(expected, *step)
+            direct = given.clone()
+            with torch.profiler.profile() as profile:
+                logits, gate = kernels.evolve(direct, *step, in_place=True)
+                convolved = kernels.convolve(scores, weight, bias, row_shift=-rows)
+            assert logits is direct and gate is None and torch.equal(direct, expected)
+            assert torch.equal(convolved, torch.ops.ea_hf.convolve(scores, weight, bias, -rows))
+            assert not {event.name for event in profile.events()} & {"ea_hf::evolve_", "ea_hf::convolve"}
+
+
+@needs_compiler
 @pytest.mark.parametrize(("sample", "alpha"), [(0, None), (1, None), (2, None), (3, None), (0, 0.0), (2, 1.0)])
 def test_the_evolve_operator_differentiates_like_the_torch_formulation(sample, alpha):
     """``ea_hf::evolve_with_gate_bits`` with its registered autograd against autograd through the same steps as torch
