@@ -3,10 +3,13 @@
 Every (variant, N) case runs in a fresh subprocess of this script (``--case VARIANT N``): it builds the model,
 times the prefill ``model(input_ids, use_cache=True)`` and then step-by-step decoding with the returned cache,
 measures the peak memory the prefill adds, and inspects the cache for the convolution rows that EA keeps between
-decoding steps. The parent collects the cases, computes the ratios against sdpa and eager and writes a JSON file
-and a Markdown report.
+decoding steps. Fresh processes differ in speed by 10 to 20 % on a shared host, more than EA's cost, so one more
+process per N (``--paired N``) builds every variant and times them in turns, round after round: the paired ratios
+compare variants that ran side by side. The parent collects the cases, computes the ratios against sdpa and eager
+and writes a JSON file and a Markdown report.
 
-    python bench/bench_decoder.py            # full run: N in {512, 2048}, 3 repeats, 1 warm-up, 16 decoded tokens
+    python bench/bench_decoder.py            # full run: N in {512, 2048}, 3 repeats, 1 warm-up, 16 decoded tokens,
+                                             # and 5 paired rounds per N
     python bench/bench_decoder.py --tiny     # dry run: tiny config, N in {32, 64}, a few seconds per case
 
 Helpers (machine info, RSS and CPU accounting, the result-line protocol) come from bench_attention.py.
@@ -151,23 +154,54 @@ def kv_cache_bytes(cache: Any) -> list[int]:
     return [tensor_bytes(layer.keys) + tensor_bytes(layer.values) for layer in cache.layers]
 
 
+def import_ea_hf() -> None:
+    """Import ea_hf, from this checkout where it is not installed (every case imports it, EA or not, so that all
+    processes carry the same libraries)."""
+    try:
+        import ea_hf  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(REPO_ROOT))
+        import ea_hf  # noqa: F401
+
+
+def benchmark_input(vocab_size: int, length: int) -> Any:
+    """The prompt every case and variant decodes after: random ids (seed 1), batch 1."""
+    import torch
+
+    return torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+
+
+def timed_prefill(model: Any, input_ids: Any) -> tuple[float, Any]:
+    """(seconds, output) of ``model(input_ids, use_cache=True)``; call without a previous output alive."""
+    start = time.perf_counter()
+    output = model(input_ids, use_cache=True)
+    return time.perf_counter() - start, output
+
+
+def timed_decoding(model: Any, cache: Any, next_token: Any, tokens: int) -> tuple[list[float], Any]:
+    """(seconds of each step, the cache) of greedy decoding of ``tokens`` tokens, one a call, from ``next_token``
+    (the prefill's argmax) and the prefill's ``cache``."""
+    times = []
+    for _ in range(tokens):
+        start = time.perf_counter()
+        step = model(next_token, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - start)
+        next_token, cache = step.logits[:, -1:].argmax(-1), step.past_key_values
+        step = None
+    return times, cache
+
+
 def run_case(
     variant: str, length: int, repeats: int, warmup: int, decode_tokens: int, threads: int, tiny: bool
 ) -> dict:
     """Time and measure one (variant, N) case in this process; meant to run in a fresh process of its own."""
     import torch
 
-    try:  # import in every variant so that all children carry the same libraries
-        import ea_hf  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO_ROOT))
-        import ea_hf  # noqa: F401
-
+    import_ea_hf()
     torch.set_num_threads(threads)
     model = build_model(variant, tiny)
     config = model.config
-    generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, config.vocab_size, (1, length), generator=generator)
+    input_ids = benchmark_input(config.vocab_size, length)
 
     gc.collect()
     # Without the reset the peak would include model construction, whose transient allocations can exceed a
@@ -186,9 +220,7 @@ def run_case(
             # Drop the previous output first: two caches (and two logits tensors) alive would inflate the peak.
             output = None
             cpu_start = time.process_time()
-            start = time.perf_counter()
-            output = model(input_ids, use_cache=True)
-            elapsed = time.perf_counter() - start
+            elapsed, output = timed_prefill(model, input_ids)
             if index >= warmup:
                 prefill_times.append(elapsed)
                 prefill_cpu.append(time.process_time() - cpu_start)
@@ -204,23 +236,16 @@ def run_case(
         gc.collect()
         reset_peak_rss()
         before_decode_mib = attention_bench.current_rss_mib()
-        decode_times = []
-        for _ in range(decode_tokens):
-            start = time.perf_counter()
-            step = model(next_token, past_key_values=cache, use_cache=True)
-            decode_times.append(time.perf_counter() - start)
-            next_token = step.logits[:, -1:].argmax(-1)
-            cache = step.past_key_values
-            step = None
+        decode_times, cache = timed_decoding(model, cache, next_token, decode_tokens)
         decode_peak_mib = peak_rss_mib()
         after_decode_mib = attention_bench.current_rss_mib()
         rows_after_decode = kept_rows(cache)
         cache_length = cache.get_seq_length()
         cache = None
 
-        # EA only: the same prefill without a cache. With a cache the convolution must keep rows for decoding and
-        # runs on torch operations; without one it may use ea_hf's fused CPU kernel. The difference is the price
-        # of preparing for decoding (eager and sdpa compute the same thing either way, so they are not re-timed).
+        # EA only: the same prefill without a cache. With one, the evolution also keeps its last rows for decoding
+        # (both run on ea_hf's fused CPU kernel where it is built): the difference is the price of preparing for
+        # decoding (eager and sdpa compute the same thing either way, so they are not re-timed).
         no_cache_times = []
         if variant in EA_VARIANTS:
             for index in range(warmup + repeats):
@@ -246,7 +271,7 @@ def run_case(
         "tiny": tiny,
         "attn_implementation": config._attn_implementation,
         "evolved_layers": layers,
-        # With a cache EA's convolution goes through torch operations (the fused CPU kernel has no history input).
+        # Whether EA's evolution ran on the fused CPU kernel (prefills and decoding steps) or on torch operations.
         "ea_cpu_kernel_available": kernels.cpu_kernel() is not None if variant in EA_VARIANTS else None,
         "parameters": sum(p.numel() for p in model.parameters()),
         "warmup": warmup,
@@ -288,6 +313,75 @@ def run_case(
     }
 
 
+def run_paired(length: int, rounds: int, decode_tokens: int, threads: int, tiny: bool) -> dict:
+    """Time every variant in this one process, in turns: each round runs each variant's prefill and then its
+    decoding, in an order that rotates from round to round; a first round warms up and is not timed. Returns
+    the times and medians per variant, and the ratios of the medians to eager's and sdpa's.
+
+    Separate fresh processes run 10 to 20 % apart in speed on a shared host, more than the cost of EA, and a
+    slow spell of the host lasts longer than one case. Here the variants run side by side, so that a spell
+    slows them alike.
+    """
+    import torch
+
+    import_ea_hf()
+    torch.set_num_threads(threads)
+    models = {variant: build_model(variant, tiny) for variant in VARIANTS}
+    input_ids = benchmark_input(models["eager"].config.vocab_size, length)
+    prefill = {variant: [] for variant in VARIANTS}
+    decode = {variant: [] for variant in VARIANTS}
+    measure_start = time.perf_counter()
+    busy_before, _ = attention_bench.system_cpu_seconds()
+    own_before = time.process_time()
+    with torch.no_grad():
+        for round_index in range(rounds + 1):
+            shift = round_index % len(VARIANTS)
+            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+                elapsed, output = timed_prefill(models[variant], input_ids)
+                cache, next_token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+                output = None
+                steps, cache = timed_decoding(models[variant], cache, next_token, decode_tokens)
+                cache = None
+                if round_index > 0:
+                    prefill[variant].append(elapsed)
+                    decode[variant].extend(steps)
+    measured_wall = time.perf_counter() - measure_start
+    busy_after, _ = attention_bench.system_cpu_seconds()
+    others = max(0.0, (busy_after - busy_before) - (time.process_time() - own_before))
+    prefill_median = {variant: statistics.median(times) for variant, times in prefill.items()}
+    decode_median = {variant: statistics.median(times) if times else None for variant, times in decode.items()}
+    return {
+        "n": length,
+        "rounds": rounds,
+        "decode_tokens": decode_tokens,
+        "threads": threads,
+        "prefill_times_s": prefill,
+        "decode_times_s": decode,
+        "prefill_median_s": prefill_median,
+        "decode_median_s": decode_median,
+        **{
+            f"{what}_over_{baseline}": {variant: ratio(medians[variant], medians[baseline]) for variant in VARIANTS}
+            for what, medians in (("prefill", prefill_median), ("decode", decode_median))
+            for baseline in ("eager", "sdpa")
+        },
+        "measured_wall_s": measured_wall,
+        "other_processes_cores": others / measured_wall,
+    }
+
+
+def spawn_paired(length: int, args: argparse.Namespace) -> dict:
+    """:func:`run_paired` in a fresh process of this script."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--paired", str(length)]
+    command += ["--paired-rounds", str(args.paired_rounds), "--decode-tokens", str(args.decode_tokens)]
+    command += ["--threads", str(args.threads), *(["--tiny"] if args.tiny else [])]
+    return attention_bench.run_result_process(command, args.threads, f"paired timing N={length}")
+
+
+def run_paired_in_process(length: int, args: argparse.Namespace) -> dict:
+    """:func:`run_paired` in this process (tests)."""
+    return run_paired(length, args.paired_rounds, args.decode_tokens, args.threads, args.tiny)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Parent: spawn the cases, compare, write.
 # --------------------------------------------------------------------------------------------------------------
@@ -319,17 +413,21 @@ def run_case_in_process(variant: str, length: int, args: argparse.Namespace) -> 
     return run_case(variant, length, args.repeats, args.warmup, args.decode_tokens, args.threads, args.tiny)
 
 
-def compare(results: list[dict], lengths: list[int]) -> list[dict]:
-    """One row per (variant, N) with the ratios of its prefill and decode medians to sdpa's and eager's."""
+def compare(results: list[dict], lengths: list[int], paired: list[dict] | None = None) -> list[dict]:
+    """One row per (variant, N) with the ratios of its prefill and decode medians to sdpa's and eager's: of the
+    separate processes, and of the paired process of that N (``*_paired``; None without one)."""
     by_case = {(r["variant"], r["n"]): r for r in results}
+    paired_by_length = {r["n"]: r for r in paired or []}
     rows = []
     for length in lengths:
         sdpa, eager = by_case[("sdpa", length)], by_case[("eager", length)]
+        side_by_side = paired_by_length.get(length)
         for variant in VARIANTS:
             case = by_case[(variant, length)]
             kept = case["kept_rows_after_prefill"]
             rows.append(
                 {
+                    **paired_cells(side_by_side, variant),
                     "variant": variant,
                     "n": length,
                     "evolved_layers": case["evolved_layers"],
@@ -367,6 +465,22 @@ def compare(results: list[dict], lengths: list[int]) -> list[dict]:
     return rows
 
 
+def paired_cells(paired: dict | None, variant: str) -> dict:
+    """A comparison row's figures from the paired process (:func:`run_paired`), or None for each without one."""
+    cells = {
+        "prefill_ms_paired": None if paired is None else paired["prefill_median_s"][variant] * 1e3,
+        "decode_ms_per_token_paired": None,
+        "paired_other_processes_cores": None if paired is None else paired["other_processes_cores"],
+    }
+    if paired is not None and paired["decode_median_s"][variant] is not None:
+        cells["decode_ms_per_token_paired"] = paired["decode_median_s"][variant] * 1e3
+    for what in ("prefill", "decode"):
+        for baseline in ("eager", "sdpa"):
+            key = f"{what}_over_{baseline}"
+            cells[f"{key}_paired"] = None if paired is None else paired[key][variant]
+    return cells
+
+
 def variant_label(row: dict) -> str:
     """``ea-layers [0, 4, 8]``: the variant and, for a partial patch, which layers evolve."""
     layers = row["evolved_layers"]
@@ -382,6 +496,22 @@ def human_bytes(count: int) -> str:
     if count >= MIB:
         return f"{count / MIB:.2f} MiB"
     return f"{count / 1024.0:.1f} KiB"
+
+
+def paired_table(rows: list[dict]) -> str:
+    """The paired timing as Markdown (empty without paired processes)."""
+    if all(r["prefill_ms_paired"] is None for r in rows):
+        return ""
+    header = ["variant", "N", "prefill ms", "prefill x sdpa", "prefill x eager", "decode ms/token"]
+    header += ["decode x sdpa", "decode x eager", "others' cores"]
+    table = [table_row(header), "|---|" + "---:|" * (len(header) - 1)]
+    for r in rows:
+        cells = [variant_label(r), str(r["n"]), number(r["prefill_ms_paired"], 1)]
+        cells += [number(r["prefill_over_sdpa_paired"], 3), number(r["prefill_over_eager_paired"], 3)]
+        cells += [number(r["decode_ms_per_token_paired"], 1), number(r["decode_over_sdpa_paired"], 3)]
+        cells += [number(r["decode_over_eager_paired"], 3), number(r["paired_other_processes_cores"], 2)]
+        table.append(table_row(cells))
+    return "\n".join(table) + "\n"
 
 
 def markdown_tables(rows: list[dict], num_layers: int) -> tuple[str, str]:
@@ -453,10 +583,21 @@ def markdown_tables(rows: list[dict], num_layers: int) -> tuple[str, str]:
     return "\n".join(cost) + "\n", "\n".join(kept) + "\n"
 
 
-def markdown_report(report: dict, cost: str, kept: str) -> str:
-    """The Markdown file: what was run, the two tables and how to read them."""
+def markdown_report(report: dict, cost: str, kept: str, paired: str = "") -> str:
+    """The Markdown file: what was run, the tables and how to read them."""
     settings = report["settings"]
     loads = report["loadavg"]
+    side_by_side = (
+        "## Paired: every variant in one process\n\n"
+        f"One more process per N builds all four models and runs them in turns for {settings['paired_rounds']} "
+        "rounds after a warm-up round (each turn: a prefill, then the decoding steps; the order rotates from round "
+        "to round): median prefill and ms/token over the rounds. Fresh processes run 10 to 20 % apart in speed on "
+        "a shared host, more than EA's cost, so the ratios of the table above move by that much from run to run; "
+        "these compare variants that ran side by side. *others' cores*: as above, over the whole paired process.\n\n"
+        f"{paired}\n"
+        if paired
+        else ""
+    )
     return (
         f"# Decoder cost: eager vs sdpa vs Evolving Attention ({report['model']})\n\n"
         f"{report['machine_line']}. {report['parameters']:,} parameters, fp32, batch 1, "
@@ -477,6 +618,7 @@ def markdown_report(report: dict, cost: str, kept: str) -> str:
         "quiet machine first and is run again if this exceeds "
         f"{settings['max_other_cores']}; (!) marks a case that stayed disturbed).\n\n"
         f"{cost}\n"
+        f"{side_by_side}"
         "## Convolution rows kept for decoding\n\n"
         "Per evolved layer, in the cache's `evolving_attention_histories` after the prefill: the rows' own bytes "
         "(`rows.numel() * element_size()`), and the bytes of the storage they keep alive (equal when the rows are "
@@ -539,8 +681,13 @@ def run_quietly(
     return best
 
 
-def collect(args: argparse.Namespace, run: Callable[[str, int, argparse.Namespace], dict] = spawn_case) -> dict:
-    """Run every case (``run``: a fresh process each by default), compare, write the JSON and Markdown files."""
+def collect(
+    args: argparse.Namespace,
+    run: Callable[[str, int, argparse.Namespace], dict] = spawn_case,
+    paired_run: Callable[[int, argparse.Namespace], dict] = spawn_paired,
+) -> dict:
+    """Run every case (``run``: a fresh process each by default) and, with ``--paired-rounds``, the paired timing
+    of each N (``paired_run``), compare, write the JSON and Markdown files."""
     start = time.perf_counter()
     info = attention_bench.machine_info(args.threads)
     info["batch"] = 1
@@ -550,7 +697,7 @@ def collect(args: argparse.Namespace, run: Callable[[str, int, argparse.Namespac
     stem = f"decoder_{info['device']}{'_tiny' if args.tiny else ''}"
     print(f"machine: {attention_bench.machine_line(info)}; load average {load_start[0]:.2f}", flush=True)
 
-    results = []
+    results, paired = [], []
     for length in args.lengths:
         for variant in VARIANTS:
             result = run_quietly(variant, length, args, run)
@@ -564,9 +711,20 @@ def collect(args: argparse.Namespace, run: Callable[[str, int, argparse.Namespac
                 f"others {result['other_processes_cores']:.2f} cores  [{result.get('process_wall_s', 0.0):.0f} s]",
                 flush=True,
             )
+        if args.paired_rounds > 0:
+            timing = run_quietly("paired", length, args, lambda _variant, n, a: paired_run(n, a))
+            paired.append(timing)
+            print(
+                f"  paired    N={length:<5} EA prefill {timing['prefill_over_eager']['ea']:.3f}x eager, "
+                f"{timing['prefill_over_sdpa']['ea']:.3f}x sdpa; decode {timing['decode_over_eager']['ea']:.3f}x "
+                f"eager, {timing['decode_over_sdpa']['ea']:.3f}x sdpa  others {timing['other_processes_cores']:.2f} "
+                f"cores  [{timing.get('process_wall_s', 0.0):.0f} s]",
+                flush=True,
+            )
     config = model_config(args.tiny)
-    rows = compare(results, args.lengths)
+    rows = compare(results, args.lengths, paired)
     cost, kept = markdown_tables(rows, config.num_hidden_layers)
+    side_by_side = paired_table(rows)
     report = {
         "benchmark": "Random Llama-style decoder (~125M): prefill, decode and memory of eager vs sdpa vs ea_hf "
         "Evolving Attention (all layers and every 4th layer)",
@@ -581,6 +739,7 @@ def collect(args: argparse.Namespace, run: Callable[[str, int, argparse.Namespac
             "repeats": args.repeats,
             "warmup": args.warmup,
             "decode_tokens": args.decode_tokens,
+            "paired_rounds": args.paired_rounds,
             "threads": args.threads,
             "tiny": args.tiny,
             "quiet_wait_s": args.quiet_wait,
@@ -601,19 +760,24 @@ def collect(args: argparse.Namespace, run: Callable[[str, int, argparse.Namespac
             "decode": "greedy: model(next_token, past_key_values=cache, use_cache=True), one token per call",
             "memory": "fresh process per case; VmRSS after model construction; peak RSS (VmHWM, reset after "
             "construction) over the prefills; decode peak reset again before decoding",
+            "paired": "one more process per N with all variants, timed in turns (a prefill, then decode_tokens "
+            "steps) for paired_rounds rounds after an untimed one, the order rotating; medians over the rounds",
         },
         "loadavg": {"start": list(load_start), "end": list(os.getloadavg())},
         "cases": results,
+        "paired_timing": paired,
         "comparison": rows,
         "markdown_cost_table": cost,
+        "markdown_paired_table": side_by_side,
         "markdown_kept_rows_table": kept,
         "wall_time_s": time.perf_counter() - start,
     }
     json_path, markdown_path = out / f"{stem}.json", out / f"{stem}.md"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
-    markdown_path.write_text(markdown_report(report, cost, kept))
+    markdown_path.write_text(markdown_report(report, cost, kept, side_by_side))
     print()
     print(cost)
+    print(side_by_side)
     print(kept)
     print(f"wall time {report['wall_time_s']:.0f} s; wrote {json_path}, {markdown_path}")
     return report
@@ -642,13 +806,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a case during which other processes used more cores than this on average is run again (default 0.1)",
     )
     parser.add_argument("--retries", type=int, default=1, help="how often a disturbed case is run again (default 1)")
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        help="rounds of the paired timing, every variant in one process per N (default 5; tiny 2; 0: none)",
+    )
     parser.add_argument("--tiny", action="store_true", help="dry run: tiny config, N in {32, 64}, 2 repeats")
     parser.add_argument("--case", nargs=2, metavar=("VARIANT", "N"), help="internal: run one case, print its JSON")
+    parser.add_argument("--paired", type=int, metavar="N", help="internal: run the paired timing, print its JSON")
     args = parser.parse_args(argv)
-    defaults = ([32, 64], 2, 4) if args.tiny else ([512, 2048], 3, 16)
+    defaults = ([32, 64], 2, 4, 2) if args.tiny else ([512, 2048], 3, 16, 5)
     args.lengths = args.lengths or defaults[0]
     args.repeats = args.repeats if args.repeats is not None else defaults[1]
     args.decode_tokens = args.decode_tokens if args.decode_tokens is not None else defaults[2]
+    args.paired_rounds = args.paired_rounds if args.paired_rounds is not None else defaults[3]
     if args.case:
         if args.case[0] not in VARIANTS:
             parser.error(f"--case expects VARIANT in {VARIANTS}")
@@ -657,6 +828,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--repeats, --threads and --lengths must be positive")
     if min(args.warmup, args.decode_tokens, args.retries, args.quiet_wait, args.max_other_cores) < 0:
         parser.error("--warmup, --decode-tokens, --retries, --quiet-wait and --max-other-cores must be >= 0")
+    if args.paired_rounds < 0 or (args.paired is not None and (args.paired < 1 or args.paired_rounds < 1)):
+        parser.error("--paired-rounds must be >= 0 (>= 1 with --paired), --paired N positive")
     return args
 
 
@@ -666,6 +839,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.case:
         variant, length = args.case
         result = run_case(variant, length, args.repeats, args.warmup, args.decode_tokens, args.threads, args.tiny)
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+    elif args.paired is not None:
+        result = run_paired(args.paired, args.paired_rounds, args.decode_tokens, args.threads, args.tiny)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     else:
         collect(args)

@@ -29,7 +29,7 @@ def report(bench, tmp_path_factory):
         + ["--threads", "1", "--quiet-wait", "0", "--retries", "0"]
     )
     try:
-        result = bench.collect(args, run=bench.run_case_in_process)
+        result = bench.collect(args, run=bench.run_case_in_process, paired_run=bench.run_paired_in_process)
     finally:
         torch.set_num_threads(threads)
     return result, out
@@ -54,6 +54,61 @@ def test_every_variant_and_length_has_positive_times(bench, report):
         assert rows[("eager", n)]["decode_over_eager"] == pytest.approx(1.0)
         ea, sdpa = cases[("ea", n)], cases[("sdpa", n)]
         assert rows[("ea", n)]["prefill_over_sdpa"] == pytest.approx(ea["prefill_median_s"] / sdpa["prefill_median_s"])
+
+
+def test_the_paired_process_times_every_variant_in_turns(bench, report):
+    """One paired process per N: each variant's prefills (one a round) and decoding steps, and the ratios of
+    their medians, which the comparison rows and the Markdown table carry."""
+    result, out = report
+    rounds = result["settings"]["paired_rounds"]
+    assert rounds == 2 and [p["n"] for p in result["paired_timing"]] == LENGTHS
+    rows = {(r["variant"], r["n"]): r for r in result["comparison"]}
+    for timing in result["paired_timing"]:
+        n = timing["n"]
+        assert set(timing["prefill_times_s"]) == set(bench.VARIANTS)
+        for variant in bench.VARIANTS:
+            prefills, steps = timing["prefill_times_s"][variant], timing["decode_times_s"][variant]
+            assert len(prefills) == rounds and len(steps) == rounds * DECODE_TOKENS and min(prefills + steps) > 0
+            medians = timing["prefill_median_s"]
+            expected = medians[variant] / medians["sdpa"]
+            assert timing["prefill_over_sdpa"][variant] == pytest.approx(expected)
+            assert rows[(variant, n)]["prefill_over_sdpa_paired"] == pytest.approx(expected)
+            decode = timing["decode_median_s"]
+            assert rows[(variant, n)]["decode_over_eager_paired"] == pytest.approx(decode[variant] / decode["eager"])
+        assert timing["decode_over_eager"]["eager"] == pytest.approx(1.0)
+    markdown = (out / "decoder_cpu_tiny.md").read_text()
+    assert "## Paired: every variant in one process" in markdown
+    assert sum(line.startswith("| ea | ") for line in markdown.splitlines()) == 3 * len(LENGTHS)  # three tables
+
+
+def test_without_paired_rounds_there_is_no_paired_table(bench):
+    rows = bench.compare(
+        [
+            {
+                "variant": v,
+                "n": 8,
+                "evolved_layers": None,
+                "prefill_median_s": 1.0,
+                "prefill_no_cache_median_s": None,
+                "prefill_peak_above_loaded_mib": 0,
+                "prefill_peak_rss_mib": 0,
+                "retained_after_prefill_mib": 0,
+                "decode_median_s": 0.1,
+                "kv_cache_bytes_per_layer": [1],
+                "kept_rows_after_prefill": {},
+                "kept_rows_bytes_total": 0,
+                "kept_rows_storage_bytes_total": 0,
+                "kept_rows_after_decode": {},
+                "loadavg_before_after": [[0.0], [0.0]],
+                "other_processes_cpu_s": 0.0,
+                "other_processes_cores": 0.0,
+            }
+            for v in bench.VARIANTS
+        ],
+        [8],
+    )
+    assert all(r["prefill_over_eager_paired"] is None for r in rows)
+    assert bench.paired_table(rows) == ""
 
 
 def test_kept_rows_are_sized_and_fewer_with_fewer_layers(bench, report):
@@ -85,16 +140,24 @@ def test_files_are_written(bench, report):
     assert len(data["loadavg"]["start"]) == 3 and data["parameters"] == result["parameters"] > 0
     markdown = (out / "decoder_cpu_tiny.md").read_text()
     cost_rows = [line for line in markdown.splitlines() if line.startswith("| ea-layers [0] |")]
-    assert len(cost_rows) == 2 * len(LENGTHS)  # one line in each table per length
+    assert len(cost_rows) == 3 * len(LENGTHS)  # one line in each table per length
     assert "| ea | 16 | 4 / 4 | 256 B |" in markdown  # 4 heads x 16 keys x 4 bytes
 
 
 def test_tiny_defaults_and_argument_checks(bench):
     tiny = bench.parse_args(["--tiny"])
-    assert (tiny.lengths, tiny.repeats, tiny.decode_tokens) == ([32, 64], 2, 4)
+    assert (tiny.lengths, tiny.repeats, tiny.decode_tokens, tiny.paired_rounds) == ([32, 64], 2, 4, 2)
     full = bench.parse_args([])
-    assert (full.lengths, full.repeats, full.decode_tokens, full.threads) == ([512, 2048], 3, 16, 2)
-    for bad in (["--case", "flash", "512"], ["--retries", "-1"], ["--lengths", "0"]):
+    assert (full.lengths, full.repeats, full.decode_tokens, full.threads, full.paired_rounds) == (
+        [512, 2048],
+        3,
+        16,
+        2,
+        5,
+    )
+    bad_arguments = [["--case", "flash", "512"], ["--retries", "-1"], ["--lengths", "0"], ["--paired-rounds", "-1"]]
+    bad_arguments += [["--paired", "0"], ["--paired", "16", "--paired-rounds", "0"]]
+    for bad in bad_arguments:
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
@@ -126,3 +189,7 @@ def test_a_case_runs_in_its_own_process(bench, tmp_path):
     assert result["variant"] == "ea-layers" and result["n"] == 16 and result["process_wall_s"] > 0
     assert result["peak_reset"] is (sys.platform == "linux")
     assert result["prefill_peak_above_loaded_mib"] >= 0 and result["kept_rows_bytes_total"] == 4 * 16 * 4
+    args.paired_rounds = 1
+    paired = bench.spawn_paired(16, args)
+    assert paired["n"] == 16 and paired["rounds"] == 1 and paired["process_wall_s"] > 0
+    assert {len(times) for times in paired["decode_times_s"].values()} == {2}
