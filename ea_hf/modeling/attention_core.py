@@ -54,6 +54,34 @@ def exact_scaling(scaling: float) -> bool:
     return math.frexp(scaling)[0] == 0.5
 
 
+def head_groups(heads: int, key_value_heads: int) -> int:
+    """How many query heads share each key/value head (an error where they cannot share them evenly)."""
+    if heads % key_value_heads:
+        raise ValueError(f"{heads} query heads cannot share {key_value_heads} key/value heads evenly")
+    return heads // key_value_heads
+
+
+def grouped_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left @ right`` over heads, where ``right`` may have fewer heads than ``left`` (grouped-query attention:
+    head h of ``left`` pairs with head h // groups of ``right``, as after ``right.repeat_interleave(groups, 1)``),
+    without repeating ``right``: each of its heads takes its group of ``left``'s heads as the rows of one product.
+
+    Repeating the keys and values copies them for every query head: in a decoding step (a ~125M Llama with 4
+    key/value heads for 12 query heads, 512 cached tokens, AMD EPYC) that took longer than the two products.
+
+    Example:
+        >>> q, k = torch.randn(2, 6, 3, 4), torch.randn(2, 2, 4, 5)
+        >>> torch.allclose(grouped_product(q, k), q @ k.repeat_interleave(3, dim=1), atol=1e-6)
+        True
+    """
+    heads, right_heads = left.shape[1], right.shape[1]
+    if heads == right_heads:
+        return torch.matmul(left, right)
+    batch, rows = left.shape[0], left.shape[-2]
+    stacked = left.reshape(batch, right_heads, head_groups(heads, right_heads) * rows, left.shape[-1])
+    return torch.matmul(stacked, right).view(batch, heads, rows, right.shape[-1])
+
+
 def attention_scores(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -61,7 +89,8 @@ def attention_scores(
     position_bias: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """S = QK^T * scaling (+ ``position_bias``; then ``tanh(S / softcap) * softcap``), as eager attention.
+    """S = QK^T * scaling (+ ``position_bias``; then ``tanh(S / softcap) * softcap``), as eager attention; keys
+    with fewer heads than the queries are shared by groups of query heads (see :func:`grouped_product`).
 
     Example:
         >>> q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4)
@@ -71,9 +100,9 @@ def attention_scores(
     if exact_scaling(scaling):
         # A power of two (1/8 for 64-dimensional heads) scales exactly: scaling the queries instead of the
         # [B, H, Q, K] product gives eager attention's numbers with one pass less over the map.
-        scores = torch.matmul(query * scaling if scaling != 1.0 else query, key.transpose(-1, -2))
+        scores = grouped_product(query * scaling if scaling != 1.0 else query, key.transpose(-1, -2))
     else:  # in place: the product is a fresh tensor that autograd does not keep
-        scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)
+        scores = grouped_product(query, key.transpose(-1, -2)).mul_(scaling)
     if position_bias is not None:
         scores = scores + position_bias
     if softcap is not None:
@@ -163,7 +192,8 @@ def attend_values(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The tail every attention path shares: P = softmax over the keys of the masked ``logits`` (into ``out``
     where given), dropout and the product with ``value``. Returns (dropout(P) @ V, dropout(P) in the values'
-    dtype, P in the logits' dtype, dropout's bool mask or None).
+    dtype, P in the logits' dtype, dropout's bool mask or None). ``value`` may have fewer heads than the logits
+    (see :func:`grouped_product`).
 
     Dropout is ``torch.native_dropout``: the random numbers of ``torch.nn.functional.dropout`` (which runs it on
     GPUs) and a bool mask for backward instead of a float one.
@@ -178,7 +208,7 @@ def attend_values(
     weights, mask = probabilities.to(value.dtype), None
     if dropout > 0.0:
         weights, mask = torch.native_dropout(weights, dropout, True)
-    return torch.matmul(weights, value), weights, probabilities, mask
+    return grouped_product(weights, value), weights, probabilities, mask
 
 
 def plain_scores(query: torch.Tensor, position_bias: torch.Tensor | None, softcap: float | None) -> bool:
