@@ -79,7 +79,9 @@ def grouped_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         return torch.matmul(left, right)
     batch, rows = left.shape[0], left.shape[-2]
     stacked = left.reshape(batch, right_heads, head_groups(heads, right_heads) * rows, left.shape[-1])
-    return torch.matmul(stacked, right).view(batch, heads, rows, right.shape[-1])
+    # Not a view (as matmul's own reshapes): the map must be its storage's only user for inference to write the
+    # next layer's probabilities into it (see attention.spare_map); a view of the product would never be.
+    return torch.ops.aten._unsafe_view(torch.matmul(stacked, right), (batch, heads, rows, right.shape[-1]))
 
 
 def attention_scores(

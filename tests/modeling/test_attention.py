@@ -9,7 +9,7 @@ from transformers.masking_utils import bidirectional_mask_function, causal_mask_
 import ea_hf
 import ea_hf.modeling.attention as attention_module
 from ea_hf.modeling.attention import CACHE_KWARG, evolving_attention_forward
-from ea_hf.modeling.attention_core import attend_values
+from ea_hf.modeling.attention_core import attend_values, attention_scores
 from ea_hf.modeling.chain import CHAIN_KWARG
 from ea_hf.modeling.convolution import EvolveConvolution
 from ea_hf.modeling.evolution import AttentionMapEvolution
@@ -450,6 +450,8 @@ def test_grouped_query_heads_share_keys_and_values_without_copies(evolved):
         expected = evolving_attention_forward(layer, q, *repeated, mask, **{CHAIN_KWARG: {}})
     for got, want in zip(grouped, expected, strict=True):
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-6
+    # The grouped maps are their storage's only users, as plain products are: inference reuses them (spare_map).
+    assert attention_module.sole_storage_user(attention_scores(q, k, 0.5))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     output = evolving_attention_forward(layer, *leaves, mask, **{CHAIN_KWARG: {}})[0]
     upstream = torch.randn(output.shape)
