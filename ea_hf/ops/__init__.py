@@ -6,7 +6,8 @@ none applies, the core runs the same steps as torch operations.
 
 - :mod:`ea_hf.ops.cpu`: a C++/OpenMP kernel compiled on first use (``EA_HF_KERNELS=0`` turns it off), called as
   the torch operators ``torch.ops.ea_hf.evolve_with_gate_bits`` (differentiable), ``evolve_``, ``convolve`` and
-  ``evolve_backward_one_map``, so that ``torch.compile`` and ``torch.export`` keep it in their graphs.
+  ``evolve_backward_one_map``, so that ``torch.compile`` and ``torch.export`` keep it in their graphs (outside
+  them, inference calls the operators' bodies directly).
 - :mod:`ea_hf.ops.triton_kernels`: Triton kernels for GPUs (the ``gpu`` extra), opt-in with ``EA_HF_TRITON=1``:
   their tests pass on an H100 and in Triton's CPU interpreter, but whole EA models ran slower on them than on
   torch operations in the one GPU benchmark so far, so they are not the default.

@@ -8,7 +8,9 @@ layout and back around every call, and it allocates nothing but its output.
 
 The kernel runs as torch operators (``torch.ops.ea_hf.*``, declared with ``torch.library.custom_op``, with fake
 implementations and a registered autograd formula), so ``torch.compile`` and ``torch.export`` see it as one
-node of the graph instead of stopping at a ctypes call.
+node of the graph instead of stopping at a ctypes call. Outside compilation, inference and decoding steps call
+the operators' bodies directly (see :func:`evolve`): their Python dispatch costs a decoding step as much as the
+kernel itself.
 
 It is built with the system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``) for the machine it
 runs on (``-march=native``) into ``$EA_HF_CACHE`` (default ``~/.cache/ea_hf``), keyed by source, compiler
@@ -544,8 +546,9 @@ def evolve(
     in_place: bool,
     gate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The evolution step's forward (see ``ea_hf.modeling.convolution.FusedKernel``) through the operators;
-    in place only outside torch.compile (a compiled graph plans its own buffers)."""
+    """The evolution step's forward (see ``ea_hf.modeling.convolution.FusedKernel``): through the operators while
+    torch.compile traces (never in place: a compiled graph plans its own buffers) and where autograd differentiates
+    the result; elsewhere, in place, the operators' bodies directly."""
     gate = not in_place if gate is None else gate
     # Outside torch.compile the operators' bodies run directly where the result is not differentiated: the
     # dispatch of a Python custom operator costs about 15 us a call warm and 80 to 110 us inside a decoding
