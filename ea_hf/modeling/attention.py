@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention_core import attend_values, attention_scores, full_precision, head_groups
+from .attention_core import attend_values, attention_scores, full_precision
 from .chain import CHAIN_KWARG, SPARE_KEY
 from .history import convolution_history
 from .masks import convolution_mask, evolving_attention_mask, split_attention_mask
@@ -49,9 +49,8 @@ def evolving_attention_forward(
     plain eager attention, so a whole model can use this one implementation. ``position_bias`` (T5's relative
     position bias) is part of the logits S that evolve. Grouped-query attention (fewer key/value heads than
     query heads) gives each query head its own map, and so the convolution its channels, as eager attention
-    does; the keys and values are repeated per query head only for the attention core (training), elsewhere
-    each key/value head serves its group of query heads in one product (see
-    :func:`~.attention_core.grouped_product`).
+    does, but the keys and values are not copied per query head: each key/value head serves its group of query
+    heads in one product (see :func:`~.attention_core.grouped_product`), forward and backward.
 
     ``softcap`` (Gemma 2's logit soft-capping, ``tanh(S / cap) * cap``) applies to S before the evolution:
     S is then exactly the pretrained layer's logits, the maps passed between layers stay in the capped range,
@@ -76,8 +75,8 @@ def evolving_attention_forward(
         if evolution.fuses_attention(history):
             output, probs = evolution.attend(
                 query,
-                repeated_heads(key, query.shape[1]),
-                repeated_heads(value, query.shape[1]),
+                key,
+                value,
                 conv_mask,
                 allowed,
                 additive,
@@ -96,14 +95,6 @@ def evolving_attention_forward(
         spare = spare_map(chain, scores)
     output, probs, _, _ = attend_values(scores, allowed, additive, value, dropout, out=spare)
     return output.transpose(1, 2).contiguous(), probs
-
-
-def repeated_heads(states: torch.Tensor, heads: int) -> torch.Tensor:
-    """Keys or values with each head repeated for its group of query heads (as eager attention's ``repeat_kv``),
-    as the attention core takes them; as they are where they have ``heads`` heads already."""
-    if states.shape[1] == heads:
-        return states
-    return states.repeat_interleave(head_groups(heads, states.shape[1]), dim=1)
 
 
 def spare_map(chain: dict | None, scores: torch.Tensor) -> torch.Tensor | None:

@@ -84,6 +84,26 @@ def grouped_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._unsafe_view(torch.matmul(stacked, right), (batch, heads, rows, right.shape[-1]))
 
 
+def grouped_transposed_product(left: torch.Tensor, right: torch.Tensor, right_heads: int) -> torch.Tensor:
+    """``left^T @ right`` summed over each group of heads sharing one of ``right_heads`` key/value heads: the
+    gradient of the keys or values that :func:`grouped_product` shared (as autograd through
+    ``repeat_interleave`` sums it), in one product per key/value head over its group's rows, ``left`` and
+    ``right`` being [B, H, Q, *] maps of the query heads.
+
+    Example:
+        >>> p, g = torch.randn(2, 6, 3, 5), torch.randn(2, 6, 3, 4)
+        >>> summed = (p.transpose(-1, -2) @ g).unflatten(1, (2, 3)).sum(2)
+        >>> torch.allclose(grouped_transposed_product(p, g, 2), summed, atol=1e-5)
+        True
+    """
+    heads = left.shape[1]
+    if heads == right_heads:
+        return torch.matmul(left.transpose(-1, -2), right)
+    batch, rows = left.shape[0], head_groups(heads, right_heads) * left.shape[-2]
+    stacked_left = left.reshape(batch, right_heads, rows, left.shape[-1])
+    return torch.matmul(stacked_left.transpose(-1, -2), right.reshape(batch, right_heads, rows, right.shape[-1]))
+
+
 def attention_scores(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -233,8 +253,8 @@ def keeps_small_maps(
     query: torch.Tensor, key: torch.Tensor, position_bias: torch.Tensor | None, softcap: float | None
 ) -> bool:
     """Whether :class:`EvolvingAttentionCore` keeps S and P for backward instead of recomputing them: when a
-    [B, H, Q, K] map is no larger than the keys and values it keeps anyway (Q <= 2 * head_dim) and S is
-    :func:`plain_scores`.
+    [B, H, Q, K] map is no larger than the keys and values it keeps anyway (Q <= 2 * head_dim; with grouped-query
+    attention it keeps fewer key/value heads, and the rule stays the same) and S is :func:`plain_scores`.
 
     Example:
         >>> q, k = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
@@ -284,35 +304,36 @@ def scores_backward(
         True
     """
     if exact_scaling(scaling):  # S = (Q * scaling) @ K^T
-        grad_query = torch.matmul(grad_scores, key) if needs[0] else None
+        grad_query = grouped_product(grad_scores, key) if needs[0] else None
         if grad_query is not None and scaling * gradient_scale != 1.0:
             grad_query.mul_(scaling * gradient_scale)  # in place: the product is a fresh tensor
         scaled_query = query * scaling if scaling != 1.0 and needs[1] and not prescaled else query
-        grad_key = _key_gradient(grad_scores, scaled_query) if needs[1] else None
+        grad_key = _key_gradient(grad_scores, scaled_query, key.shape[1]) if needs[1] else None
         if grad_key is not None and gradient_scale != 1.0:
             grad_key.mul_(gradient_scale)
         return grad_query, grad_key
     grad_product = grad_scores * (scaling * gradient_scale)  # S = (Q @ K^T) * scaling
-    grad_query = torch.matmul(grad_product, key) if needs[0] else None
-    return grad_query, _key_gradient(grad_product, query) if needs[1] else None
+    grad_query = grouped_product(grad_product, key) if needs[0] else None
+    return grad_query, _key_gradient(grad_product, query, key.shape[1]) if needs[1] else None
 
 
-def _key_gradient(grad_product: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """The gradient of K in Q @ K^T as autograd computes it, (Q^T @ G)^T: the gradient of the product's right
-    operand K^T, transposed. G^T @ Q is the same sum, but BLAS may order it differently (on AMD EPYC it differed
-    from autograd's in the last bit; on Intel Xeon it did not)."""
-    return torch.matmul(query.transpose(-1, -2), grad_product).transpose(-1, -2)
+def _key_gradient(grad_product: torch.Tensor, query: torch.Tensor, key_heads: int) -> torch.Tensor:
+    """The gradient of K (of ``key_heads`` heads) in Q @ K^T as autograd computes it, (Q^T @ G)^T: the gradient
+    of the product's right operand K^T, transposed. G^T @ Q is the same sum, but BLAS may order it differently
+    (on AMD EPYC it differed from autograd's in the last bit; on Intel Xeon it did not)."""
+    return grouped_transposed_product(query, grad_product, key_heads).transpose(-1, -2)
 
 
 class EvolvingAttentionCore(torch.autograd.Function):
     """(output [B, H, Q, D], A_logit, attention weights) of one evolving attention layer, keeping A_logit, the
     ReLU gate and the dropout mask for backward (see the module docstring).
 
-    Inputs: ``query`` [B, H, Q, D], ``key`` and ``value`` [B, H, K, D] (key/value heads already repeated per
-    query head), ``previous`` (A_prev or ``None``), ``position_bias`` (or ``None``), the convolution's
-    ``weight`` and ``bias``, ``conv_mask`` (bool, where entries may enter the convolution, or ``None``),
-    ``allowed`` / ``additive`` (the attention mask, see :func:`~.masks.split_attention_mask`), then the
-    constants ``scaling``, ``softcap``, ``alpha``, ``beta``, ``causal``, ``context_rows`` and ``dropout``
+    Inputs: ``query`` [B, H, Q, D], ``key`` and ``value`` [B, H_kv, K, D] (grouped-query attention: each of
+    the H_kv key/value heads serves H / H_kv query heads, see :func:`grouped_product`), ``previous`` (A_prev or
+    ``None``), ``position_bias`` (or ``None``), the convolution's ``weight`` and ``bias``, ``conv_mask`` (bool,
+    where entries may enter the convolution, or ``None``), ``allowed`` / ``additive`` (the attention mask, see
+    :func:`~.masks.split_attention_mask`), then the constants ``scaling``, ``softcap``, ``alpha``, ``beta``,
+    ``causal``, ``context_rows`` and ``dropout``
     (the probability; 0 outside training). Half-precision queries give fp32 maps, as the unfused path does.
     """
 
@@ -393,9 +414,9 @@ class EvolvingAttentionCore(torch.autograd.Function):
             probabilities = full.to(value.dtype)
             if mask is not None:
                 probabilities = torch.ops.aten.native_dropout_backward(probabilities, mask, dropout_scale)
-            grad_value = torch.matmul(probabilities.transpose(-1, -2), grad_output)
+            grad_value = grouped_transposed_product(probabilities, grad_output, value.shape[1])
             del probabilities
-            product = torch.matmul(grad_output, value.transpose(-1, -2))
+            product = grouped_product(grad_output, value.transpose(-1, -2))
             grad_attention = product if grad_probabilities is None else product.add_(grad_probabilities)
         elif grad_attention is not None:  # autograd's own tensor: the steps below write over it
             grad_attention = grad_attention.clone()

@@ -429,38 +429,45 @@ def test_half_precision_with_padding_stays_finite(dtype):
     assert (autocast.float() - reference)[real].abs().max() <= 0.1
 
 
-@pytest.mark.parametrize("evolved", [True, False])
-def test_grouped_query_heads_share_keys_and_values_without_copies(evolved):
-    """Grouped-query attention (2 key/value heads for 6 query heads): without autograd each key/value head serves
-    its group of query heads in one product, with no repeated copy of the keys and values; the output and the
-    evolved probabilities match attention over repeated keys and values (the attention core's inputs, and eager
-    attention's). With autograd the core gets them repeated, and the gradients match too."""
+@pytest.mark.parametrize(
+    ("evolved", "rows", "softcap"),
+    [(False, N, None), (True, N, None), (True, 13, None), (True, 13, 20.0)],
+    ids=["plain", "core-keeps-maps", "core-recomputes", "core-autograd-scores"],
+)
+def test_grouped_query_heads_share_keys_and_values_without_copies(evolved, rows, softcap):
+    """Grouped-query attention (2 key/value heads for 6 query heads): each key/value head serves its group of query
+    heads in one product, forward and backward, with no repeated copy of the keys and values; the outputs, the
+    evolved probabilities and the gradients match attention over repeated keys and values (eager attention's way).
+    Covers the attention core keeping S and P (short maps), recomputing them (longer ones), and recomputing S
+    through autograd (soft-capping)."""
     torch.manual_seed(0)
     heads, kv_heads = 6, 2
     evolution = AttentionMapEvolution(heads, alpha=0.0, beta=0.4, kernel_size=3, role="decoder") if evolved else None
     layer = FakeAttention(evolution) if evolved else nn.Module()
-    q = torch.randn(B, heads, N, D)
-    k, v = torch.randn(B, kv_heads, N, D), torch.randn(B, kv_heads, N, D)
-    mask = torch.ones(N, N, dtype=torch.bool).tril()[None, None]
-    repeated = (k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1))
+    q = torch.randn(B, heads, rows, D)
+    k, v = torch.randn(B, kv_heads, rows, D), torch.randn(B, kv_heads, rows, D)
+    mask = torch.ones(rows, rows, dtype=torch.bool).tril()[None, None]
+
+    def attend(query, key, value):
+        return evolving_attention_forward(layer, query, key, value, mask, softcap=softcap, **{CHAIN_KWARG: {}})
+
     with torch.no_grad(), torch.profiler.profile() as profile:
-        grouped = evolving_attention_forward(layer, q, k, v, mask, **{CHAIN_KWARG: {}})
-    assert "aten::repeat_interleave" not in {event.name for event in profile.events()}
+        grouped = attend(q, k, v)
     with torch.no_grad():
-        expected = evolving_attention_forward(layer, q, *repeated, mask, **{CHAIN_KWARG: {}})
+        expected = attend(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1))
     for got, want in zip(grouped, expected, strict=True):
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-6
     # The grouped maps are their storage's only users, as plain products are: inference reuses them (spare_map).
     assert attention_module.sole_storage_user(attention_scores(q, k, 0.5))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    output = evolving_attention_forward(layer, *leaves, mask, **{CHAIN_KWARG: {}})[0]
-    upstream = torch.randn(output.shape)
+    upstream = torch.randn(B, rows, heads, D)
+    with torch.profiler.profile() as training_profile:
+        gradients = torch.autograd.grad(attend(*leaves)[0], leaves, upstream)
+    for events in (profile.events(), training_profile.events()):
+        assert "aten::repeat_interleave" not in {event.name for event in events}
     reference = [t.clone().requires_grad_() for t in (q, k, v)]
-    repeated_output = evolving_attention_forward(
-        layer, reference[0], *(t.repeat_interleave(3, dim=1) for t in reference[1:]), mask, **{CHAIN_KWARG: {}}
-    )[0]
-    gradients = torch.autograd.grad(output, leaves, upstream)
+    repeated_output = attend(reference[0], *(t.repeat_interleave(3, dim=1) for t in reference[1:]))[0]
     for got, want in zip(gradients, torch.autograd.grad(repeated_output, reference, upstream), strict=True):
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="5 query heads cannot share 2 key/value heads"):
-        evolving_attention_forward(layer, torch.randn(B, 5, N, D), k, v, mask, **{CHAIN_KWARG: {}})
+        attend(torch.randn(B, 5, rows, D), k, v)
