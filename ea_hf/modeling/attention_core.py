@@ -54,11 +54,20 @@ def exact_scaling(scaling: float) -> bool:
     return math.frexp(scaling)[0] == 0.5
 
 
-def head_groups(heads: int, key_value_heads: int) -> int:
-    """How many query heads share each key/value head (an error where they cannot share them evenly)."""
+def stacked_heads(maps: torch.Tensor, key_value_heads: int) -> torch.Tensor:
+    """[B, H, Q, X] maps of the query heads as [B, H_kv, (H / H_kv) * Q, X]: the rows of the query heads that share
+    a key/value head (grouped-query attention, head h with key/value head h // (H / H_kv), as
+    ``repeat_interleave`` pairs them) stacked into one matrix, a view where the layout allows. An error where the
+    heads cannot share the key/value heads evenly.
+
+    Example:
+        >>> stacked_heads(torch.randn(2, 6, 3, 4), 2).shape
+        torch.Size([2, 2, 9, 4])
+    """
+    heads = maps.shape[1]
     if heads % key_value_heads:
         raise ValueError(f"{heads} query heads cannot share {key_value_heads} key/value heads evenly")
-    return heads // key_value_heads
+    return maps.reshape(maps.shape[0], key_value_heads, heads // key_value_heads * maps.shape[-2], maps.shape[-1])
 
 
 def grouped_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -74,14 +83,12 @@ def grouped_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         >>> torch.allclose(grouped_product(q, k), q @ k.repeat_interleave(3, dim=1), atol=1e-6)
         True
     """
-    heads, right_heads = left.shape[1], right.shape[1]
-    if heads == right_heads:
+    if left.shape[1] == right.shape[1]:
         return torch.matmul(left, right)
-    batch, rows = left.shape[0], left.shape[-2]
-    stacked = left.reshape(batch, right_heads, head_groups(heads, right_heads) * rows, left.shape[-1])
+    product = torch.matmul(stacked_heads(left, right.shape[1]), right)
     # Not a view (as matmul's own reshapes): the map must be its storage's only user for inference to write the
     # next layer's probabilities into it (see attention.spare_map); a view of the product would never be.
-    return torch.ops.aten._unsafe_view(torch.matmul(stacked, right), (batch, heads, rows, right.shape[-1]))
+    return torch.ops.aten._unsafe_view(product, (*left.shape[:-1], right.shape[-1]))
 
 
 def grouped_transposed_product(left: torch.Tensor, right: torch.Tensor, right_heads: int) -> torch.Tensor:
@@ -96,12 +103,9 @@ def grouped_transposed_product(left: torch.Tensor, right: torch.Tensor, right_he
         >>> torch.allclose(grouped_transposed_product(p, g, 2), summed, atol=1e-5)
         True
     """
-    heads = left.shape[1]
-    if heads == right_heads:
+    if left.shape[1] == right_heads:
         return torch.matmul(left.transpose(-1, -2), right)
-    batch, rows = left.shape[0], head_groups(heads, right_heads) * left.shape[-2]
-    stacked_left = left.reshape(batch, right_heads, rows, left.shape[-1])
-    return torch.matmul(stacked_left.transpose(-1, -2), right.reshape(batch, right_heads, rows, right.shape[-1]))
+    return torch.matmul(stacked_heads(left, right_heads).transpose(-1, -2), stacked_heads(right, right_heads))
 
 
 def attention_scores(
@@ -333,8 +337,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
     ``None``), ``position_bias`` (or ``None``), the convolution's ``weight`` and ``bias``, ``conv_mask`` (bool,
     where entries may enter the convolution, or ``None``), ``allowed`` / ``additive`` (the attention mask, see
     :func:`~.masks.split_attention_mask`), then the constants ``scaling``, ``softcap``, ``alpha``, ``beta``,
-    ``causal``, ``context_rows`` and ``dropout``
-    (the probability; 0 outside training). Half-precision queries give fp32 maps, as the unfused path does.
+    ``causal``, ``context_rows`` and ``dropout`` (the probability; 0 outside training). Half-precision queries
+    give fp32 maps, as the unfused path does.
     """
 
     @staticmethod
