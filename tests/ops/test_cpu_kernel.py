@@ -1,5 +1,6 @@
 """The fused CPU kernels against the same steps written as torch operations, and their build and fallback."""
 
+import functools
 import logging
 
 import pytest
@@ -431,3 +432,153 @@ def test_the_evolve_operator_differentiates_like_the_torch_formulation(sample, a
         strict=True,
     ):
         assert (got - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+def masked_tail_keep(kind: str, batch: int = 2, length: int = 200) -> torch.Tensor:
+    """[B, 1, Q, K] masks whose rows end in masked tails: "causal" (row i keeps columns 0..i) or "padded" (the
+    second example's keys from 120 on masked, and its padding query rows from 120 on without a kept column)."""
+    if kind == "causal":
+        return torch.ones(length, length).tril().expand(batch, 1, length, length).contiguous()
+    keep = torch.ones(batch, 1, length, length)
+    keep[1:, :, :, 120:] = 0
+    keep[1:, :, 120:, :] = 0
+    return keep
+
+
+def tail_starts(keep: torch.Tensor) -> torch.Tensor:
+    """[B, 1, Q, 1]: where the kernel's correlation of each row stops when masked tails are skipped: after the
+    row's last kept column, rounded up to 64 columns (at most all of them); all columns for rows without one."""
+    cols = keep.shape[-1]
+    columns = torch.arange(1, cols + 1).expand_as(keep)
+    last = (columns * (keep != 0)).amax(-1, keepdim=True)
+    rounded = ((last + 63) // 64 * 64).clamp(max=cols)
+    return torch.where(last == 0, cols, rounded)
+
+
+def with_threads(threads: int, function, *args, **kwargs):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["causal", "padded"])
+@pytest.mark.parametrize("heads", [4, 3])  # specialised (Winograd's form on AVX-512) and the generic code
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_skipped_masked_tails_leave_every_other_output_bit_identical(kind, heads, threads, in_place):
+    """With ``skip_masked_tails`` each row's correlation stops after its last kept column (rounded up to 64):
+    before that every output and gate bit is the full correlation's, bit for bit (the threads split the rows by
+    their work); from there on the gate is 0 and the output 0, or in place the input left as it was."""
+    torch.manual_seed(0)
+    keep = masked_tail_keep(kind)
+    x, end = torch.randn(2, heads, *keep.shape[-2:]), torch.randn(2, heads, *keep.shape[-2:])
+    weight, bias = torch.randn(heads, heads, 2 if kind == "causal" else 3, 3), torch.randn(heads)
+    options = dict(row_shift=-1, lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend_coef=0.6)
+    full_gate, skipped_gate = packed_gate(x), packed_gate(x)
+    full = with_threads(threads, kernels.correlate, x, weight, bias, blend=x, saved=full_gate, **options)
+    target = x.clone() if in_place else x
+    skipped = with_threads(
+        threads, kernels.correlate, target, weight, bias, blend=target, saved=skipped_gate, in_place=in_place,
+        skip_masked_tails=True, **options,
+    )  # fmt: skip
+    computed = (torch.arange(x.shape[-1]) < tail_starts(keep)).expand_as(x)
+    tails = ~computed
+    assert tails.float().mean() > 0.1  # the property is not vacuous: a tenth of the map or more is skipped
+    assert torch.equal(skipped[computed], full[computed])
+    assert torch.equal(skipped[tails], x[tails] if in_place else torch.zeros_like(x[tails]))
+    full_bits, skipped_bits = unpacked_gate(full_gate, x.shape[-1]), unpacked_gate(skipped_gate, x.shape[-1])
+    assert torch.equal(skipped_bits[computed], full_bits[computed]) and not skipped_bits[tails].any()
+    assert full_bits[tails].any()  # the full correlation's gate is not 0 there
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["causal", "padded"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_backward_with_masked_tails_is_the_gradient_where_the_softmax_masks_them(kind, threads):
+    """Where the incoming gradient is 0 past each row's last kept column (as the softmax of every layer makes it),
+    the backward of the skipping forward (its gate) is autograd's through the torch formulation (float64); the
+    tails it skips stay 0 even when the incoming gradient there is not."""
+    torch.manual_seed(1)
+    heads, alpha, beta, context = 4, 0.25, 0.4, 1  # row i reads rows i - 1.. (causal: i - 1, i; else i - 1..i + 1)
+    keep = masked_tail_keep(kind)
+    kernel_rows = 2 if kind == "causal" else 3
+    shape = (2, heads, *keep.shape[-2:])
+    scores, previous, upstream = (torch.randn(shape, dtype=torch.float64) for _ in range(3))
+    columns = torch.arange(shape[-1])
+    past_last_kept = (columns >= tail_starts(keep)) | (columns > (columns * keep).amax(-1, keepdim=True))
+    past_last_kept &= keep.amax(-1, keepdim=True) > 0  # (rows without a kept column are correlated whole)
+    upstream = upstream.masked_fill(past_last_kept, 0.0)
+    weight = torch.randn(heads, heads, kernel_rows, 3, dtype=torch.float64) * 0.3
+    bias = torch.randn(heads, dtype=torch.float64) * 0.1
+    s, p, w, b = (t.clone().requires_grad_() for t in (scores, previous, weight, bias))
+    a_in = torch.lerp(s, p, alpha)
+    convolved, _ = correlate_with_torch(a_in, w, b, -context, in_keep=keep, relu=True)
+    ((convolved + (1 - beta) * a_in) * upstream).sum().backward()
+    float_args = (scores.float(), previous.float(), keep, weight.float(), bias.float(), alpha, 1 - beta)
+    _, gate = torch.ops.ea_hf.evolve_with_gate_bits(*float_args, context)
+    grads = with_threads(
+        threads, kernels.backward, scores.float(), previous.float(), alpha, keep, upstream.float(), gate,
+        weight.float(), context, beta,
+    )  # fmt: skip
+    for got, want in zip(grads, [s.grad, p.grad, w.grad, b.grad], strict=True):
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    noisy = upstream.float().masked_fill(past_last_kept, 1.0)
+    grad_scores = kernels.backward(scores.float(), previous.float(), alpha, keep, noisy, gate, weight.float(),
+                                   context, beta)[0]  # fmt: skip
+    assert not grad_scores.masked_select(columns >= tail_starts(keep)).any()
+
+
+@needs_compiler
+@pytest.mark.parametrize("family", ["llama", "qwen2", "bert"])  # causal; causal with sliding windows; padded keys
+def test_skipping_masked_tails_changes_no_output_or_gradient_of_a_model(family, monkeypatch):
+    """A model's outputs (inference) and a training step's loss and gradients are those of the kernel without
+    skipping (within float rounding: the tails feed no output), on 150 tokens, where causal rows and padded keys
+    leave tails of 64 columns and more; and the kernel was asked to skip such tails forward and backward."""
+    from testing import CAUSAL_LM_FAMILIES, VOCAB_SIZE, tiny_model
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    model_type, overrides = CAUSAL_LM_FAMILIES.get(family, (family, {}))
+    head = AutoModel if family == "bert" else AutoModelForCausalLM
+    model = ea_hf.patch(tiny_model(model_type, head, max_position_embeddings=256, **overrides), alpha=0.4, beta=0.5)
+    length = 150
+    input_ids = torch.randint(5, VOCAB_SIZE, (2, length), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones(2, length, dtype=torch.long)
+    attention_mask[1, 100:] = 0  # a padded second example (right padding)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    real = attention_mask.bool()
+
+    def run(train: bool):
+        model.train(train)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)  # the same dropout masks in every training step
+        with torch.set_grad_enabled(train):
+            output = model(**inputs)
+            values = (output.logits if family != "bert" else output.last_hidden_state)[real]
+            if not train:
+                return values, []
+            values.pow(2).mean().backward()
+        return values.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    asked: list[bool] = []
+    correlate, backward = kernels.correlate, kernels._backward
+
+    def spying_correlate(*args, skip_masked_tails=False, **kwargs):
+        keep = kwargs.get("in_keep")
+        if skip_masked_tails and keep is not None:
+            asked.append(bool((tail_starts(keep.float().expand(args[0].shape[0], 1, *keep.shape[-2:])) < length).any()))
+        return correlate(*args, skip_masked_tails=skip_masked_tails, **kwargs)
+
+    monkeypatch.setattr(kernels, "skipping_correlate", functools.partial(spying_correlate, skip_masked_tails=True))
+    skipped = [run(False), run(True)]
+    assert asked and all(asked)  # every evolved layer, in inference and training, had tails to skip
+    monkeypatch.setattr(kernels, "skipping_correlate", correlate)
+    monkeypatch.setattr(kernels, "_backward", functools.partial(backward, skip_masked_tails=False))
+    whole = [run(False), run(True)]
+    for (values, gradients), (expected, expected_gradients) in zip(skipped, whole, strict=True):
+        assert (values - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
+        for got, want in zip(gradients, expected_gradients, strict=True):
+            assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())

@@ -146,6 +146,10 @@ struct Input {  // where rows of `a` come from
     const GateBits* gate;  // bit-packed (see the file comment)
     const float* in_keep;
     int batch, heads, rows, cols, kernel_rows, kernel_cols, row_shift;
+    // Per flat row (b * rows + r), where the row's masked tail starts (see masked_tail_columns): an input row is
+    // read up to there (it is zero after masking from there on), an output row correlated up to there. NULL: no
+    // tails.
+    const int* columns = nullptr;
 };
 
 // Cache lines of the input rows the next output row will prepare, to be requested a few at a time while the
@@ -255,10 +259,19 @@ struct ThreadRows {
     Halo halo;
 };
 
-inline ThreadRows thread_rows(const Input& in, bool in_place) {
+// `work`: where given, the prefix sums of the rows' work (work[t] for rows [0, t), batch x rows + 1 entries), by which
+// the rows are split instead of by count: rows whose masked tails are skipped differ in work (a causal map's last
+// row has all its columns to compute, its first one vector), and an even split of a causal map's rows left one
+// of two threads a quarter of the work.
+inline ThreadRows thread_rows(const Input& in, bool in_place, const std::vector<long>* work = nullptr) {
     const long tasks = static_cast<long>(in.batch) * in.rows;
     const long count = omp_get_num_threads(), id = omp_get_thread_num();
-    ThreadRows own{tasks * id / count, tasks * (id + 1) / count, {}};
+    auto boundary = [&](long k) {
+        if (!work) return tasks * k / count;
+        const long target = (*work)[tasks] * k / count;  // the first row at or past the k-th share of the work
+        return static_cast<long>(std::lower_bound(work->begin(), work->end(), target) - work->begin());
+    };
+    ThreadRows own{boundary(id), id + 1 == count ? tasks : boundary(id + 1), {}};
     if (in_place) {
         own.halo.capture(in, own.begin, own.end);
 #pragma omp barrier
@@ -379,6 +392,10 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
         ring.tags[slot] = tag;
         const size_t row = static_cast<size_t>(r) * in.cols;
         const float* keep = in.in_keep && inside ? in.in_keep + b * map + row : nullptr;
+        const long flat = static_cast<long>(b) * in.rows + r;
+        // Past a masked tail's start the prepared row is zero (masked): only the columns before it are read.
+        const int extent = inside && in.columns ? in.columns[flat] : in.cols;
+        const int next_extent = in.columns && r + 1 < in.rows ? in.columns[flat + 1] : in.cols;
         for (int c = 0; c < heads; ++c) {
             float* dst = ring.data.data + (static_cast<size_t>(c) * kr + slot) * width + kLead;
             float* plain = separate_plain ? ring.plain_data.data + (dst - ring.data.data) : nullptr;
@@ -396,7 +413,7 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
                 // S, A_prev, the gradient and the gate are more streams at once than the hardware prefetchers
                 // follow: measured on Intel Xeon with the maps out of cache (as in a training step), backward
                 // 3.65 -> 3.38 ms at N = 128, B = 8 and 15.4 -> 13.7 ms at N = 512, B = 2; forward unchanged.
-                const size_t bytes = sizeof(float) * in.cols;
+                const size_t bytes = sizeof(float) * next_extent;
                 auto request = [&](const void* p, size_t count) {
                     if (defer_prefetch) ring.deferred.add(p, count);
                     else prefetch_line_by_line(p, count);
@@ -410,21 +427,25 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
             const float* src = copy ? copy : in.x + start;
             if (in.lerp_end) {
                 const float* end = in.lerp_end + start;
-                for (int j = 0; j < in.cols; ++j) dst[j] = src[j] + in.lerp_weight * (end[j] - src[j]);
+                for (int j = 0; j < extent; ++j) dst[j] = src[j] + in.lerp_weight * (end[j] - src[j]);
             } else if (in.addend) {
                 const float* addend = in.addend + start;
-                for (int j = 0; j < in.cols; ++j) dst[j] = src[j] + addend[j];
+                for (int j = 0; j < extent; ++j) dst[j] = src[j] + addend[j];
             } else {
-                std::memcpy(dst, src, sizeof(float) * in.cols);
+                std::memcpy(dst, src, sizeof(float) * extent);
             }
-            if (plain) std::memcpy(plain, dst, sizeof(float) * in.cols);
+            if (plain) std::memcpy(plain, dst, sizeof(float) * extent);
             if (in.gate) {  // (dst is zero past the last column, and so are the gate's bits there)
                 const GateBits* gate = in.gate + gate_units(in.cols) * gate_row;
-                for (int v = 0; v < (in.cols + kLanes - 1) / kLanes; ++v)
+                for (int v = 0; v < (extent + kLanes - 1) / kLanes; ++v)
                     store(dst + v * kLanes, select_lanes(gate[v], load(dst + v * kLanes)));
             }
             if (keep)
-                for (int j = 0; j < in.cols; ++j) dst[j] *= keep[j];
+                for (int j = 0; j < extent; ++j) dst[j] *= keep[j];
+            if (extent < in.cols) {
+                std::memset(dst + extent, 0, sizeof(float) * (in.cols - extent));
+                if (plain) std::memset(plain + extent, 0, sizeof(float) * (in.cols - extent));
+            }
             if (split) split_columns(dst, in.cols, ring.pair_stride, split);
         }
     }
@@ -633,6 +654,51 @@ inline void winograd_block(const Input& in, const Output& o, int b, int i, int q
     }
 }
 
+// Masked tails are skipped a whole number of these columns at a time: 64 is a block of the direct form (4 vectors
+// of 16 lanes) and two of Winograd's (32 columns), so that a row's correlated columns end where a block does.
+constexpr int kTailColumns = 64;
+
+// Columns [from, cols) of output row (b, i), a masked tail, for all heads: gate bits 0 (no gradient flows to the
+// correlation there), the output 0 or, written in place, left as it is (the input: the caller's softmax masks
+// these entries, and what is left there costs no pass over the map: a causal map's future is half of it).
+inline void masked_tail(const Input& in, const Output& o, int b, int i, int from) {
+    const size_t map = static_cast<size_t>(in.rows) * in.cols, row = static_cast<size_t>(i) * in.cols;
+    const size_t floats = sizeof(float) * (in.cols - from);
+    for (int h = 0; h < in.heads; ++h) {
+        const size_t at = (static_cast<size_t>(b) * in.heads + h) * map + row + from;
+        if (o.out != in.x) std::memset(o.out + at, 0, floats);
+        if (o.out2) std::memset(o.out2 + at, 0, floats);
+        if (o.saved) {
+            const size_t first = gate_unit((static_cast<size_t>(b) * in.heads + h) * in.rows + i, in.cols, from);
+            std::memset(o.saved + first, 0, sizeof(GateBits) * (gate_units(in.cols) - from / kLanes));
+        }
+    }
+}
+
+// Per flat output row of a [B, 1, Q, K] mask `keep`, the columns to correlate when the masked tail of each row is
+// skipped: up to the last kept column, rounded up to kTailColumns (at most `cols`); all columns in a row without
+// a kept column (a padding query's, whose probabilities are not masked). Where the caller masks, in every
+// layer's softmax, the entries right of a row's last kept column (a causal map's future, a batch's padded keys),
+// these entries' outputs are never read: a causal map's rows then cost as many columns as they have.
+// `work` receives the prefix sums of the rows' work for thread_rows (the columns, plus a share for preparing
+// the row's input).
+std::vector<int> masked_tail_columns(const float* keep, int batch, int rows, int cols, std::vector<long>& work,
+                                     int threads) {
+    const long tasks = static_cast<long>(batch) * rows;
+    std::vector<int> columns(tasks);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < tasks; ++t) {
+        const float* mask = keep + t * static_cast<size_t>(cols);
+        int last = cols - 1;
+        while (last >= 0 && mask[last] == 0.0f) --last;
+        const int rounded = (last + 1 + kTailColumns - 1) / kTailColumns * kTailColumns;
+        columns[t] = last < 0 ? cols : std::min(cols, rounded);
+    }
+    work.assign(tasks + 1, 0);
+    for (long t = 0; t < tasks; ++t) work[t + 1] = work[t] + columns[t] + cols / 16 + 1;
+    return columns;
+}
+
 // One output row (b, i) for all heads. `Heads` and `Cols` > 0 fix the head count and kernel width at compile
 // time (accumulators in registers, taps unrolled); 0 reads them at run time (any size, slower).
 // `spread_prefetch`: the next row's cache lines are requested a share before each block (see PrefetchQueue).
@@ -663,31 +729,36 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
     constexpr bool kWinograd = winograd<Heads, Cols>();
     prepare_rows<kWinograd>(in, b, i, ring, halo, blend_in_ring, spread_prefetch);
     const float* out_keep = o.out_keep ? o.out_keep + b * map + row : nullptr;
+    // The columns to correlate: all, or up to the row's masked tail (a multiple of kTailColumns, see
+    // masked_tail_columns), which then takes a correlation of 0.
+    const int columns = in.columns ? in.columns[static_cast<size_t>(b) * in.rows + i] : in.cols;
     if constexpr (kWinograd) {
-        const int vectors = pair_vectors(in.cols), groups = heads / group;
-        const size_t share = spread_prefetch ? ring.deferred.pending / (vectors * groups) + 1 : 0;
+        const int vectors = pair_vectors(columns), groups = heads / group;
+        const size_t share = spread_prefetch ? ring.deferred.pending / (std::max(vectors, 1) * groups) + 1 : 0;
         for (int q = 0; q < vectors; ++q)
             for (int h0 = 0; h0 < heads; h0 += group) {
                 ring.deferred.issue(share);
                 winograd_block<Heads>(in, o, b, i, q, h0, ring, out_keep, blend_in_ring);
             }
-        return;
+    } else {
+        constexpr int kVectors = output_vectors<Heads>();
+        const int whole = (columns / (kVectors * kLanes)) * kVectors * kLanes;
+        const int blocks = std::max(1, (whole / (kVectors * kLanes) + (columns - whole + kLanes - 1) / kLanes) *
+                                           ((heads + group - 1) / group));
+        const size_t share = spread_prefetch ? ring.deferred.pending / blocks + 1 : 0;
+        int j0 = 0;
+        for (; j0 < whole; j0 += kVectors * kLanes)
+            for (int h0 = 0; h0 < heads; h0 += group) {
+                ring.deferred.issue(share);
+                output_block<Heads, Cols, kVectors>(in, o, b, i, j0, h0, ring, out_keep, blend_in_ring);
+            }
+        for (; j0 < columns; j0 += kLanes)
+            for (int h0 = 0; h0 < heads; h0 += group) {
+                ring.deferred.issue(share);
+                output_block<Heads, Cols, 1>(in, o, b, i, j0, h0, ring, out_keep, blend_in_ring);
+            }
     }
-    constexpr int kVectors = output_vectors<Heads>();
-    const int whole = (in.cols / (kVectors * kLanes)) * kVectors * kLanes;
-    const int blocks = (whole / (kVectors * kLanes) + (in.cols - whole + kLanes - 1) / kLanes) * ((heads + group - 1) / group);
-    const size_t share = spread_prefetch ? ring.deferred.pending / blocks + 1 : 0;
-    int j0 = 0;
-    for (; j0 < whole; j0 += kVectors * kLanes)
-        for (int h0 = 0; h0 < heads; h0 += group) {
-            ring.deferred.issue(share);
-            output_block<Heads, Cols, kVectors>(in, o, b, i, j0, h0, ring, out_keep, blend_in_ring);
-        }
-    for (; j0 < in.cols; j0 += kLanes)
-        for (int h0 = 0; h0 < heads; h0 += group) {
-            ring.deferred.issue(share);
-            output_block<Heads, Cols, 1>(in, o, b, i, j0, h0, ring, out_keep, blend_in_ring);
-        }
+    if (columns < in.cols) masked_tail(in, o, b, i, columns);
 }
 
 // `given` with its weights ([h][c][dy][dx]) copied into `reordered` as the kernel reads them, [c][dy][dx][h], or
@@ -719,17 +790,24 @@ Output with_reordered_weights(const Output& given, int heads, int taps, std::vec
 }
 
 template <int Heads, int Cols>
-void correlate(const Input& in, const Output& given, int threads) {
-    const int heads = in.heads, taps = in.kernel_rows * in.kernel_cols;
+void correlate(const Input& given_in, const Output& given, int threads, bool skip_masked_tails) {
+    const int heads = given_in.heads, taps = given_in.kernel_rows * given_in.kernel_cols;
     std::vector<float> reordered;
     const Output o = with_reordered_weights(given, heads, taps, reordered, winograd<Heads, Cols>());
+    Input in = given_in;
+    std::vector<long> work;
+    std::vector<int> columns;
+    if (skip_masked_tails && in.in_keep) {
+        columns = masked_tail_columns(in.in_keep, in.batch, in.rows, in.cols, work, threads);
+        in.columns = columns.data();
+    }
     // Each thread takes consecutive rows. Writing the output over the input is safe within a thread (an input
     // row is in the ring before its output row is written); the rows of neighbouring threads it reads are
     // copied before anyone writes.
     const bool in_place = o.out == in.x;
 #pragma omp parallel num_threads(threads)
     {
-        const ThreadRows own = thread_rows(in, in_place);
+        const ThreadRows own = thread_rows(in, in_place, in.columns ? &work : nullptr);
         RowRing ring;
         for (long t = own.begin; t < own.end; ++t)
             output_row<Heads, Cols>(in, o, t / in.rows, t % in.rows, ring, in_place ? &own.halo : nullptr, true);
@@ -789,7 +867,9 @@ void weight_grad_row(const Input& in, const float* const* gy, int b, int i, RowR
     const int heads = Heads > 0 ? Heads : in.heads;
     const int kernel_cols = Cols > 0 ? Cols : in.kernel_cols;
     const int pad = kernel_cols / 2, kr = in.kernel_rows, taps = kr * kernel_cols;
-    const int vectors = (in.cols + kLanes - 1) / kLanes;
+    // (gy is zero past the row's masked tail, where there is one: its gate bits are)
+    const int columns = in.columns ? in.columns[static_cast<size_t>(b) * in.rows + i] : in.cols;
+    const int vectors = (columns + kLanes - 1) / kLanes;
     prepare_rows(in, b, i, ring);
     for (int h = 0; h < heads; ++h)
         for (int v = 0; v < vectors; ++v) grad_b[h] += load(gy[h] + v * kLanes);
@@ -834,14 +914,27 @@ inline void lanes_sums(const std::vector<vfloat>& grad_w, const std::vector<vflo
 // transposed convolution of the gated gradient, as ea_correlate computes it) from a ring of gated gradient
 // rows, then the weight and bias contributions of gradient row i, which that ring already holds gated. The
 // input gradient may be written over the incoming gradient (out == grad), as ea_correlate writes over its input.
+//
+// With `skip_masked_tails` (and a mask), each row stops at its masked tail as ea_correlate's does: the gate bits
+// are 0 there (forward wrote them so), and the caller's incoming gradient is 0 there (its softmax masks these
+// entries, in every layer), so the gradients of the tail are 0 (written as 0, or left as they are in place) and
+// the weight gradient has nothing to add from it.
 template <int Heads, int Cols>
-void backward(const Input& grad_in, const Output& grad_out, const Input& forward_in, float* grad_weight,
-              float* grad_bias, int threads) {
-    const int heads = grad_in.heads, taps = grad_in.kernel_rows * grad_in.kernel_cols;
-    const int kr = grad_in.kernel_rows, own_row = -grad_in.row_shift;
+void backward(const Input& given_grad_in, const Output& grad_out, const Input& given_forward_in, float* grad_weight,
+              float* grad_bias, int threads, bool skip_masked_tails) {
+    const int heads = given_grad_in.heads, taps = given_grad_in.kernel_rows * given_grad_in.kernel_cols;
+    const int kr = given_grad_in.kernel_rows, own_row = -given_grad_in.row_shift;
     const size_t weights = static_cast<size_t>(heads) * heads * taps;
     std::vector<float> reordered;
     const Output out = with_reordered_weights(grad_out, heads, taps, reordered, winograd<Heads, Cols>());
+    Input grad_in = given_grad_in, forward_in = given_forward_in;
+    std::vector<long> work;
+    std::vector<int> columns;
+    if (skip_masked_tails && forward_in.in_keep) {
+        columns = masked_tail_columns(forward_in.in_keep, forward_in.batch, forward_in.rows, forward_in.cols, work,
+                                      threads);
+        grad_in.columns = forward_in.columns = columns.data();
+    }
     const bool in_place = out.out == grad_in.x;
     // Each thread's weight and bias gradients, added up in thread order afterwards: the same bits on every
     // run with the same thread count (an atomic or critical sum would depend on which thread finishes first).
@@ -852,7 +945,7 @@ void backward(const Input& grad_in, const Output& grad_out, const Input& forward
         const int id = omp_get_thread_num();
 #pragma omp single
         team = omp_get_num_threads();
-        const ThreadRows own = thread_rows(grad_in, in_place);
+        const ThreadRows own = thread_rows(grad_in, in_place, grad_in.columns ? &work : nullptr);
         RowRing gradient_ring, input_ring;
         std::vector<vfloat> grad_w(weights, vfloat{}), grad_b(heads, vfloat{});
         const float* rows[kMaxHeads];
@@ -898,16 +991,19 @@ inline bool supported(int heads, int kernel_rows, int kernel_cols) {
 extern "C" {
 
 // Both return 0 on success and 1 for sizes the kernels do not take (the caller checks them first).
+// `skip_masked_tails` (with a mask): each row's correlation stops at its masked tail (after its last kept column,
+// rounded up, see masked_tail_columns and masked_tail), for callers whose softmax masks those entries.
 int ea_correlate(const float* x, const float* lerp_end, float lerp_weight, const void* gate, const float* in_keep,
                  const float* w, const float* bias, int batch, int heads, int rows, int cols, int kernel_rows,
                  int kernel_cols, int row_shift, int relu, void* saved, const float* out_keep, const float* blend,
-                 float blend_coef, float* out, float out_scale, float* out2, float out2_scale, int threads) {
+                 float blend_coef, float* out, float out_scale, float* out2, float out2_scale, int threads,
+                 int skip_masked_tails) {
     if (!supported(heads, kernel_rows, kernel_cols)) return 1;
     const Input in{x, lerp_end, lerp_weight, nullptr, static_cast<const GateBits*>(gate), in_keep, batch, heads,
                    rows, cols, kernel_rows, kernel_cols, row_shift};
     const Output o{w, bias, relu, static_cast<GateBits*>(saved), out_keep, blend, blend_coef, out, out_scale,
                    out2, out2_scale};
-    EA_DISPATCH(correlate, heads, kernel_cols, in, o, threads);
+    EA_DISPATCH(correlate, heads, kernel_cols, in, o, threads, skip_masked_tails != 0);
 }
 
 // The evolution step's backward: gradients of S (out, times out_scale) and of A_prev (out2, times
@@ -919,15 +1015,17 @@ int ea_correlate(const float* x, const float* lerp_end, float lerp_weight, const
 int ea_backward(const float* scores, const float* previous, float alpha, const float* keep, const float* grad,
                 const float* grad_addend, const void* gate, const float* w_t, int batch, int heads, int rows, int cols,
                 int kernel_rows, int kernel_cols, int row_shift, int row_shift_t, float blend_coef, float* out,
-                float out_scale, float* out2, float out2_scale, float* grad_weight, float* grad_bias, int threads) {
+                float out_scale, float* out2, float out2_scale, float* grad_weight, float* grad_bias, int threads,
+                int skip_masked_tails) {
     if (!supported(heads, kernel_rows, kernel_cols) || -row_shift_t < 0 || -row_shift_t >= kernel_rows) return 1;
     const Input grad_in{grad, nullptr, 0.0f, grad_addend, static_cast<const GateBits*>(gate), nullptr, batch, heads,
                         rows, cols, kernel_rows, kernel_cols, row_shift_t};
     const Output grad_out{w_t, nullptr, 0, nullptr, keep, grad, blend_coef, out, out_scale, out2, out2_scale};
     const Input forward_in{scores, previous, alpha, nullptr, nullptr, keep, batch, heads, rows, cols,
                            kernel_rows, kernel_cols, row_shift};
-    EA_DISPATCH(backward, heads, kernel_cols, grad_in, grad_out, forward_in, grad_weight, grad_bias, threads);
+    EA_DISPATCH(backward, heads, kernel_cols, grad_in, grad_out, forward_in, grad_weight, grad_bias, threads,
+                skip_masked_tails != 0);
 }
 
-int ea_kernel_version() { return 12; }
+int ea_kernel_version() { return 13; }
 }
