@@ -130,17 +130,24 @@ def attach_evolution(
     if plan is None:
         plan = plan_evolution(model, settings)
     spec = architecture_of(model)
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None)
     for chosen, stack_sites in plan:
         previous: dict[str | None, int] = {}  # the last evolving layer of each chain in this stack
-        for site in stack_sites:
-            if chosen.layers is not None and site.layer not in chosen.layers:
-                continue
+        evolving = [site for site in stack_sites if chosen.layers is None or site.layer in chosen.layers]
+        masks_of_chain: dict[str | None, set[str | None]] = {}
+        for site in evolving:
+            kind = layer_types[site.layer] if layer_types and site.layer < len(layer_types) else None
+            masks_of_chain.setdefault(site.chain, set()).add(kind)
+        for site in evolving:
             reference = next(site.module.parameters())
             num_heads = operator.attrgetter(spec.num_heads_attribute)(site.module)
             where = {"role": site.role, "position": site.layer, "previous": previous.get(site.chain)}
             where |= {"device": reference.device, "dtype": reference.dtype}
             head_dim = getattr(site.module, "head_dim", None) or query_projection(site.module).out_features // num_heads
             evolution = EVOLUTION_METHODS[chosen.method].from_settings(chosen, num_heads, head_dim, **where)
+            # One mask for the whole chain (its layers share one attention type): each layer's softmax masks
+            # what the others' kernels leave out (see AttentionMapEvolution.skip_masked_tails).
+            evolution.skip_masked_tails = len(masks_of_chain[site.chain]) == 1
             setattr(site.module, MODULE_ATTRIBUTE, evolution)
             if evolution.causal:
                 site.module.register_forward_pre_hook(pass_cache, with_kwargs=True)

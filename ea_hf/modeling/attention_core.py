@@ -337,8 +337,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
     ``None``), ``position_bias`` (or ``None``), the convolution's ``weight`` and ``bias``, ``conv_mask`` (bool,
     where entries may enter the convolution, or ``None``), ``allowed`` / ``additive`` (the attention mask, see
     :func:`~.masks.split_attention_mask`), then the constants ``scaling``, ``softcap``, ``alpha``, ``beta``,
-    ``causal``, ``context_rows`` and ``dropout`` (the probability; 0 outside training). Half-precision queries
-    give fp32 maps, as the unfused path does.
+    ``causal``, ``context_rows``, ``dropout`` (the probability; 0 outside training) and ``skip_masked_tails``
+    (see :class:`~.convolution.FusedKernel`). Half-precision queries give fp32 maps, as the unfused path does.
     """
 
     @staticmethod
@@ -361,6 +361,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         causal,
         context_rows,
         dropout,
+        skip_masked_tails=False,
     ):
         # Keys and values as contiguous [B, H, K, D] (they arrive as views of the projections' [B, K, H * D]
         # outputs): every product with them, here and in backward, then reads them in place instead of copying
@@ -378,8 +379,9 @@ class EvolvingAttentionCore(torch.autograd.Function):
             scores = full_precision(attention_scores(query, key, scaling, position_bias, softcap))
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
         logits, gate, _ = evolve_for_backward(
-            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, spend_scores=not small
-        )
+            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, spend_scores=not small,
+            skip_masked_tails=skip_masked_tails,
+        )  # fmt: skip
         output, probabilities, full, dropout_mask = attend_values(logits, allowed, additive, value, dropout)
         # Kept: S and P (A_logit is kept by the next layer, as its A_prev). Else A_logit, to recompute P from.
         kept = (scores, full, None) if small else (None, None, logits)
@@ -392,6 +394,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         # S is recomputed under the autocast state it was computed under (a matmul may run in half precision).
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.constants = (scaling, softcap, alpha, beta, context_rows, dropout)
+        ctx.skip_masked_tails = skip_masked_tails
         ctx.set_materialize_grads(False)
         return output, logits, probabilities
 
@@ -470,6 +473,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
             spent=(grad_evolved, full if kept_probabilities is None else None),
             grad_addend=grad_logits,  # the next layer's, through its A_prev: added as the kernel reads
             scaled_scores=True,  # S's gradient may share A_prev's map (see ScaledMap)
+            skip_masked_tails=ctx.skip_masked_tails,
         )
         del grad_evolved, full
         if ctx.plain:
@@ -493,7 +497,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
             grad_query, grad_key, grad_positions = (None if t is None else grads.get(id(t)) for t in leaves)
         if grad_weight is not None:
             grad_weight, grad_bias = grad_weight.to(weight.dtype), grad_bias.to(bias.dtype)
-        return (grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias, *[None] * 10)
+        return (grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias, *[None] * 11)
 
 
 #: Operators whose outputs :func:`compiled_core` keeps for backward: the fused kernel's A_logit and gate, and
@@ -527,9 +531,11 @@ def compiled_core(
     causal: bool,
     context_rows: int,
     dropout: float,
+    skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What :class:`EvolvingAttentionCore` computes, with the arguments of its ``apply``, in a form
-    ``torch.compile`` traces: the layer's operators inside a selective activation checkpoint that keeps A_logit
+    ``torch.compile`` traces (whose kernel operators correlate every row whole: ``skip_masked_tails`` changes
+    nothing here): the layer's operators inside a selective activation checkpoint that keeps A_logit
     and the gate of the fused CPU kernel (and dropout's mask) and recomputes S and P in backward, as the core
     does. Without it, a compiled training step keeps S, A_logit and P per layer (1.5x a compiled eager step's
     memory at N = 512). Where the maps are small (:func:`keeps_small_maps`), S is kept (computed before the

@@ -27,7 +27,9 @@ class FusedKernel(Protocol):
     A_logit written over ``scores`` and no gate unless ``gate``; ``convolve`` a plain correlation plus bias whose
     output row i reads input rows ``i + row_shift ..``; ``backward`` the step's gradients (see
     ``ea_hf.ops.cpu.backward``; with ``shared_map=True`` it may return S's gradient as a :class:`ScaledMap` of
-    A_prev's).
+    A_prev's). ``skip_masked_tails``: the caller's softmax masks, in every layer of the chain, the entries right of
+    each row's last kept column, so a kernel may leave them out (the CPU kernel does, see
+    ``ea_hf.ops.cpu.forward_correlation``).
     """
 
     def applicable(
@@ -47,11 +49,12 @@ class FusedKernel(Protocol):
         *,
         in_place: bool,
         gate: bool | None = None,
+        skip_masked_tails: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> Any: ...
 
-    def backward(self, *args: Any) -> tuple[Any, ...]: ...
+    def backward(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]: ...
 
 
 class ScaledMap(NamedTuple):
@@ -109,12 +112,12 @@ class EvolveConvolution(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, scores, previous, keep, weight, bias, alpha, beta, causal, context_rows):
+    def forward(ctx, scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, skip_masked_tails=False):
         logits, gate, scaled_weight = evolve_for_backward(
-            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows
+            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, skip_masked_tails=skip_masked_tails
         )
         ctx.save_for_backward(scores, previous, gate, scaled_weight, keep)
-        ctx.alpha, ctx.beta, ctx.context_rows = alpha, beta, context_rows
+        ctx.alpha, ctx.beta, ctx.context_rows, ctx.skip_masked_tails = alpha, beta, context_rows, skip_masked_tails
         return logits
 
     @staticmethod
@@ -134,8 +137,9 @@ class EvolveConvolution(torch.autograd.Function):
             ctx.context_rows,
             needs_input=ctx.needs_input_grad[0] or ctx.needs_input_grad[1],
             needs_kernel=ctx.needs_input_grad[3] or ctx.needs_input_grad[4],
+            skip_masked_tails=ctx.skip_masked_tails,
         )
-        return grad_scores, grad_previous, None, grad_weight, grad_bias, None, None, None, None
+        return grad_scores, grad_previous, None, grad_weight, grad_bias, None, None, None, None, None
 
 
 def evolve_for_backward(
@@ -150,6 +154,7 @@ def evolve_for_backward(
     context_rows: int,
     *,
     spend_scores: bool = False,
+    skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(A_logit, the ReLU gate, the beta-scaled weight) of a step that :func:`evolve_backward` will
     differentiate. S is left as it is (backward needs it), or with ``spend_scores`` (backward recomputes it)
@@ -168,6 +173,7 @@ def evolve_for_backward(
         alpha=alpha,
         for_backward=True,
         spend_scores=spend_scores,
+        skip_masked_tails=skip_masked_tails,
     )
     return logits, gate, scaled_weight
 
@@ -188,6 +194,7 @@ def evolve_backward(
     spent: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     grad_addend: torch.Tensor | None = None,
     scaled_scores: bool = False,
+    skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor | ScaledMap | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of S, A_prev, the weight and the bias (of the parameters, not the beta-scaled kernel) of
     A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha), given the
@@ -218,6 +225,7 @@ def evolve_backward(
             spent,
             grad_addend,
             shared_map=scaled_scores,
+            skip_masked_tails=skip_masked_tails,
         )
     else:
         grad_logits = plus_addend(grad_logits, grad_addend, owned=spent[0] is grad_logits)
@@ -277,9 +285,10 @@ def evolve_step(
     alpha: float = 0.0,
     for_backward: bool = False,
     spend_scores: bool = False,
+    skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(A_logit, the ReLU gate for backward if ``for_backward``) for the rows of S, with beta-scaled kernel
-    weights.
+    weights (``skip_masked_tails``: see :class:`FusedKernel`).
 
     A_in is S, or with ``previous`` the residual mix lerp(S, previous, alpha): the CPU kernel mixes as it
     reads; elsewhere it is computed in S's storage, or in a new tensor ``for_backward`` (which keeps S; the
@@ -299,7 +308,8 @@ def evolve_step(
         # Without autograd, or with spend_scores (backward recomputes it), S is not needed afterwards: the
         # kernel writes A_logit over it.
         step = (scores, previous, keep, scaled_weight, scaled_bias, alpha, blend, context_rows)
-        return kernel.evolve(*step, in_place=spend_scores or not for_backward, gate=for_backward)
+        in_place = spend_scores or not for_backward
+        return kernel.evolve(*step, in_place=in_place, gate=for_backward, skip_masked_tails=skip_masked_tails)
     attention_in = scores
     if previous is not None:
         attention_in = torch.lerp(scores, previous, alpha) if for_backward else scores.lerp_(previous, alpha)
@@ -453,8 +463,10 @@ def evolve_convolution(
     *,
     previous: torch.Tensor | None = None,
     alpha: float = 0.0,
+    skip_masked_tails: bool = False,
 ) -> torch.Tensor:
-    """beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in (see :class:`EvolveConvolution`).
+    """beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in (see :class:`EvolveConvolution`; ``skip_masked_tails``:
+    see :class:`FusedKernel`).
 
     A_in is ``scores``, or with ``previous`` (the previous layer's A_logit) the residual mix
     (1 - alpha) * scores + alpha * previous; where it is materialised without autograd, it overwrites
@@ -475,10 +487,21 @@ def evolve_convolution(
             if history.rows is not None:
                 raise ValueError("evolve_convolution back-propagates only through a first decoding step")
             begin_history(history, scores, previous, alpha, keep, context_rows)
-        return EvolveConvolution.apply(scores, previous, keep, weight, bias, alpha, beta, causal, context_rows)
+        step = (scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, skip_masked_tails)
+        return EvolveConvolution.apply(*step)
     scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
     logits, _ = evolve_step(
-        scores, keep, scaled_weight, scaled_bias, beta, causal, history, context_rows, previous=previous, alpha=alpha
+        scores,
+        keep,
+        scaled_weight,
+        scaled_bias,
+        beta,
+        causal,
+        history,
+        context_rows,
+        previous=previous,
+        alpha=alpha,
+        skip_masked_tails=skip_masked_tails,
     )
     return logits
 

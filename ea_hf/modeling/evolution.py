@@ -63,6 +63,12 @@ class AttentionMapEvolution(nn.Module):
         torch.Size([4, 4, 2, 3])
     """
 
+    #: Whether a fused kernel may leave out each row's masked tail (the entries right of its last kept column):
+    #: true where every layer of the chain has the same mask, so that every layer's softmax masks the entries
+    #: this layer leaves out (set by :func:`~.attach.attach_evolution`). Not where local and global layers share a
+    #: chain (ModernBERT): a global layer reads a local layer's logits right of its window.
+    skip_masked_tails: bool = False
+
     def __init__(
         self,
         num_heads: int,
@@ -270,6 +276,7 @@ class AttentionMapEvolution(nn.Module):
             self.causal,
             self.context_rows,
             dropout,
+            self.skip_masked_tails,
         )
         chain[self.key] = logits
         return output, probabilities
@@ -342,6 +349,7 @@ class AttentionMapEvolution(nn.Module):
                 self.context_rows,
                 previous=previous,
                 alpha=self.alpha,
+                skip_masked_tails=self.skip_masked_tails,
             )
         if previous is not None and not torch.is_grad_enabled():
             chain[SPARE_KEY] = previous

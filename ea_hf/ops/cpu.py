@@ -195,10 +195,10 @@ def correlate(
     bit a value: the gate of backward.
     ``in_place`` writes the result over ``x`` (one map less to allocate; ``x`` may also be ``blend``).
     ``skip_masked_tails`` (with ``in_keep``): each row's correlation stops after its last kept column, rounded up
-    to 64 columns, and the rest of the row takes a correlation of 0 (ReLU output and gate 0: the blend alone);
-    a row without a kept column is correlated whole. For callers whose softmax masks, in every layer, the
-    entries right of a row's last kept column: a causal map's future, a batch's padded keys (see
-    :func:`evolve`).
+    to 64 columns; from there on the gate is 0 and the output 0, or in place ``x`` left as it is (no pass over
+    a causal map's future half). A row without a kept column is correlated whole. For callers whose softmax
+    masks, in every layer, the entries right of a row's last kept column: a causal map's future, a batch's
+    padded keys (see :func:`forward_correlation`).
     """
     library = cpu_kernel()
     batch, heads, rows, cols = x.shape
@@ -242,12 +242,14 @@ def correlate(
     return out
 
 
-#: The evolution's forward correlation: masked tails skipped (see :func:`correlate`). Every caller of the evolution
-#: on CPU masks them in its softmax: the attention functions give the convolution the mask of the softmax, less
-#: the rows of padding queries (which are correlated whole), so each layer's logits differ from the reference
-#: formulation's only in entries every layer's softmax masks, and no output or gradient depends on them. AMD
-#: EPYC: a causal [1, 12, 2048, 2048] map 55.5 -> 35.1 ms; a ~125M Llama's prefill of 2048 tokens 0.93x as long.
-skipping_correlate = functools.partial(correlate, skip_masked_tails=True)
+def forward_correlation(skip_masked_tails: bool):
+    """The correlation of the evolution's forward: :func:`correlate`, skipping masked tails where the caller says
+    every layer of its chain masks them in its softmax (see :attr:`AttentionMapEvolution.skip_masked_tails
+    <ea_hf.modeling.evolution.AttentionMapEvolution.skip_masked_tails>`): each layer's logits then differ from
+    the reference formulation's only in entries every layer's softmax masks, and no output or gradient depends
+    on them. AMD EPYC: a causal [1, 12, 2048, 2048] map 55.5 -> 35.1 ms; a ~125M Llama's prefill of 2048 tokens
+    0.85x to 0.93x as long."""
+    return functools.partial(correlate, skip_masked_tails=True) if skip_masked_tails else correlate
 
 
 def backward(
@@ -264,9 +266,10 @@ def backward(
     addend: torch.Tensor | None = None,
     *,
     shared_map: bool = False,
+    skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor | ScaledMap, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's whole backward (see :func:`_backward`; while torch.compile traces, the operator
-    ``ea_hf::evolve_backward_one_map``).
+    ``ea_hf::evolve_backward_one_map``, which correlates every row whole).
 
     The incoming gradient is ``grad`` plus ``addend`` (where given). Outside torch.compile (a compiled graph plans
     its own buffers), the kernel adds them as it reads, and with ``into`` writes the gradients of S and of A_prev
@@ -286,6 +289,7 @@ def backward(
             into,
             addend,
             shared_map=shared_map,
+            skip_masked_tails=skip_masked_tails,
         )
     if addend is not None:
         grad = grad + addend
@@ -319,7 +323,7 @@ def _backward(
     *,
     shared_map: bool = False,
     scores_map: bool = False,
-    skip_masked_tails: bool = True,
+    skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor | ScaledMap, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's whole backward in one pass over the rows (see ``ea_backward``).
 
@@ -337,9 +341,9 @@ def _backward(
     as much as a tenth of the pass (measured on AMD EPYC, N = 512: 23 -> 20.5 ms) and a map of memory.
     ``scores_map``: G_in is written once too, as S's gradient (see :func:`split_map_gradient`), and A_prev's is
     returned as ``None``.
-    ``skip_masked_tails`` (with ``keep``): each row stops at its masked tail, as :data:`skipping_correlate`
-    does forward; the gradients there are 0 (the softmax of every layer masks those entries, so the incoming
-    gradient is 0 there).
+    ``skip_masked_tails`` (with ``keep``): each row stops at its masked tail, as :func:`forward_correlation`'s
+    does forward; the gradients there are 0, as they are where every layer's softmax masks those entries (the
+    incoming gradient is 0 there).
     """
     library = cpu_kernel()
     batch, heads, rows, cols = scores.shape
@@ -460,7 +464,7 @@ def evolve_operator(scores, previous, keep, weight, bias, alpha, blend, context_
     """(ReLU(Conv(A_in * keep)) + blend * A_in, its bit-packed ReLU gate), A_in = lerp(S, A_prev, alpha): the
     evolution step's forward pass, differentiable (its backward is ``ea_hf::evolve_backward_one_map``)."""
     return evolve_by_correlation(
-        skipping_correlate,
+        correlate,
         scores,
         previous,
         keep,
@@ -497,16 +501,20 @@ def _evolve_backward(ctx, grad_logits, _grad_gate):
 evolve_operator.register_autograd(_evolve_backward, setup_context=_save_for_evolve_backward)
 
 
-def evolve_in_place(scores, previous, keep, weight, bias, alpha, blend, context_rows) -> None:
+def evolve_in_place(
+    scores, previous, keep, weight, bias, alpha, blend, context_rows, skip_masked_tails: bool = False
+) -> None:
     """``ea_hf::evolve_with_gate_bits`` written over ``scores``, without the gate (inference: one map less): the
-    body of ``ea_hf::evolve_``, which :func:`evolve` also calls directly outside torch.compile."""
+    body of ``ea_hf::evolve_``, which :func:`evolve` also calls directly outside torch.compile (there also
+    ``skip_masked_tails``, see :func:`forward_correlation`)."""
+    correlation = forward_correlation(skip_masked_tails)
     if scores.is_contiguous():
         evolve_by_correlation(
-            skipping_correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=True
+            correlation, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=True
         )
     else:
         step = (scores, previous, keep, weight, bias, alpha, blend, context_rows)
-        scores.copy_(evolve_by_correlation(skipping_correlate, *step, in_place=False, gate=False)[0])
+        scores.copy_(evolve_by_correlation(correlation, *step, in_place=False, gate=False)[0])
 
 
 @torch.library.custom_op("ea_hf::evolve_", mutates_args=("scores",), device_types="cpu", schema=EVOLVE_IN_PLACE_SCHEMA)
@@ -566,10 +574,12 @@ def evolve(
     *,
     in_place: bool,
     gate: bool | None = None,
+    skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The evolution step's forward (see ``ea_hf.modeling.convolution.FusedKernel``): through the operators while
     torch.compile traces (never in place: a compiled graph plans its own buffers) and where autograd differentiates
-    the result; elsewhere, in place, the operators' bodies directly."""
+    the result; elsewhere, in place, the operators' bodies directly, which skip masked tails with
+    ``skip_masked_tails`` (see :func:`forward_correlation`; the operators correlate every row whole)."""
     gate = not in_place if gate is None else gate
     # Outside torch.compile the operators' bodies run directly where the result is not differentiated: the
     # dispatch of a Python custom operator costs about 15 us a call warm and 80 to 110 us inside a decoding
@@ -577,10 +587,10 @@ def evolve(
     if in_place and not torch.compiler.is_compiling():
         if gate:  # the attention core's forward (never compiled): S is spent, A_logit and the gate are kept
             return evolve_by_correlation(
-                skipping_correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=True,
-                gate=True, new_gate=packed_gate,
+                forward_correlation(skip_masked_tails), scores, previous, keep, weight, bias, alpha, blend,
+                context_rows, in_place=True, gate=True, new_gate=packed_gate,
             )  # fmt: skip
-        evolve_in_place(scores, previous, keep, weight, bias, alpha, blend, context_rows)
+        evolve_in_place(scores, previous, keep, weight, bias, alpha, blend, context_rows, skip_masked_tails)
         return scores, None
     logits, saved = torch.ops.ea_hf.evolve_with_gate_bits(
         scores, previous, keep, weight, bias, alpha, blend, context_rows

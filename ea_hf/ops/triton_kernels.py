@@ -287,6 +287,7 @@ def backward(
     addend: torch.Tensor | None = None,
     *,
     shared_map: bool = False,
+    skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's backward, as :func:`ea_hf.ops.cpu.backward`; callers check :func:`applicable`.
     (``into``, the spent maps the CPU kernel may write to, is not used: the gradients get new maps; ``addend``
@@ -764,8 +765,10 @@ def evolve(
     *,
     in_place: bool,
     gate: bool | None = None,
+    skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The evolution step's forward pass (see ``ea_hf.modeling.convolution.FusedKernel``) in one launch."""
+    """The evolution step's forward pass (see ``ea_hf.modeling.convolution.FusedKernel``) in one launch. Every
+    row is correlated whole (``skip_masked_tails``, which the CPU kernel takes, is not implemented here)."""
     return evolve_by_correlation(
         correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=in_place, gate=gate
     )

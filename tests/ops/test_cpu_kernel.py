@@ -1,6 +1,5 @@
 """The fused CPU kernels against the same steps written as torch operations, and their build and fallback."""
 
-import functools
 import logging
 
 import pytest
@@ -518,32 +517,42 @@ def test_backward_with_masked_tails_is_the_gradient_where_the_softmax_masks_them
     a_in = torch.lerp(s, p, alpha)
     convolved, _ = correlate_with_torch(a_in, w, b, -context, in_keep=keep, relu=True)
     ((convolved + (1 - beta) * a_in) * upstream).sum().backward()
-    float_args = (scores.float(), previous.float(), keep, weight.float(), bias.float(), alpha, 1 - beta)
-    _, gate = torch.ops.ea_hf.evolve_with_gate_bits(*float_args, context)
+    float_args = (scores.float().clone(), previous.float(), keep, weight.float(), bias.float(), alpha, 1 - beta)
+    _, gate = kernels.evolve(*float_args, context, in_place=True, gate=True, skip_masked_tails=True)
     grads = with_threads(
         threads, kernels.backward, scores.float(), previous.float(), alpha, keep, upstream.float(), gate,
-        weight.float(), context, beta,
+        weight.float(), context, beta, skip_masked_tails=True,
     )  # fmt: skip
     for got, want in zip(grads, [s.grad, p.grad, w.grad, b.grad], strict=True):
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     noisy = upstream.float().masked_fill(past_last_kept, 1.0)
     grad_scores = kernels.backward(scores.float(), previous.float(), alpha, keep, noisy, gate, weight.float(),
-                                   context, beta)[0]  # fmt: skip
+                                   context, beta, skip_masked_tails=True)[0]  # fmt: skip
     assert not grad_scores.masked_select(columns >= tail_starts(keep)).any()
 
 
 @needs_compiler
-@pytest.mark.parametrize("family", ["llama", "qwen2", "bert"])  # causal; causal with sliding windows; padded keys
-def test_skipping_masked_tails_changes_no_output_or_gradient_of_a_model(family, monkeypatch):
+@pytest.mark.parametrize(
+    ("family", "skips"),
+    # causal; causal with sliding-window layers (chains of their own); padded keys; local and global layers in
+    # one chain (a global layer reads a local layer's logits right of its window: no skipping there)
+    [("llama", True), ("qwen2", True), ("bert", True), ("modernbert", False)],
+)
+def test_skipping_masked_tails_changes_no_output_or_gradient_of_a_model(family, skips, monkeypatch):
     """A model's outputs (inference) and a training step's loss and gradients are those of the kernel without
     skipping (within float rounding: the tails feed no output), on 150 tokens, where causal rows and padded keys
-    leave tails of 64 columns and more; and the kernel was asked to skip such tails forward and backward."""
+    leave tails of 64 columns and more; the kernel was asked to skip such tails forward (and backward) wherever
+    every layer of the chain has the same mask, and nowhere else."""
     from testing import CAUSAL_LM_FAMILIES, VOCAB_SIZE, tiny_model
     from transformers import AutoModel, AutoModelForCausalLM
 
+    from ea_hf.modeling.evolution import AttentionMapEvolution
+
     model_type, overrides = CAUSAL_LM_FAMILIES.get(family, (family, {}))
-    head = AutoModel if family == "bert" else AutoModelForCausalLM
+    head = AutoModel if family in ("bert", "modernbert") else AutoModelForCausalLM
     model = ea_hf.patch(tiny_model(model_type, head, max_position_embeddings=256, **overrides), alpha=0.4, beta=0.5)
+    evolutions = [m for m in model.modules() if isinstance(m, AttentionMapEvolution)]
+    assert evolutions and all(e.skip_masked_tails == skips for e in evolutions)
     length = 150
     input_ids = torch.randint(5, VOCAB_SIZE, (2, length), generator=torch.Generator().manual_seed(0))
     attention_mask = torch.ones(2, length, dtype=torch.long)
@@ -557,13 +566,14 @@ def test_skipping_masked_tails_changes_no_output_or_gradient_of_a_model(family, 
         torch.manual_seed(0)  # the same dropout masks in every training step
         with torch.set_grad_enabled(train):
             output = model(**inputs)
-            values = (output.logits if family != "bert" else output.last_hidden_state)[real]
+            values = (output.last_hidden_state if head is AutoModel else output.logits)[real]
             if not train:
                 return values, []
             values.pow(2).mean().backward()
         return values.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     asked: list[bool] = []
+    backward_asked: list[bool] = []
     correlate, backward = kernels.correlate, kernels._backward
 
     def spying_correlate(*args, skip_masked_tails=False, **kwargs):
@@ -572,11 +582,20 @@ def test_skipping_masked_tails_changes_no_output_or_gradient_of_a_model(family, 
             asked.append(bool((tail_starts(keep.float().expand(args[0].shape[0], 1, *keep.shape[-2:])) < length).any()))
         return correlate(*args, skip_masked_tails=skip_masked_tails, **kwargs)
 
-    monkeypatch.setattr(kernels, "skipping_correlate", functools.partial(spying_correlate, skip_masked_tails=True))
+    def spying_backward(*args, skip_masked_tails=False, **kwargs):
+        backward_asked.append(skip_masked_tails)
+        return backward(*args, skip_masked_tails=skip_masked_tails, **kwargs)
+
+    monkeypatch.setattr(kernels, "correlate", spying_correlate)
+    monkeypatch.setattr(kernels, "_backward", spying_backward)
     skipped = [run(False), run(True)]
-    assert asked and all(asked)  # every evolved layer, in inference and training, had tails to skip
-    monkeypatch.setattr(kernels, "skipping_correlate", correlate)
-    monkeypatch.setattr(kernels, "_backward", functools.partial(backward, skip_masked_tails=False))
+    # Every evolved layer, in inference and training, had tails to skip, forward and backward (or none was asked).
+    assert (asked and all(asked) and backward_asked and all(backward_asked)) if skips else not any(backward_asked)
+    assert skips or not asked
+    monkeypatch.setattr(kernels, "correlate", correlate)
+    monkeypatch.setattr(kernels, "_backward", backward)
+    for evolution in evolutions:
+        monkeypatch.setattr(evolution, "skip_masked_tails", False)
     whole = [run(False), run(True)]
     for (values, gradients), (expected, expected_gradients) in zip(skipped, whole, strict=True):
         assert (values - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())

@@ -730,7 +730,7 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
     prepare_rows<kWinograd>(in, b, i, ring, halo, blend_in_ring, spread_prefetch);
     const float* out_keep = o.out_keep ? o.out_keep + b * map + row : nullptr;
     // The columns to correlate: all, or up to the row's masked tail (a multiple of kTailColumns, see
-    // masked_tail_columns), which then takes a correlation of 0.
+    // masked_tail_columns); the rest of the row is its masked tail (see masked_tail).
     const int columns = in.columns ? in.columns[static_cast<size_t>(b) * in.rows + i] : in.cols;
     if constexpr (kWinograd) {
         const int vectors = pair_vectors(columns), groups = heads / group;
