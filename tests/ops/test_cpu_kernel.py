@@ -601,3 +601,30 @@ def test_skipping_masked_tails_changes_no_output_or_gradient_of_a_model(family, 
         assert (values - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
         for got, want in zip(gradients, expected_gradients, strict=True):
             assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
+@needs_compiler
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_cached_generation_after_a_prompt_with_skipped_tails_is_exact(family, monkeypatch):
+    """Generating from 100-token left-padded prompts, whose prefill skips the causal tails (checked), gives with
+    the KV cache the tokens, logits and scores it gives without it (each step then a full forward)."""
+    from testing import CAUSAL_LM_FAMILIES, cached_and_uncached_generation, left_padded_inputs, tiny_model
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides = CAUSAL_LM_FAMILIES[family]
+    model = ea_hf.patch(
+        tiny_model(model_type, AutoModelForCausalLM, max_position_embeddings=256, **overrides), alpha=0.4, beta=0.5
+    )
+    skipped_rows: list[int] = []
+    correlate = kernels.correlate
+
+    def spying_correlate(*args, skip_masked_tails=False, **kwargs):
+        keep = kwargs.get("in_keep")
+        if skip_masked_tails and keep is not None:
+            shape = (args[0].shape[0], 1, *keep.shape[-2:])
+            skipped_rows.append(int((tail_starts(keep.float().expand(shape)) < keep.shape[-1]).sum()))
+        return correlate(*args, skip_masked_tails=skip_masked_tails, **kwargs)
+
+    monkeypatch.setattr(kernels, "correlate", spying_correlate)
+    cached_and_uncached_generation(model, left_padded_inputs(batch=2, length=100))
+    assert max(skipped_rows) > 0
