@@ -463,6 +463,23 @@ def with_threads(threads: int, function, *args, **kwargs):
         torch.set_num_threads(before)
 
 
+def record_skipped_tails(monkeypatch) -> list[int]:
+    """Spies on ``kernels.correlate``: for each call asked to skip masked tails (with a mask), the number of rows
+    that have a tail to skip, appended to the returned list."""
+    calls: list[int] = []
+    correlate = kernels.correlate
+
+    def spying_correlate(*args, skip_masked_tails=False, **kwargs):
+        keep = kwargs.get("in_keep")
+        if skip_masked_tails and keep is not None:
+            shape = (args[0].shape[0], 1, *keep.shape[-2:])
+            calls.append(int((tail_starts(keep.float().expand(shape)) < keep.shape[-1]).sum()))
+        return correlate(*args, skip_masked_tails=skip_masked_tails, **kwargs)
+
+    monkeypatch.setattr(kernels, "correlate", spying_correlate)
+    return calls
+
+
 @needs_compiler
 @pytest.mark.parametrize("kind", ["causal", "padded"])
 @pytest.mark.parametrize("heads", [4, 3])  # specialised (Winograd's form on AVX-512) and the generic code
@@ -508,7 +525,7 @@ def test_backward_with_masked_tails_is_the_gradient_where_the_softmax_masks_them
     shape = (2, heads, *keep.shape[-2:])
     scores, previous, upstream = (torch.randn(shape, dtype=torch.float64) for _ in range(3))
     columns = torch.arange(shape[-1])
-    past_last_kept = (columns >= tail_starts(keep)) | (columns > (columns * keep).amax(-1, keepdim=True))
+    past_last_kept = columns > (columns * keep).amax(-1, keepdim=True)
     past_last_kept &= keep.amax(-1, keepdim=True) > 0  # (rows without a kept column are correlated whole)
     upstream = upstream.masked_fill(past_last_kept, 0.0)
     weight = torch.randn(heads, heads, kernel_rows, 3, dtype=torch.float64) * 0.3
@@ -572,24 +589,18 @@ def test_skipping_masked_tails_changes_no_output_or_gradient_of_a_model(family, 
             values.pow(2).mean().backward()
         return values.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    asked: list[bool] = []
     backward_asked: list[bool] = []
     correlate, backward = kernels.correlate, kernels._backward
-
-    def spying_correlate(*args, skip_masked_tails=False, **kwargs):
-        keep = kwargs.get("in_keep")
-        if skip_masked_tails and keep is not None:
-            asked.append(bool((tail_starts(keep.float().expand(args[0].shape[0], 1, *keep.shape[-2:])) < length).any()))
-        return correlate(*args, skip_masked_tails=skip_masked_tails, **kwargs)
 
     def spying_backward(*args, skip_masked_tails=False, **kwargs):
         backward_asked.append(skip_masked_tails)
         return backward(*args, skip_masked_tails=skip_masked_tails, **kwargs)
 
-    monkeypatch.setattr(kernels, "correlate", spying_correlate)
+    rows_with_tails = record_skipped_tails(monkeypatch)
     monkeypatch.setattr(kernels, "_backward", spying_backward)
     skipped = [run(False), run(True)]
     # Every evolved layer, in inference and training, had tails to skip, forward and backward (or none was asked).
+    asked = [rows > 0 for rows in rows_with_tails]
     assert (asked and all(asked) and backward_asked and all(backward_asked)) if skips else not any(backward_asked)
     assert skips or not asked
     monkeypatch.setattr(kernels, "correlate", correlate)
@@ -615,16 +626,6 @@ def test_cached_generation_after_a_prompt_with_skipped_tails_is_exact(family, mo
     model = ea_hf.patch(
         tiny_model(model_type, AutoModelForCausalLM, max_position_embeddings=256, **overrides), alpha=0.4, beta=0.5
     )
-    skipped_rows: list[int] = []
-    correlate = kernels.correlate
-
-    def spying_correlate(*args, skip_masked_tails=False, **kwargs):
-        keep = kwargs.get("in_keep")
-        if skip_masked_tails and keep is not None:
-            shape = (args[0].shape[0], 1, *keep.shape[-2:])
-            skipped_rows.append(int((tail_starts(keep.float().expand(shape)) < keep.shape[-1]).sum()))
-        return correlate(*args, skip_masked_tails=skip_masked_tails, **kwargs)
-
-    monkeypatch.setattr(kernels, "correlate", spying_correlate)
+    skipped_rows = record_skipped_tails(monkeypatch)
     cached_and_uncached_generation(model, left_padded_inputs(batch=2, length=100))
     assert max(skipped_rows) > 0
