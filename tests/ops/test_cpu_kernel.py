@@ -5,9 +5,12 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from testing import CAUSAL_LM_FAMILIES, VOCAB_SIZE, cached_and_uncached_generation, left_padded_inputs, tiny_model
+from transformers import AutoModel, AutoModelForCausalLM
 
 import ea_hf
 from ea_hf.modeling.convolution import pack_gate, packed_gate, unpacked_gate
+from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.ops import cpu as kernels
 
 needs_compiler = pytest.mark.skipif(kernels._compiler() is None, reason="no C++ compiler on this machine")
@@ -560,11 +563,6 @@ def test_skipping_masked_tails_changes_no_output_or_gradient_of_a_model(family, 
     skipping (within float rounding: the tails feed no output), on 150 tokens, where causal rows and padded keys
     leave tails of 64 columns and more; the kernel was asked to skip such tails forward (and backward) wherever
     every layer of the chain has the same mask, and nowhere else."""
-    from testing import CAUSAL_LM_FAMILIES, VOCAB_SIZE, tiny_model
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    from ea_hf.modeling.evolution import AttentionMapEvolution
-
     model_type, overrides = CAUSAL_LM_FAMILIES.get(family, (family, {}))
     head = AutoModel if family in ("bert", "modernbert") else AutoModelForCausalLM
     model = ea_hf.patch(tiny_model(model_type, head, max_position_embeddings=256, **overrides), alpha=0.4, beta=0.5)
@@ -619,9 +617,6 @@ def test_skipping_masked_tails_changes_no_output_or_gradient_of_a_model(family, 
 def test_cached_generation_after_a_prompt_with_skipped_tails_is_exact(family, monkeypatch):
     """Generating from 100-token left-padded prompts, whose prefill skips the causal tails (checked), gives with
     the KV cache the tokens, logits and scores it gives without it (each step then a full forward)."""
-    from testing import CAUSAL_LM_FAMILIES, cached_and_uncached_generation, left_padded_inputs, tiny_model
-    from transformers import AutoModelForCausalLM
-
     model_type, overrides = CAUSAL_LM_FAMILIES[family]
     model = ea_hf.patch(
         tiny_model(model_type, AutoModelForCausalLM, max_position_embeddings=256, **overrides), alpha=0.4, beta=0.5
