@@ -18,6 +18,11 @@ IMAGE_ARCHITECTURES = ["vit", "deit"]
 ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES
 SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian"]
 DECODER_ONLY_ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+DECODER_ONLY_ARCHITECTURES += ["gemma", "phi", "gpt_neox", "olmo2", "granite", "smollm3", "starcoder2", "opt"]
+#: Mixtures of experts: each expert's product runs over the tokens routed to it, so the model's own outputs at a
+#: position move by fp32 rounding (about 1e-7) when other tokens change.
+MIXTURE_OF_EXPERTS_ARCHITECTURES = ["mixtral", "qwen3_moe"]
+DECODER_ONLY_ARCHITECTURES += MIXTURE_OF_EXPERTS_ARCHITECTURES
 ALL_ARCHITECTURES = ARCHITECTURES + SEQ2SEQ_ARCHITECTURES + DECODER_ONLY_ARCHITECTURES
 #: Decoder-only language models, by test id: (model_type, config overrides). The BERT family and the BART family
 #: have decoder-only forms too (``is_decoder=True``; ``BartForCausalLM`` and kin).
@@ -41,6 +46,18 @@ _DECODER_ONLY_CONFIGS = {
     | {"attn_implementation": "eager"},
     "gemma3_text": {"num_key_value_heads": 2, "query_pre_attn_scalar": 8, **_WINDOW},
     "phi3": {"num_key_value_heads": 2, "sliding_window": 4},
+    "gemma": {"num_key_value_heads": 2},
+    "phi": {"num_key_value_heads": 2},
+    "gpt_neox": {},
+    "olmo2": {"num_key_value_heads": 2},
+    # Granite scales S by attention_multiplier, not head_dim ** -0.5 (not a power of two here).
+    "granite": {"num_key_value_heads": 2, "attention_multiplier": 0.3},
+    "smollm3": {"num_key_value_heads": 2},
+    "starcoder2": {"num_key_value_heads": 2, "sliding_window": 4},
+    "opt": {"ffn_dim": 37},
+    # 4 experts, 2 per token (the experts' grouped products want rows of a multiple of 16 bytes).
+    "mixtral": {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 40},
+    "qwen3_moe": {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
 }
 #: Triton's CPU interpreter runs the kernels from this release on (3.6's interpreter fails on them); compiling
 #: them needs ea_hf.ops.triton_kernels.MIN_TRITON.
@@ -277,7 +294,16 @@ def first_output(outputs) -> torch.Tensor:
 #: Architectures with local (sliding-window) layers, where the rows of some padding tokens have no key left to
 #: attend to. What such a row computes is undefined: transformers' own sdpa and eager attention already disagree
 #: there (0.44 on the tiny ModernBERT), so outputs of these models are compared at real tokens.
-SLIDING_WINDOW_ARCHITECTURES = ["modernbert", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+SLIDING_WINDOW_ARCHITECTURES = [
+    "modernbert",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "starcoder2",
+]
 
 
 def defined(model_type: str, inputs: dict[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:

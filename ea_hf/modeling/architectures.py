@@ -29,6 +29,8 @@ class ArchitectureSpec:
         cross_attention: attribute names under which its layers hold encoder-decoder attention modules.
             Other attention modules are decoder self-attention if their ``is_causal`` is true, else encoder
             self-attention.
+        head_dim_attribute: attribute of those modules holding the size of a head; where they lack it, the
+            query projection's outputs per head.
         since: the oldest transformers release whose version of the architecture ea_hf supports (its
             attention goes through ``AttentionInterface`` with the full logits), when newer than the oldest
             release ea_hf supports at all; ``patch`` refuses older ones and names this release.
@@ -37,6 +39,7 @@ class ArchitectureSpec:
     attention: tuple[str, ...]
     num_heads_attribute: str = "num_attention_heads"
     cross_attention: tuple[str, ...] = ()
+    head_dim_attribute: str = "head_dim"
     since: str | None = None
 
 
@@ -61,9 +64,10 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "mbart": ArchitectureSpec(("MBartAttention",), **_BART_FAMILY),
     "marian": ArchitectureSpec(("MarianAttention",), **_BART_FAMILY),
     # Decoder-only language models: one causal chain. Grouped-query attention still has a map per query head,
-    # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma, Phi-3)
-    # mask the entries outside their window, which the convolution then never reads; Gemma 2's soft-capping
-    # applies to S before the evolution (see attention.py).
+    # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma 2/3,
+    # Phi-3, StarCoder2) mask the entries outside their window, which the convolution then never reads; Gemma 2's
+    # soft-capping applies to S before the evolution (see attention.py). Mixtures of experts (Mixtral, Qwen3-MoE)
+    # differ in their feed-forward layers only.
     "gpt2": ArchitectureSpec(("GPT2Attention",), num_heads_attribute="num_heads", cross_attention=("crossattention",)),
     **{
         model_type: ArchitectureSpec((f"{name}Attention",), num_heads_attribute=_FROM_CONFIG)
@@ -75,8 +79,21 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
             "gemma2": "Gemma2",
             "gemma3_text": "Gemma3",
             "phi3": "Phi3",
+            "gemma": "Gemma",
+            "phi": "Phi",
+            "olmo2": "Olmo2",
+            "granite": "Granite",
+            "smollm3": "SmolLM3",
+            "starcoder2": "Starcoder2",
+            "opt": "OPT",
+            "mixtral": "Mixtral",
+            "qwen3_moe": "Qwen3Moe",
         }.items()
     },
+    # One fused query/key/value projection: the head size is an attribute of its own.
+    "gpt_neox": ArchitectureSpec(
+        ("GPTNeoXAttention",), num_heads_attribute=_FROM_CONFIG, head_dim_attribute="head_size"
+    ),
 }
 
 

@@ -143,7 +143,8 @@ def attach_evolution(
             num_heads = operator.attrgetter(spec.num_heads_attribute)(site.module)
             where = {"role": site.role, "position": site.layer, "previous": previous.get(site.chain)}
             where |= {"device": reference.device, "dtype": reference.dtype}
-            head_dim = getattr(site.module, "head_dim", None) or query_projection(site.module).out_features // num_heads
+            head_dim = getattr(site.module, spec.head_dim_attribute, None)
+            head_dim = head_dim or query_projection(site.module).out_features // num_heads
             evolution = EVOLUTION_METHODS[chosen.method].from_settings(chosen, num_heads, head_dim, **where)
             # One mask for the whole chain (its layers share one attention type): each layer's softmax masks
             # what the others' kernels leave out (see AttentionMapEvolution.skip_masked_tails).

@@ -67,6 +67,13 @@ def evolving_attention_forward(
         chain = kwargs.get(CHAIN_KWARG)
         cache = kwargs.get(CACHE_KWARG)
         query_length = query.shape[-2]
+        if cache is None and evolution.role == "decoder" and key.shape[-2] != query_length:
+            # Self-attention to keys from earlier steps, but no cache handed on (see pass_cache): the convolution
+            # would miss the rows of those steps and silently compute another model.
+            raise RuntimeError(
+                f"{type(module).__name__} attends to {key.shape[-2]} keys from {query_length} queries, but its KV "
+                f"cache did not reach evolving attention: the module takes it under none of {CACHE_ARGUMENTS}."
+            )
         past = 0 if cache is None else cache.get_seq_length() - query_length
         history = None
         if cache is not None and evolution.causal and evolution.beta != 0.0:
@@ -176,13 +183,18 @@ def pass_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[
     """Forward pre-hook for a causal attention module: hand its KV cache on to the attention function.
 
     Attention modules consume the cache themselves; the convolution needs it too, to keep the earlier rows of
-    its input between decoding steps. Transformers 5.24 renamed the argument from ``past_key_values`` to
-    ``cache``; either is handed on.
+    its input between decoding steps. The architectures name the argument differently (``past_key_values``,
+    ``cache`` from transformers 5.24 on, GPT-NeoX's ``layer_past``), so whichever of :data:`CACHE_ARGUMENTS`
+    holds one is handed on.
     """
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
     if cache is not None:
         kwargs[CACHE_KWARG] = cache
     return args, kwargs
+
+
+#: The keyword arguments under which attention modules receive their KV cache (see :func:`pass_cache`).
+CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
 
 
 def register_attention() -> None:

@@ -3,7 +3,16 @@
 import pytest
 import torch
 import transformers
-from testing import ALL_ARCHITECTURES, IMAGE_ARCHITECTURES, SENTENCES, first_output, tiny_inputs, tiny_model
+from testing import (
+    ALL_ARCHITECTURES,
+    IMAGE_ARCHITECTURES,
+    SENTENCES,
+    SEQ2SEQ_ARCHITECTURES,
+    first_output,
+    tiny_config,
+    tiny_inputs,
+    tiny_model,
+)
 
 import ea_hf
 from ea_hf.integrations.peft import attention_projections, load_adapter, lora_config
@@ -15,9 +24,12 @@ def head_and_task(model_type):
     """A head with weights that start untrained (and peft's task type for it)."""
     if model_type in IMAGE_ARCHITECTURES:
         return transformers.AutoModelForImageClassification, None
-    if model_type == "marian":  # no sequence-classification head in transformers
+    if type(tiny_config(model_type)) in transformers.AutoModelForSequenceClassification._model_mapping:
+        return transformers.AutoModelForSequenceClassification, "SEQ_CLS"
+    # No sequence-classification head in transformers (Marian, Granite): the language-modelling one.
+    if model_type in SEQ2SEQ_ARCHITECTURES:
         return transformers.AutoModelForSeq2SeqLM, "SEQ_2_SEQ_LM"
-    return transformers.AutoModelForSequenceClassification, "SEQ_CLS"
+    return transformers.AutoModelForCausalLM, "CAUSAL_LM"
 
 
 def pretend_training(model, seed=7):

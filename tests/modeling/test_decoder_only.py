@@ -1,4 +1,5 @@
-"""Decoder-only language models (GPT-2, Llama, Mistral, Qwen 2/3, Gemma 2/3, Phi-3, and the BERT and BART
+"""Decoder-only language models (GPT-2, Llama, Mistral, Qwen 2/3, Gemma 1/2/3, Phi 1-3, GPT-NeoX, OLMo 2,
+Granite, SmolLM3, StarCoder2, OPT, the Mixtral and Qwen3-MoE mixtures of experts, and the BERT and BART
 families' decoders): exactness, causality, left padding, cache-exact generation, checkpointing, pipelines."""
 
 import copy
@@ -9,6 +10,7 @@ import transformers
 from testing import (
     CAUSAL_LM_FAMILIES,
     GENERATION_MODES,
+    MIXTURE_OF_EXPERTS_ARCHITECTURES,
     NUM_HEADS,
     NUM_LAYERS,
     PAD,
@@ -23,6 +25,7 @@ from testing import (
 )
 
 import ea_hf
+from ea_hf.modeling import attention as attention_module
 from ea_hf.modeling import history as history_module
 from ea_hf.modeling.history import CACHE_ATTRIBUTE
 
@@ -33,6 +36,14 @@ ALTERNATING = ["qwen2", "qwen3", "gemma2", "gemma3_text"]
 #: Families whose position embeddings do not follow ``position_ids`` (the BART family counts positions from the
 #: first column), so a left-padded prompt is not the same input as the prompt alone, patched or not.
 ABSOLUTE_FROM_FIRST_COLUMN = ["bart-causal", "mbart-causal"]
+
+
+def routing_noise(family: str) -> float:
+    """How far a family's own outputs at a position may move when other tokens change: 0 (bit-identical), or
+    for :data:`MIXTURE_OF_EXPERTS_ARCHITECTURES` fp32 rounding (their experts' products run over the tokens
+    routed to them: up to about 1e-6 on the tiny models, unpatched as well). A convolution that leaked across
+    positions would move them by 1e-3 and more (the converse tests below)."""
+    return 1e-5 if CAUSAL_LM_FAMILIES[family][0] in MIXTURE_OF_EXPERTS_ARCHITECTURES else 0.0
 
 
 def evolved_lm(family: str, **overrides):
@@ -93,7 +104,7 @@ def test_zero_weights_reproduce_the_model(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_later_tokens_change_nothing_before_them(family):
-    model = evolved_lm(family)
+    model, noise = evolved_lm(family), routing_noise(family)
     input_ids = left_padded_inputs(batch=2, length=10)["input_ids"]
     with torch.no_grad():
         reference = model(input_ids=input_ids, output_hidden_states=True)
@@ -101,9 +112,9 @@ def test_later_tokens_change_nothing_before_them(family):
             changed = input_ids.clone()
             changed[:, i + 1 :] = torch.randint(5, VOCAB_SIZE, changed[:, i + 1 :].shape)
             out = model(input_ids=changed, output_hidden_states=True)
-            assert torch.equal(out.logits[:, : i + 1], reference.logits[:, : i + 1]), i
+            assert max_abs_diff(out.logits[:, : i + 1], reference.logits[:, : i + 1]) <= noise, i
             for hidden, ref in zip(out.hidden_states, reference.hidden_states, strict=True):
-                assert torch.equal(hidden[:, : i + 1], ref[:, : i + 1]), i
+                assert max_abs_diff(hidden[:, : i + 1], ref[:, : i + 1]) <= noise, i
             assert max_abs_diff(out.logits[:, i + 1 :], reference.logits[:, i + 1 :]) > 1e-3
 
 
@@ -148,7 +159,9 @@ def test_left_padding_changes_nothing(family):
         # What sits under the padding never matters.
         noisy = dict(inputs, input_ids=inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, 42))
         noisy_logits = model(**noisy, **positions).logits
-    assert max_abs_diff(real_tokens(inputs, noisy_logits), real_tokens(inputs, batched)) <= 1e-6
+    assert max_abs_diff(real_tokens(inputs, noisy_logits), real_tokens(inputs, batched)) <= max(
+        routing_noise(family), 1e-6
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,6 +182,21 @@ def test_generation_with_the_cache_equals_generation_without(family, mode):
     histories = cached.past_key_values.__dict__[CACHE_ATTRIBUTE]
     assert {key for key in histories if key[0] == "decoder"} == {("decoder", i) for i in range(NUM_LAYERS)}
     assert {h.seen for h in histories.values()} == {cached.sequences.shape[1] - 1}
+
+
+def test_a_cache_that_does_not_reach_the_convolution_is_an_error(monkeypatch):
+    """An attention module taking its KV cache under a name ea_hf does not know: decoding steps refuse to run
+    instead of convolving one row without the earlier ones (GPT-NeoX's ``layer_past`` was such a name)."""
+    model = evolved_lm("gpt_neox")
+    inputs = left_padded_inputs()
+    monkeypatch.setattr(attention_module, "CACHE_ARGUMENTS", ("cache", "past_key_values"))
+    with torch.no_grad():
+        model(**inputs)  # without a cache, a forward pass has as many keys as queries
+        with pytest.raises(RuntimeError, match="GPTNeoXAttention attends to 10 keys from 1 queries, but its KV cache"):
+            generate(model, inputs)
+    monkeypatch.undo()
+    with torch.no_grad():
+        cached_and_uncached_generation(model, inputs)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])

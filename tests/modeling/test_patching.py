@@ -276,9 +276,9 @@ def test_bad_settings_fail_before_touching_the_model(kwargs, message):
 
 def test_unsupported_architecture_names_the_supported_ones():
     torch.manual_seed(0)
-    config = transformers.OPTConfig(hidden_size=32, num_hidden_layers=2, ffn_dim=37, num_attention_heads=4)
-    model = transformers.OPTModel(config)
-    with pytest.raises(ValueError, match="does not support model_type 'opt'.*Supported: bart, bert, camembert, deit"):
+    config = transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=99)
+    model = transformers.BloomModel(config)
+    with pytest.raises(ValueError, match="does not support model_type 'bloom'.*Supported: bart, bert, camembert, deit"):
         ea_hf.patch(model)
     assert not ea_hf.is_patched(model)
     with pytest.raises(TypeError, match="PreTrainedModel"):
