@@ -30,6 +30,7 @@ from testing import IMAGE_SIZE  # noqa: E402
 
 import ea_hf  # noqa: E402,F401  (registers the EA Auto classes)
 from ea_hf.modeling import convolution  # noqa: E402
+from ea_hf.modeling.architectures import ARCHITECTURES, installed_release_supports  # noqa: E402
 from ea_hf.ops import cpu  # noqa: E402
 
 _real_connect = socket.socket.connect
@@ -51,6 +52,18 @@ def _loopback_only_connect(self, address):
 
 
 socket.socket.connect = _loopback_only_connect
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests parametrised with an architecture that the installed transformers is too old for (its entry's
+    ``since``, which ``patch`` refuses with an error naming the release) skip, saying which release they need."""
+    for item in items:
+        parameters = getattr(getattr(item, "callspec", None), "params", {})
+        for value in parameters.values():
+            spec = ARCHITECTURES.get(value) if isinstance(value, str) else None
+            if spec is not None and not installed_release_supports(spec):
+                reason = f"ea_hf supports {value} from transformers {spec.since} on ({transformers.__version__} here)"
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

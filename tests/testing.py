@@ -14,7 +14,8 @@ from ea_hf.modeling.echo import EchoAttention
 from ea_hf.training.kinds.glue import GLUE_TASKS
 
 TEXT_ARCHITECTURES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "modernbert"]
-IMAGE_ARCHITECTURES = ["vit", "deit"]
+TEXT_ARCHITECTURES += ["roberta-prelayernorm", "xlm-roberta-xl", "data2vec-text", "ernie"]
+IMAGE_ARCHITECTURES = ["vit", "deit", "dinov2"]
 ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES
 SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian"]
 DECODER_ONLY_ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]

@@ -54,11 +54,18 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "camembert": ArchitectureSpec(("CamembertSelfAttention",)),
     "electra": ArchitectureSpec(("ElectraSelfAttention",)),
     "distilbert": ArchitectureSpec(("DistilBertSelfAttention",), num_heads_attribute="n_heads"),
+    "roberta-prelayernorm": ArchitectureSpec(("RobertaPreLayerNormSelfAttention",)),
+    "xlm-roberta-xl": ArchitectureSpec(("XLMRobertaXLSelfAttention",)),
+    "data2vec-text": ArchitectureSpec(("Data2VecTextSelfAttention",)),
+    "ernie": ArchitectureSpec(("ErnieSelfAttention",)),
     # Local (sliding-window) and global layers form one chain; a local layer's mask removes the entries outside
     # its window, so its convolution never reads them (see masks.py).
     "modernbert": ArchitectureSpec(("ModernBertAttention",), num_heads_attribute=_FROM_CONFIG),
     "vit": ArchitectureSpec(("ViTAttention",)),
     "deit": ArchitectureSpec(("DeiTAttention",)),
+    # Before 5.18 its layers did not hand keyword arguments on to the attention (nor was Dinov2Attention the
+    # module that called the interface).
+    "dinov2": ArchitectureSpec(("Dinov2Attention",), since="5.18.0"),
     "t5": ArchitectureSpec(("T5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
     "bart": ArchitectureSpec(("BartAttention",), **_BART_FAMILY),
     "mbart": ArchitectureSpec(("MBartAttention",), **_BART_FAMILY),
@@ -118,6 +125,16 @@ def release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
+def installed_release_supports(spec: ArchitectureSpec) -> bool:
+    """Whether the installed transformers is at least the entry's ``since`` release (see :class:`ArchitectureSpec`).
+
+    Example:
+        >>> installed_release_supports(ArchitectureSpec(("BertSelfAttention",), since="5.0.0"))
+        True
+    """
+    return spec.since is None or release(transformers.__version__) >= release(spec.since)
+
+
 def architecture_of(model: nn.Module) -> ArchitectureSpec:
     """The :data:`ARCHITECTURES` entry of a model; ValueError naming the supported ones if it has none, and
     NotImplementedError naming the release to upgrade to if the installed transformers is older than the
@@ -132,7 +149,7 @@ def architecture_of(model: nn.Module) -> ArchitectureSpec:
             f"Evolving attention does not support model_type {model_type!r} ({type(model).__name__}). "
             f"Supported: {', '.join(supported_model_types())}."
         )
-    if spec.since is not None and release(transformers.__version__) < release(spec.since):
+    if not installed_release_supports(spec):
         raise NotImplementedError(
             f"Evolving attention supports {model_type} from transformers {spec.since} on (its attention goes "
             f"through AttentionInterface there); transformers {transformers.__version__} is installed: "

@@ -278,7 +278,9 @@ def test_unsupported_architecture_names_the_supported_ones():
     torch.manual_seed(0)
     config = transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=99)
     model = transformers.BloomModel(config)
-    with pytest.raises(ValueError, match="does not support model_type 'bloom'.*Supported: bart, bert, camembert, deit"):
+    with pytest.raises(
+        ValueError, match="does not support model_type 'bloom'.*Supported: bart, bert, camembert, data2vec-text, deit"
+    ):
         ea_hf.patch(model)
     assert not ea_hf.is_patched(model)
     with pytest.raises(TypeError, match="PreTrainedModel"):
