@@ -9,13 +9,13 @@ from testing import (
     SENTENCES,
     SEQ2SEQ_ARCHITECTURES,
     first_output,
-    tiny_config,
     tiny_inputs,
     tiny_model,
 )
 
 import ea_hf
 from ea_hf.integrations.peft import attention_projections, load_adapter, lora_config
+from ea_hf.modeling.model_classes import auto_class_names
 
 peft = pytest.importorskip("peft", reason="PEFT adapters are the optional peft extra")
 
@@ -24,7 +24,7 @@ def head_and_task(model_type):
     """A head with weights that start untrained (and peft's task type for it)."""
     if model_type in IMAGE_ARCHITECTURES:
         return transformers.AutoModelForImageClassification, None
-    if type(tiny_config(model_type)) in transformers.AutoModelForSequenceClassification._model_mapping:
+    if "AutoModelForSequenceClassification" in auto_class_names(model_type):
         return transformers.AutoModelForSequenceClassification, "SEQ_CLS"
     # No sequence-classification head in transformers (Marian, Granite): the language-modelling one.
     if model_type in SEQ2SEQ_ARCHITECTURES:
