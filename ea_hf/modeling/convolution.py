@@ -159,23 +159,25 @@ def evolve_for_backward(
     """(A_logit, the ReLU gate, the beta-scaled weight) of a step that :func:`evolve_backward` will
     differentiate. S is left as it is (backward needs it), or with ``spend_scores`` (backward recomputes it)
     the fused kernel may write A_logit over it."""
-    scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
-    logits, gate = evolve_step(
-        scores,
-        keep,
-        scaled_weight,
-        scaled_bias,
-        beta,
-        causal,
-        None,
-        context_rows,
-        previous=previous,
-        alpha=alpha,
-        for_backward=True,
-        spend_scores=spend_scores,
-        skip_masked_tails=skip_masked_tails,
+    options = {"for_backward": True, "spend_scores": spend_scores, "skip_masked_tails": skip_masked_tails}
+    return scaled_step(
+        scores, keep, weight, bias, beta, causal, None, context_rows, previous=previous, alpha=alpha, **options
     )
-    return logits, gate, scaled_weight
+
+
+def scaled_step(
+    scores: torch.Tensor,
+    keep: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    beta: float,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(A_logit, the ReLU gate or None, the beta-scaled weight): :func:`evolve_step`, with its arguments, after
+    scaling the kernel by beta (see :func:`scale_kernel`)."""
+    scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
+    return *evolve_step(scores, keep, scaled_weight, scaled_bias, beta, *args, **kwargs), scaled_weight
 
 
 def evolve_backward(
@@ -489,21 +491,8 @@ def evolve_convolution(
             begin_history(history, scores, previous, alpha, keep, context_rows)
         step = (scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, skip_masked_tails)
         return EvolveConvolution.apply(*step)
-    scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
-    logits, _ = evolve_step(
-        scores,
-        keep,
-        scaled_weight,
-        scaled_bias,
-        beta,
-        causal,
-        history,
-        context_rows,
-        previous=previous,
-        alpha=alpha,
-        skip_masked_tails=skip_masked_tails,
-    )
-    return logits
+    options = {"previous": previous, "alpha": alpha, "skip_masked_tails": skip_masked_tails}
+    return scaled_step(scores, keep, weight, bias, beta, causal, history, context_rows, **options)[0]
 
 
 def convolution_weight_grad(
