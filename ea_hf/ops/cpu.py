@@ -199,6 +199,9 @@ def correlate(
     a causal map's future half). A row without a kept column is correlated whole. For callers whose softmax
     masks, in every layer, the entries right of a row's last kept column: a causal map's future, a batch's
     padded keys (see :func:`forward_correlation`).
+    With or without it, a row whose every input row ``in_keep`` masks whole (a padding query's, or outside the
+    map) takes its bias for the correlation without computing the products, which would add zeros: the same
+    bits, with finite weights.
     """
     library = cpu_kernel()
     batch, heads, rows, cols = x.shape

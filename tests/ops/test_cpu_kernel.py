@@ -437,10 +437,16 @@ def test_the_evolve_operator_differentiates_like_the_torch_formulation(sample, a
 
 
 def masked_tail_keep(kind: str, batch: int = 2, length: int = 200) -> torch.Tensor:
-    """[B, 1, Q, K] masks whose rows end in masked tails: "causal" (row i keeps columns 0..i) or "padded" (the
-    second example's keys from 120 on masked, and its padding query rows from 120 on without a kept column)."""
+    """[B, 1, Q, K] masks whose rows end in masked tails: "causal" (row i keeps columns 0..i), "padded" (the
+    second example's keys from 120 on masked, and its padding query rows from 120 on without a kept column) or
+    "left-padded causal" (causal, the second example's first 60 tokens padding: their rows and columns masked)."""
     if kind == "causal":
         return torch.ones(length, length).tril().expand(batch, 1, length, length).contiguous()
+    if kind == "left-padded causal":
+        keep = masked_tail_keep("causal", batch, length)
+        keep[1:, :, :, :60] = 0
+        keep[1:, :, :60, :] = 0
+        return keep
     keep = torch.ones(batch, 1, length, length)
     keep[1:, :, :, 120:] = 0
     keep[1:, :, 120:, :] = 0
@@ -549,6 +555,86 @@ def test_backward_with_masked_tails_is_the_gradient_where_the_softmax_masks_them
     grad_scores = kernels.backward(scores.float(), previous.float(), alpha, keep, noisy, gate, weight.float(),
                                    context, beta, skip_masked_tails=True)[0]  # fmt: skip
     assert not grad_scores.masked_select(columns >= tail_starts(keep)).any()
+
+
+@pytest.fixture(scope="session")
+def every_row_library(tmp_path_factory):
+    """The kernel built with -DEA_HF_CORRELATE_EVERY_ROW: no bias-only rows, every row's products computed."""
+    return library_built_with(tmp_path_factory, "every-row", "-DEA_HF_CORRELATE_EVERY_ROW")
+
+
+# Padded query rows of an encoder (3 and 5 kernel rows) and of a left-padded decoder (2 rows, causal).
+BIAS_ONLY_CASES = [("padded", 3, 1), ("padded", 5, 2), ("left-padded causal", 2, 1)]
+
+
+@needs_compiler
+@pytest.mark.parametrize(("kind", "kernel_rows", "context_rows"), BIAS_ONLY_CASES)
+@pytest.mark.parametrize("heads", [4, 3])  # specialised (Winograd's form on AVX-512) and the generic code
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("skip_masked_tails", [False, True])
+def test_rows_that_read_only_padding_rows_give_the_bits_of_their_correlation(
+    kind, kernel_rows, context_rows, heads, threads, skip_masked_tails, every_row_library, monkeypatch
+):
+    """An output row whose input rows are all padding queries' rows (masked whole) takes the bias alone for its
+    correlation, and an input-gradient row masked whole nothing: the forward's logits and gate bits and the
+    backward's gradient maps are the bits of the build that computes every product; so are the weight and bias
+    gradients with one thread (more threads split the rows by their work, differently: within 1e-5)."""
+    torch.manual_seed(2)
+    keep = masked_tail_keep(kind)
+    shape = (2, heads, *keep.shape[-2:])
+    scores, previous, upstream = (torch.randn(shape) for _ in range(3))
+    weight, bias = torch.randn(heads, heads, kernel_rows, 3) * 0.3, torch.randn(heads) * 0.3
+
+    def step(library):
+        monkeypatch.setattr(kernels, "_loaded", {"cpu": library})
+        options = {"skip_masked_tails": skip_masked_tails}
+        logits, gate = with_threads(
+            threads, kernels.evolve, scores.clone(), previous, keep, weight, bias, 0.3, 0.6, context_rows,
+            in_place=True, gate=True, **options,
+        )  # fmt: skip
+        grads = with_threads(
+            threads, kernels.backward, scores, previous, 0.3, keep, upstream, gate, weight, context_rows, 0.4,
+            **options,
+        )  # fmt: skip
+        return logits, gate, grads
+
+    (logits, gate, grads), (every_logits, every_gate, every_grads) = step(kernels.cpu_kernel()), step(every_row_library)
+    assert torch.equal(logits, every_logits) and torch.equal(gate, every_gate)
+    assert torch.equal(grads[0], every_grads[0]) and torch.equal(grads[1], every_grads[1])
+    for got, want in zip(grads[2:], every_grads[2:], strict=True):
+        assert torch.equal(got, want) if threads == 1 else (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_compiler
+@pytest.mark.parametrize(("kind", "kernel_rows", "context_rows"), BIAS_ONLY_CASES)
+def test_exactly_the_rows_that_read_only_padding_rows_skip_their_products(
+    kind, kernel_rows, context_rows, every_row_library, monkeypatch
+):
+    """Which rows skip their products, seen where it shows: with a NaN weight every product of output head 0 is
+    NaN, and the ReLU makes a NaN correlation 0 (NaN > 0 is false), so head 0's logits are the blend alone in a
+    row that computes its products and the blend plus ReLU(bias) = 1 in one that skips them. Those are exactly
+    the rows whose every input row (rows i - context_rows .. i - context_rows + kernel_rows - 1) is a padding
+    query's or outside the map; the build that computes every product has none."""
+    keep = masked_tail_keep(kind)
+    heads, rows = 4, keep.shape[-2]
+    scores, previous = torch.randn(2, heads, rows, rows), torch.randn(2, heads, rows, rows)
+    weight, bias = torch.randn(heads, heads, kernel_rows, 3), torch.ones(heads)
+    weight[0, 0, 0, 0] = float("nan")
+    padding = keep.amax(-1).squeeze(1) == 0  # [B, Q]: rows without a kept column
+    outside = torch.ones(2, kernel_rows, dtype=torch.bool)
+    reads_only_padding = torch.cat([outside[:, :context_rows], padding, outside[:, context_rows + 1 :]], dim=1)
+    expected = reads_only_padding.unfold(1, kernel_rows, 1).all(-1)  # [B, Q]
+    assert 40 <= int(expected.sum()) <= int(padding.sum())
+    blend = 0.6 * torch.lerp(scores[:, 0], previous[:, 0], 0.3)
+    rows_with_bias = []
+    for library in (kernels.cpu_kernel(), every_row_library):
+        monkeypatch.setattr(kernels, "_loaded", {"cpu": library})
+        logits, _ = kernels.evolve(scores.clone(), previous, keep, weight, bias, 0.3, 0.6, context_rows, in_place=True)
+        correlation = logits[:, 0] - blend
+        assert ((correlation - 1).abs() < 1e-5).all(-1).logical_or((correlation.abs() < 1e-5).all(-1)).all()
+        rows_with_bias.append(((correlation - 1).abs() < 1e-5).all(-1))
+    assert torch.equal(rows_with_bias[0], expected)
+    assert not rows_with_bias[1].any()
 
 
 @needs_compiler

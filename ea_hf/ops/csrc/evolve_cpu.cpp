@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <type_traits>
 #include <vector>
 
@@ -146,10 +147,12 @@ struct Input {  // where rows of `a` come from
     const GateBits* gate;  // bit-packed (see the file comment)
     const float* in_keep;
     int batch, heads, rows, cols, kernel_rows, kernel_cols, row_shift;
-    // Per flat row (b * rows + r), where the row's masked tail starts (see masked_tail_columns): an input row is
+    // Per flat row (b * rows + r), where the row's masked tail starts (see RowPlan::columns): an input row is
     // read up to there (it is zero after masking from there on), an output row correlated up to there. NULL: no
     // tails.
     const int* columns = nullptr;
+    // Per flat output row, 1 where its correlation is its bias alone (see RowPlan::bias_only). NULL: none.
+    const unsigned char* bias_only = nullptr;
 };
 
 // Cache lines of the input rows the next output row will prepare, to be requested a few at a time while the
@@ -675,28 +678,116 @@ inline void masked_tail(const Input& in, const Output& o, int b, int i, int from
     }
 }
 
-// Per flat output row of a [B, 1, Q, K] mask `keep`, the columns to correlate when the masked tail of each row is
-// skipped: up to the last kept column, rounded up to kTailColumns (at most `cols`); all columns in a row without
-// a kept column (a padding query's, whose probabilities are not masked). Where the caller masks, in every
-// layer's softmax, the entries right of a row's last kept column (a causal map's future, a batch's padded keys),
-// these entries' outputs are never read: a causal map's rows then cost as many columns as they have.
-// `work` receives the prefix sums of the rows' work for thread_rows (the columns, plus a share for preparing
-// the row's input).
-std::vector<int> masked_tail_columns(const float* keep, int batch, int rows, int cols, std::vector<long>& work,
-                                     int threads) {
-    const long tasks = static_cast<long>(batch) * rows;
-    std::vector<int> columns(tasks);
+// Per flat row of a [B, 1, Q, K] mask, its last kept column (-1 where it has none: a padding query's row).
+std::vector<int> last_kept_columns(const float* keep, long tasks, int cols, int threads) {
+    std::vector<int> last(tasks);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < tasks; ++t) {
         const float* mask = keep + t * static_cast<size_t>(cols);
-        int last = cols - 1;
-        while (last >= 0 && mask[last] == 0.0f) --last;
-        const int rounded = (last + 1 + kTailColumns - 1) / kTailColumns * kTailColumns;
-        columns[t] = last < 0 ? cols : std::min(cols, rounded);
+        int j = cols - 1;
+        while (j >= 0 && mask[j] == 0.0f) --j;
+        last[t] = j;
     }
+    return last;
+}
+
+// How one call computes each flat output row (b * rows + i), read from its masks by plan_rows.
+struct RowPlan {
+    // With `skip_masked_tails`, the columns to correlate: up to the row's last kept column, rounded up to
+    // kTailColumns (at most `cols`); all columns in a row without a kept column (a padding query's, whose
+    // probabilities are not masked). Where the caller masks, in every layer's softmax, the entries right of a
+    // row's last kept column (a causal map's future, a batch's padded keys), these entries' outputs are never
+    // read: a causal map's rows then cost as many columns as they have. Empty: every row whole.
+    std::vector<int> columns;
+    // 1 where the row's correlation is its bias alone, whatever the caller masks: every input row it reads is
+    // masked whole (the rows of padding queries, and the zero rows outside the map), or its output row is
+    // masked whole (where the call writes no gate). Such a row takes the epilogue alone (bias_row): each
+    // product would add a zero (a finite weight times a masked zero) to the bias, so the outputs and gate bits
+    // are the full correlation's. In a batch padded to N, these are the padding queries' rows beyond the
+    // kernel's reach from the last real row: with masked tails skipped they were the larger part of the
+    // correlation (N columns each, where a real row of a sequence of length L has L). Empty: none.
+    std::vector<unsigned char> bias_only;
+
+    // The row's work for thread_rows: the columns it correlates, plus a share for preparing its input rows and
+    // its epilogue; a bias-only row's, a quarter of its columns. What such a row does is bound by memory: on AMD
+    // EPYC (N = 512, H = 12, 2 threads) a map of bias-only rows took 0.45 of a correlated map's time forward and
+    // 0.22 backward. Two examples of 256 and 512 tokens padded to 512, in that order: 9.3 ms forward and 17.7 ms
+    // backward with a quarter, against 11.0 and 24.5 with a sixteenth (the share of a correlated row's
+    // preparation) and 15.0 and 22.7 with a half; in the other order all three within 1 ms of each other.
+    long work(long t, int cols) const {
+        if (!bias_only.empty() && bias_only[t]) return cols / 4 + 1;
+        return (columns.empty() ? cols : columns[t]) + cols / 16 + 1;
+    }
+    bool uniform() const { return columns.empty() && bias_only.empty(); }
+};
+
+// The plan of a call whose input rows are masked by `in.in_keep` and output rows by `out_keep` (either NULL;
+// `out_keep` only where no gate is written).
+RowPlan plan_rows(const Input& in, const float* out_keep, bool skip_masked_tails, int threads) {
+    RowPlan plan;
+    const long tasks = static_cast<long>(in.batch) * in.rows;
+    std::vector<int> last_in, last_out;
+    if (in.in_keep) last_in = last_kept_columns(in.in_keep, tasks, in.cols, threads);
+    if (out_keep) last_out = last_kept_columns(out_keep, tasks, in.cols, threads);
+    if (skip_masked_tails && in.in_keep) {
+        plan.columns.resize(tasks);
+        for (long t = 0; t < tasks; ++t) {
+            const int rounded = (last_in[t] + 1 + kTailColumns - 1) / kTailColumns * kTailColumns;
+            plan.columns[t] = last_in[t] < 0 ? in.cols : std::min(in.cols, rounded);
+        }
+    }
+#if !defined(EA_HF_CORRELATE_EVERY_ROW)  // (the tests' build to compare bias-only rows with their correlation)
+    std::vector<unsigned char> bias_only(tasks, 0);
+    bool any = false;
+    for (long t = 0; t < tasks; ++t) {
+        const int b = static_cast<int>(t / in.rows), i = static_cast<int>(t % in.rows);
+        bool only_bias = !last_out.empty() && last_out[t] < 0;
+        if (!only_bias && !last_in.empty()) {
+            only_bias = true;
+            for (int dy = 0; dy < in.kernel_rows && only_bias; ++dy) {
+                const int r = i + dy + in.row_shift;
+                only_bias = r < 0 || r >= in.rows || last_in[static_cast<long>(b) * in.rows + r] < 0;
+            }
+        }
+        bias_only[t] = only_bias;
+        any = any || only_bias;
+    }
+    if (any) plan.bias_only = std::move(bias_only);
+#endif
+    return plan;
+}
+
+// Prefix sums of the rows' work over one or more plans of the same rows (for thread_rows); empty where every
+// row of every plan is uniform work.
+std::vector<long> prefix_work(std::initializer_list<const RowPlan*> plans, long tasks, int cols) {
+    std::vector<long> work;
+    if (std::all_of(plans.begin(), plans.end(), [](const RowPlan* plan) { return plan->uniform(); })) return work;
     work.assign(tasks + 1, 0);
-    for (long t = 0; t < tasks; ++t) work[t + 1] = work[t] + columns[t] + cols / 16 + 1;
-    return columns;
+    for (long t = 0; t < tasks; ++t) {
+        work[t + 1] = work[t];
+        for (const RowPlan* plan : plans) work[t + 1] += plan->work(t, cols);
+    }
+    return work;
+}
+
+// Columns [0, columns) of output row (b, i), whose correlation is its bias alone (RowPlan::bias_only): finish's
+// epilogue on the bias, as output_block and winograd_block give it when every product adds a zero.
+inline void bias_row(const Input& in, const Output& o, int b, int i, int columns, const RowRing& ring,
+                     const float* out_keep, bool blend_in_ring) {
+    const int kr = in.kernel_rows, own = -in.row_shift;
+    const size_t map = static_cast<size_t>(in.rows) * in.cols, row = static_cast<size_t>(i) * in.cols;
+    for (int h = 0; h < in.heads; ++h) {
+        const vfloat bias = vfloat{} + (o.bias ? o.bias[h] : 0.0f);
+        for (int j = 0; j < columns; j += kLanes) {
+            const int valid = std::min(kLanes, in.cols - j);
+            const size_t at = (static_cast<size_t>(b) * in.heads + h) * map + row + j;
+            const size_t gate_at = gate_unit((static_cast<size_t>(b) * in.heads + h) * in.rows + i, in.cols, j);
+            const float* mixed = blend_in_ring ? ring.plain[h * kr + own] + j : nullptr;
+            const float* keep = out_keep ? out_keep + j : nullptr;
+            if (valid == kLanes) finish(in, o, bias, at, gate_at, keep, mixed);
+            else finish_partial(in, o, bias, at, gate_at, keep, valid, mixed);
+        }
+    }
 }
 
 // One output row (b, i) for all heads. `Heads` and `Cols` > 0 fix the head count and kernel width at compile
@@ -730,9 +821,12 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
     prepare_rows<kWinograd>(in, b, i, ring, halo, blend_in_ring, spread_prefetch);
     const float* out_keep = o.out_keep ? o.out_keep + b * map + row : nullptr;
     // The columns to correlate: all, or up to the row's masked tail (a multiple of kTailColumns, see
-    // masked_tail_columns); the rest of the row is its masked tail (see masked_tail).
+    // RowPlan::columns); the rest of the row is its masked tail (see masked_tail).
     const int columns = in.columns ? in.columns[static_cast<size_t>(b) * in.rows + i] : in.cols;
-    if constexpr (kWinograd) {
+    if (in.bias_only && in.bias_only[static_cast<size_t>(b) * in.rows + i]) {
+        ring.deferred.issue(ring.deferred.pending);
+        bias_row(in, o, b, i, columns, ring, out_keep, blend_in_ring);
+    } else if constexpr (kWinograd) {
         const int vectors = pair_vectors(columns), groups = heads / group;
         const size_t share = spread_prefetch ? ring.deferred.pending / (std::max(vectors, 1) * groups) + 1 : 0;
         for (int q = 0; q < vectors; ++q)
@@ -795,19 +889,18 @@ void correlate(const Input& given_in, const Output& given, int threads, bool ski
     std::vector<float> reordered;
     const Output o = with_reordered_weights(given, heads, taps, reordered, winograd<Heads, Cols>());
     Input in = given_in;
-    std::vector<long> work;
-    std::vector<int> columns;
-    if (skip_masked_tails && in.in_keep) {
-        columns = masked_tail_columns(in.in_keep, in.batch, in.rows, in.cols, work, threads);
-        in.columns = columns.data();
-    }
+    // (An output row masked whole still writes its gate, taken before that mask, from the whole correlation.)
+    const RowPlan plan = plan_rows(in, o.saved ? nullptr : o.out_keep, skip_masked_tails, threads);
+    in.columns = plan.columns.empty() ? nullptr : plan.columns.data();
+    in.bias_only = plan.bias_only.empty() ? nullptr : plan.bias_only.data();
+    const std::vector<long> work = prefix_work({&plan}, static_cast<long>(in.batch) * in.rows, in.cols);
     // Each thread takes consecutive rows. Writing the output over the input is safe within a thread (an input
     // row is in the ring before its output row is written); the rows of neighbouring threads it reads are
     // copied before anyone writes.
     const bool in_place = o.out == in.x;
 #pragma omp parallel num_threads(threads)
     {
-        const ThreadRows own = thread_rows(in, in_place, in.columns ? &work : nullptr);
+        const ThreadRows own = thread_rows(in, in_place, work.empty() ? nullptr : &work);
         RowRing ring;
         for (long t = own.begin; t < own.end; ++t)
             output_row<Heads, Cols>(in, o, t / in.rows, t % in.rows, ring, in_place ? &own.halo : nullptr, true);
@@ -870,9 +963,11 @@ void weight_grad_row(const Input& in, const float* const* gy, int b, int i, RowR
     // (gy is zero past the row's masked tail, where there is one: its gate bits are)
     const int columns = in.columns ? in.columns[static_cast<size_t>(b) * in.rows + i] : in.cols;
     const int vectors = (columns + kLanes - 1) / kLanes;
-    prepare_rows(in, b, i, ring);
     for (int h = 0; h < heads; ++h)
         for (int v = 0; v < vectors; ++v) grad_b[h] += load(gy[h] + v * kLanes);
+    // A bias-only row's input rows are zero: its products would add zeros to the weight gradient.
+    if (in.bias_only && in.bias_only[static_cast<size_t>(b) * in.rows + i]) return;
+    prepare_rows(in, b, i, ring);
     constexpr int kGroup = Heads > 0 && Cols > 0 ? weight_grad_group<Heads, Cols>() : 0;
     if constexpr (kGroup > 0) {
         for (int c = 0; c < heads; ++c)
@@ -928,13 +1023,15 @@ void backward(const Input& given_grad_in, const Output& grad_out, const Input& g
     std::vector<float> reordered;
     const Output out = with_reordered_weights(grad_out, heads, taps, reordered, winograd<Heads, Cols>());
     Input grad_in = given_grad_in, forward_in = given_forward_in;
-    std::vector<long> work;
-    std::vector<int> columns;
-    if (skip_masked_tails && forward_in.in_keep) {
-        columns = masked_tail_columns(forward_in.in_keep, forward_in.batch, forward_in.rows, forward_in.cols, work,
-                                      threads);
-        grad_in.columns = forward_in.columns = columns.data();
-    }
+    // The input gradient's rows are bias-only (no bias: 0 before the blend) where the forward's keep masks them
+    // whole; the weight gradient's rows have no products where the forward's were bias-only.
+    const RowPlan forward_plan = plan_rows(forward_in, nullptr, skip_masked_tails, threads);
+    const RowPlan grad_plan = plan_rows(grad_in, out.out_keep, false, threads);
+    grad_in.columns = forward_in.columns = forward_plan.columns.empty() ? nullptr : forward_plan.columns.data();
+    grad_in.bias_only = grad_plan.bias_only.empty() ? nullptr : grad_plan.bias_only.data();
+    forward_in.bias_only = forward_plan.bias_only.empty() ? nullptr : forward_plan.bias_only.data();
+    const std::vector<long> work =
+        prefix_work({&forward_plan, &grad_plan}, static_cast<long>(grad_in.batch) * grad_in.rows, grad_in.cols);
     const bool in_place = out.out == grad_in.x;
     // Each thread's weight and bias gradients, added up in thread order afterwards: the same bits on every
     // run with the same thread count (an atomic or critical sum would depend on which thread finishes first).
@@ -945,7 +1042,7 @@ void backward(const Input& given_grad_in, const Output& grad_out, const Input& g
         const int id = omp_get_thread_num();
 #pragma omp single
         team = omp_get_num_threads();
-        const ThreadRows own = thread_rows(grad_in, in_place, grad_in.columns ? &work : nullptr);
+        const ThreadRows own = thread_rows(grad_in, in_place, work.empty() ? nullptr : &work);
         RowRing gradient_ring, input_ring;
         std::vector<vfloat> grad_w(weights, vfloat{}), grad_b(heads, vfloat{});
         const float* rows[kMaxHeads];
@@ -992,7 +1089,7 @@ extern "C" {
 
 // Both return 0 on success and 1 for sizes the kernels do not take (the caller checks them first).
 // `skip_masked_tails` (with a mask): each row's correlation stops at its masked tail (after its last kept column,
-// rounded up, see masked_tail_columns and masked_tail), for callers whose softmax masks those entries.
+// rounded up, see RowPlan::columns and masked_tail), for callers whose softmax masks those entries.
 int ea_correlate(const float* x, const float* lerp_end, float lerp_weight, const void* gate, const float* in_keep,
                  const float* w, const float* bias, int batch, int heads, int rows, int cols, int kernel_rows,
                  int kernel_cols, int row_shift, int relu, void* saved, const float* out_keep, const float* blend,
@@ -1027,5 +1124,5 @@ int ea_backward(const float* scores, const float* previous, float alpha, const f
                 skip_masked_tails != 0);
 }
 
-int ea_kernel_version() { return 13; }
+int ea_kernel_version() { return 14; }
 }
