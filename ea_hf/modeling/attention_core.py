@@ -534,8 +534,8 @@ def compiled_core(
     skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What :class:`EvolvingAttentionCore` computes, with the arguments of its ``apply``, in a form
-    ``torch.compile`` traces (whose kernel operators correlate every row whole: ``skip_masked_tails`` changes
-    nothing here): the layer's operators inside a selective activation checkpoint that keeps A_logit
+    ``torch.compile`` traces (whose kernel operators correlate the masked tails too: ``skip_masked_tails``
+    changes nothing here): the layer's operators inside a selective activation checkpoint that keeps A_logit
     and the gate of the fused CPU kernel (and dropout's mask) and recomputes S and P in backward, as the core
     does. Without it, a compiled training step keeps S, A_logit and P per layer (1.5x a compiled eager step's
     memory at N = 512). Where the maps are small (:func:`keeps_small_maps`), S is kept (computed before the

@@ -272,7 +272,7 @@ def backward(
     skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor | ScaledMap, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The evolution step's whole backward (see :func:`_backward`; while torch.compile traces, the operator
-    ``ea_hf::evolve_backward_one_map``, which correlates every row whole).
+    ``ea_hf::evolve_backward_one_map``, which correlates the masked tails too).
 
     The incoming gradient is ``grad`` plus ``addend`` (where given). Outside torch.compile (a compiled graph plans
     its own buffers), the kernel adds them as it reads, and with ``into`` writes the gradients of S and of A_prev
@@ -582,7 +582,7 @@ def evolve(
     """The evolution step's forward (see ``ea_hf.modeling.convolution.FusedKernel``): through the operators while
     torch.compile traces (never in place: a compiled graph plans its own buffers) and where autograd differentiates
     the result; elsewhere, in place, the operators' bodies directly, which skip masked tails with
-    ``skip_masked_tails`` (see :func:`forward_correlation`; the operators correlate every row whole)."""
+    ``skip_masked_tails`` (see :func:`forward_correlation`; the operators correlate the masked tails too)."""
     gate = not in_place if gate is None else gate
     # Outside torch.compile the operators' bodies run directly where the result is not differentiated: the
     # dispatch of a Python custom operator costs about 15 us a call warm and 80 to 110 us inside a decoding
