@@ -523,8 +523,9 @@ __attribute__((noinline, cold)) void finish_partial(const Input& in, const Outpu
 // blend read from the ring where `blend_in_ring`): finish, or finish_partial for a row's last, partial vector.
 // Always inlined into the blocks' column loops, as the code it replaced was: left to the compiler, the forward
 // pass took 1 to 15 % longer in 7 of 9 comparisons (AMD EPYC, builds alternating in one process); inlined, as long.
-__attribute__((always_inline)) inline void finish_vector(const Input& in, const Output& o, vfloat y, int b, int h, int i, int j, const RowRing& ring,
-                          const float* out_keep, bool blend_in_ring) {
+__attribute__((always_inline)) inline void finish_vector(const Input& in, const Output& o, vfloat y, int b, int h,
+                                                         int i, int j, const RowRing& ring, const float* out_keep,
+                                                         bool blend_in_ring) {
     const size_t flat_row = (static_cast<size_t>(b) * in.heads + h) * in.rows + i;
     const size_t at = flat_row * in.cols + j;
     const float* mixed = blend_in_ring ? ring.plain[h * in.kernel_rows - in.row_shift] + j : nullptr;
