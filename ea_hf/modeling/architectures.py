@@ -58,6 +58,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "xlm-roberta-xl": ArchitectureSpec(("XLMRobertaXLSelfAttention",)),
     "data2vec-text": ArchitectureSpec(("Data2VecTextSelfAttention",)),
     "ernie": ArchitectureSpec(("ErnieSelfAttention",)),
+    "nomic_bert": ArchitectureSpec(("NomicBertAttention",), num_heads_attribute=_FROM_CONFIG),
     # Local (sliding-window) and global layers form one chain; a local layer's mask removes the entries outside
     # its window, so its convolution never reads them (see masks.py).
     "modernbert": ArchitectureSpec(("ModernBertAttention",), num_heads_attribute=_FROM_CONFIG),
@@ -67,15 +68,21 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     # module that called the interface).
     "dinov2": ArchitectureSpec(("Dinov2Attention",), since="5.18.0"),
     "t5": ArchitectureSpec(("T5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
+    "mt5": ArchitectureSpec(("MT5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
     "bart": ArchitectureSpec(("BartAttention",), **_BART_FAMILY),
     "mbart": ArchitectureSpec(("MBartAttention",), **_BART_FAMILY),
     "marian": ArchitectureSpec(("MarianAttention",), **_BART_FAMILY),
+    "pegasus": ArchitectureSpec(("PegasusAttention",), **_BART_FAMILY),
+    # M2M100's architecture also serves NLLB's dense checkpoints (model_type m2m_100).
+    "m2m_100": ArchitectureSpec(("M2M100Attention",), **_BART_FAMILY),
     # Decoder-only language models: one causal chain. Grouped-query attention still has a map per query head,
     # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma 2/3,
-    # Phi-3, StarCoder2) mask the entries outside their window, which the convolution then never reads; Gemma 2's
-    # soft-capping applies to S before the evolution (see attention.py). Mixtures of experts (Mixtral, Qwen3-MoE)
-    # differ in their feed-forward layers only.
+    # Phi-3, StarCoder2, Cohere 2) mask the entries outside their window, which the convolution then never reads;
+    # Gemma 2's soft-capping applies to S before the evolution (see attention.py). Mixtures of experts (Mixtral,
+    # Qwen2-MoE, Qwen3-MoE) differ in their feed-forward layers only.
     "gpt2": ArchitectureSpec(("GPT2Attention",), num_heads_attribute="num_heads", cross_attention=("crossattention",)),
+    # One key/value head shared by every query head (multi-query attention).
+    "gpt_bigcode": ArchitectureSpec(("GPTBigCodeAttention",), num_heads_attribute="num_heads"),
     **{
         model_type: ArchitectureSpec((f"{name}Attention",), num_heads_attribute=_FROM_CONFIG)
         for model_type, name in {
@@ -95,6 +102,11 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
             "opt": "OPT",
             "mixtral": "Mixtral",
             "qwen3_moe": "Qwen3Moe",
+            "qwen2_moe": "Qwen2Moe",
+            "cohere": "Cohere",
+            "cohere2": "Cohere2",
+            "olmo": "Olmo",
+            "glm4": "Glm4",
         }.items()
     },
     # One fused query/key/value projection: the head size is an attribute of its own.

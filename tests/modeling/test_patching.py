@@ -279,7 +279,7 @@ def test_unsupported_architecture_names_the_supported_ones():
     config = transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=99)
     model = transformers.BloomModel(config)
     with pytest.raises(
-        ValueError, match="does not support model_type 'bloom'.*Supported: bart, bert, camembert, data2vec-text, deit"
+        ValueError, match="does not support model_type 'bloom'.*Supported: bart, bert, camembert, cohere, cohere2, data"
     ):
         ea_hf.patch(model)
     assert not ea_hf.is_patched(model)
