@@ -14,10 +14,14 @@ from ea_hf.modeling.echo import EchoAttention
 from ea_hf.training.kinds.glue import GLUE_TASKS
 
 TEXT_ARCHITECTURES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "modernbert"]
-TEXT_ARCHITECTURES += ["roberta-prelayernorm", "xlm-roberta-xl", "data2vec-text", "ernie", "nomic_bert"]
+TEXT_ARCHITECTURES += ["roberta-prelayernorm", "xlm-roberta-xl", "data2vec-text", "ernie", "nomic_bert", "albert"]
+#: One attention module serves every layer (ALBERT): it evolves all its layers or none.
+SHARED_LAYER_ARCHITECTURES = ["albert"]
 IMAGE_ARCHITECTURES = ["vit", "deit", "dinov2"]
 ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES
-SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian", "mt5", "pegasus", "m2m_100"]
+#: Speech-to-text: the encoder reads audio features (``input_features``), without a padding mask.
+SPEECH_ARCHITECTURES = ["whisper"]
+SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian", "mt5", "pegasus", "m2m_100"] + SPEECH_ARCHITECTURES
 DECODER_ONLY_ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 DECODER_ONLY_ARCHITECTURES += ["gemma", "phi", "gpt_neox", "olmo2", "granite", "smollm3", "starcoder2", "opt"]
 DECODER_ONLY_ARCHITECTURES += ["cohere", "cohere2", "olmo", "glm4", "gpt_bigcode"]
@@ -77,6 +81,8 @@ NUM_LAYERS = 3
 NUM_HEADS = 4
 VOCAB_SIZE = 99
 IMAGE_SIZE = 16
+MEL_BINS = 8
+SOURCE_FRAMES = 12
 
 
 PAD, BOS, EOS = 1, 0, 2  # special token ids of the tiny seq2seq configs
@@ -189,6 +195,9 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
             relative_attention_max_distance=16,
         )
     elif model_type in SEQ2SEQ_ARCHITECTURES:
+        if model_type in SPEECH_ARCHITECTURES:  # MEL_BINS features, 2 * SOURCE_FRAMES frames (the stem halves them)
+            special |= dict(num_mel_bins=MEL_BINS, max_source_positions=SOURCE_FRAMES, max_target_positions=64)
+            special |= dict(suppress_tokens=None, begin_suppress_tokens=None)
         # BART-family weights are drawn with std 0.02 by default, which makes every attention map nearly
         # uniform; a larger std gives the tiny models attention worth evolving.
         kwargs = dict(
@@ -225,10 +234,17 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
         kwargs = dict(common, image_size=IMAGE_SIZE, patch_size=4, num_channels=3)
     else:
         kwargs = dict(common, vocab_size=VOCAB_SIZE, max_position_embeddings=64)
-        if model_type == "electra":
+        if model_type in ("electra", "albert"):
             kwargs["embedding_size"] = 16
     kwargs.update(overrides)
     return transformers.CONFIG_MAPPING[model_type](**kwargs)
+
+
+def seq2seq_head(model_type: str):
+    """The Auto class of a seq2seq architecture's generating head (speech: ``AutoModelForSpeechSeq2Seq``)."""
+    if model_type in SPEECH_ARCHITECTURES:
+        return transformers.AutoModelForSpeechSeq2Seq
+    return transformers.AutoModelForSeq2SeqLM
 
 
 def causal_lm(family: str, seed: int = 0, **overrides):
@@ -284,6 +300,11 @@ def tiny_inputs(model_type: str, batch: int = 3, length: int = 9, seed: int = 1)
     generator = torch.Generator().manual_seed(seed)
     if model_type in IMAGE_ARCHITECTURES:
         return {"pixel_values": torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)}
+    if model_type in SPEECH_ARCHITECTURES:
+        decoder_input_ids = torch.randint(5, VOCAB_SIZE, (batch, length - 2), generator=generator)
+        decoder_input_ids[:, 0] = BOS
+        features = torch.randn(batch, MEL_BINS, 2 * SOURCE_FRAMES, generator=generator)
+        return {"input_features": features, "decoder_input_ids": decoder_input_ids}
     input_ids = torch.randint(5, VOCAB_SIZE, (batch, length), generator=generator)
     attention_mask = torch.ones(batch, length, dtype=torch.long)
     for row in range(1, batch):
@@ -365,7 +386,8 @@ def generate(model, inputs, **kwargs):
     settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True, output_scores=True)
     # Tiny random models like to repeat one token; make every step differ.
     settings |= dict(no_repeat_ngram_size=1, return_dict_in_generate=True, pad_token_id=PAD)
-    return model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **settings | kwargs)
+    source = {name: value for name, value in inputs.items() if name != "decoder_input_ids"}
+    return model.generate(**source, **settings | kwargs)
 
 
 def generation_gap(a, b) -> float:

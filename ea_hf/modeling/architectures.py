@@ -34,6 +34,9 @@ class ArchitectureSpec:
         since: the oldest transformers release whose version of the architecture ea_hf supports (its
             attention goes through ``AttentionInterface`` with the full logits), when newer than the oldest
             release ea_hf supports at all; ``patch`` refuses older ones and names this release.
+        shared_layers: whether one attention module serves several layers (ALBERT calls one layer's weights at
+            every depth). Each call is then the next layer of the chain: it mixes in the logits of the call before
+            it, and the evolution module is shared like every other weight of the layer.
     """
 
     attention: tuple[str, ...]
@@ -41,6 +44,7 @@ class ArchitectureSpec:
     cross_attention: tuple[str, ...] = ()
     head_dim_attribute: str = "head_dim"
     since: str | None = None
+    shared_layers: bool = False
 
 
 _FROM_CONFIG = "config.num_attention_heads"
@@ -59,6 +63,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "data2vec-text": ArchitectureSpec(("Data2VecTextSelfAttention",)),
     "ernie": ArchitectureSpec(("ErnieSelfAttention",)),
     "nomic_bert": ArchitectureSpec(("NomicBertAttention",), num_heads_attribute=_FROM_CONFIG),
+    "albert": ArchitectureSpec(("AlbertAttention",), head_dim_attribute="attention_head_size", shared_layers=True),
     # Local (sliding-window) and global layers form one chain; a local layer's mask removes the entries outside
     # its window, so its convolution never reads them (see masks.py).
     "modernbert": ArchitectureSpec(("ModernBertAttention",), num_heads_attribute=_FROM_CONFIG),
@@ -75,6 +80,8 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "pegasus": ArchitectureSpec(("PegasusAttention",), **_BART_FAMILY),
     # M2M100's architecture also serves NLLB's dense checkpoints (model_type m2m_100).
     "m2m_100": ArchitectureSpec(("M2M100Attention",), **_BART_FAMILY),
+    # Speech: the encoder reads audio features, which have no padding mask (Whisper pads audio with silence).
+    "whisper": ArchitectureSpec(("WhisperAttention",), **_BART_FAMILY),
     # Decoder-only language models: one causal chain. Grouped-query attention still has a map per query head,
     # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma 2/3,
     # Phi-3, StarCoder2, Cohere 2) mask the entries outside their window, which the convolution then never reads;

@@ -103,6 +103,12 @@ def plan_evolution(
         if chosen is None:
             continue
         num_layers = len(stack_sites)
+        if chosen.layers is not None and architecture_of(model).shared_layers:
+            problems.append(
+                f"{type(model).__name__} calls one layer's weights at every depth, so its layers evolve together: "
+                "leave layers unset (all), or leave the model plain"
+            )
+            continue
         if chosen.layers is not None:
             out_of_range = [i for i in chosen.layers if i >= num_layers]
             if out_of_range:
@@ -149,6 +155,7 @@ def attach_evolution(
             # One mask for the whole chain (its layers share one attention type): each layer's softmax masks
             # what the others' kernels leave out (see AttentionMapEvolution.skip_masked_tails).
             evolution.skip_masked_tails = len(masks_of_chain[site.chain]) == 1
+            evolution.shared_across_layers = spec.shared_layers
             setattr(site.module, MODULE_ATTRIBUTE, evolution)
             if evolution.causal:
                 site.module.register_forward_pre_hook(pass_cache, with_kwargs=True)

@@ -19,6 +19,8 @@ from torch import nn
 CHAIN_KWARG = "evolving_attention_chain"
 #: Chain entry with the decoder's real (non-padding) query rows, for the cross-attention convolution.
 DECODER_ROWS_KEY = "decoder_rows"
+#: Position in chain keys of the logits of modules shared across layers (ALBERT): the last call's.
+SHARED_LAYERS = "shared"
 #: Chain entry that says whether layers of the stack may be replayed (gradient checkpointing).
 REPLAYS_KEY = "replays"
 #: Chain entry with the previous layer's logits once consumed without autograd: the attention function may

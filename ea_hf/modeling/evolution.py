@@ -32,7 +32,7 @@ from torch import nn
 from transformers import initialization as hf_init
 
 from .attention_core import EvolvingAttentionCore, attention_scores, compiled_core, full_precision
-from .chain import REPLAYS_KEY, SPARE_KEY
+from .chain import REPLAYS_KEY, SHARED_LAYERS, SPARE_KEY
 from .convolution import begin_history, evolve_convolution
 from .history import ConvolutionHistory
 from .settings import ATTENTION_ROLES, CAUSAL_ROLES, EvolvingAttentionSettings
@@ -68,6 +68,9 @@ class AttentionMapEvolution(nn.Module):
     #: this layer leaves out (set by :func:`~.attach.attach_evolution`). Not where local and global layers share a
     #: chain (ModernBERT): a global layer reads a local layer's logits right of its window.
     skip_masked_tails: bool = False
+    #: Whether this module serves several layers of its stack (ALBERT; set by :func:`~.attach.attach_evolution`):
+    #: each call then mixes in the logits of the call before it in this forward, whichever module made it.
+    shared_across_layers: bool = False
 
     def __init__(
         self,
@@ -165,8 +168,10 @@ class AttentionMapEvolution(nn.Module):
         hf_init.zeros_(self.bias)
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.role, self.position)
+    def key(self) -> tuple[str, int | str]:
+        """Where this layer's logits wait in the chain for the next layer. Modules shared across layers use one
+        entry per role, which each call reads and replaces."""
+        return (self.role, SHARED_LAYERS if self.shared_across_layers else self.position)
 
     def convolve(self, conv_input: torch.Tensor, rows_before: int = 0, columns_before: int = 0) -> torch.Tensor:
         """ReLU(Conv(A_in)) for the rows of ``conv_input`` after its first ``rows_before`` (earlier, cached) rows
@@ -190,6 +195,8 @@ class AttentionMapEvolution(nn.Module):
                 "Evolving attention ran outside a patched layer stack: no per-call chain was passed. "
                 "Call the model (or its encoder) rather than an attention layer on its own."
             )
+        if self.shared_across_layers:
+            return self.previous_call_logits(chain)
         if self.previous is None:
             return None
         # Nothing else reads an entry once its successor has (autograd keeps what it needs), so it is dropped:
@@ -203,6 +210,17 @@ class AttentionMapEvolution(nn.Module):
                 f"Evolving attention layer {self.position} ({self.role}) expected the logits of layer "
                 f"{self.previous}, which did not run in this forward call (layers skipped or reordered?)."
             )
+        return previous if self.alpha != 0.0 else None
+
+    def previous_call_logits(self, chain: dict[Any, Any]) -> torch.Tensor | None:
+        """A_logit of the previous call of a module shared across layers (``None`` for the first call)."""
+        if torch.is_grad_enabled() and chain.get(REPLAYS_KEY, True):
+            # A replayed call would find the logits of the stack's last call, not of the call before it.
+            raise RuntimeError(
+                "Evolving attention modules shared across layers cannot be replayed (gradient checkpointing): "
+                "each call reads the logits of the call before it."
+            )
+        previous = chain.pop(self.key, None)
         return previous if self.alpha != 0.0 else None
 
     def reference(

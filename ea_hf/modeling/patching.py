@@ -42,6 +42,8 @@ class PatchedModule:
     kernel_size: int
     parameters: int
     method: str = "conv"
+    #: Serves several layers (ALBERT): each call mixes in the previous call's logits ("call" under prev).
+    shared_across_layers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,7 @@ class PatchSummary:
         header = f"{'module':<52} {'role':<8} {'method':<8} {'layer':>5} {'prev':>5} {'alpha':>6} {'beta':>6} {'k':>3}"
         lines = [f"{header} {'params':>8}"]
         for m in self.modules:
-            prev = "-" if m.previous_layer is None else str(m.previous_layer)
+            prev = "call" if m.shared_across_layers else "-" if m.previous_layer is None else str(m.previous_layer)
             kernel = str(m.kernel_size) if m.method == "conv" else "-"
             lines.append(
                 f"{m.name:<52} {m.role:<8} {m.method:<8} {m.layer:>5} {prev:>5} {m.alpha:>6g} {m.beta:>6g} "
@@ -216,6 +218,7 @@ def summary(model: nn.Module) -> PatchSummary:
                     kernel_size=module.kernel_size,
                     parameters=sum(p.numel() for p in module.parameters()),
                     method=module.method,
+                    shared_across_layers=module.shared_across_layers,
                 )
             )
     return PatchSummary(

@@ -17,6 +17,8 @@ from testing import (
     PAD,
     SAVED_MODELING_FILES,
     SEQ2SEQ_ARCHITECTURES,
+    SHARED_LAYER_ARCHITECTURES,
+    SPEECH_ARCHITECTURES,
     first_output,
     left_padded_inputs,
     max_abs_diff,
@@ -30,11 +32,20 @@ from ea_hf.modeling.model_classes import auto_class_names
 
 SETTINGS = {"alpha": 0.4, "beta": 0.3, "kernel_size": 3, "layers": [0, 2], "init": "xavier_uniform"}
 
+
+def settings_of(model_type: str) -> dict:
+    """SETTINGS, less the choice of layers where one module serves every layer (ALBERT evolves all or none)."""
+    if model_type in SHARED_LAYER_ARCHITECTURES:
+        return {name: value for name, value in SETTINGS.items() if name != "layers"}
+    return SETTINGS
+
+
 # Every head, the causal-LM ones included: for encoder architectures with is_decoder=False (the tiny configs'
 # default) their attention is bidirectional; for the BART family (BartForCausalLM & co.) it is the decoder alone.
 HEAD_CASES = [(model_type, head) for model_type in ALL_ARCHITECTURES for head in auto_class_names(model_type)]
 # Seq2seq heads that read the source only (or derive the decoder inputs from it).
 SOURCE_ONLY_HEADS = {
+    "AutoModelForAudioClassification",
     "AutoModelForSequenceClassification",
     "AutoModelForQuestionAnswering",
     "AutoModelForTokenClassification",
@@ -53,8 +64,10 @@ def test_every_head_saves_and_loads_through_its_auto_class(model_type, head, tmp
     # The class itself, not `from_config`: transformers' Auto lookup fails for multi-class entries (DeiT) on
     # configs without `architectures`.
     base_class = getattr(transformers, auto_class_names(model_type)[head])
-    model = ea_hf.patch(base_class(tiny_config(model_type)).eval(), **SETTINGS)
+    model = ea_hf.patch(base_class(tiny_config(model_type)).eval(), **settings_of(model_type))
     inputs = tiny_inputs(model_type, batch=2)
+    if head == "AutoModelForCausalLM" and model_type in SPEECH_ARCHITECTURES:  # the decoder alone
+        inputs = {"input_ids": inputs["decoder_input_ids"]}
     if head in SOURCE_ONLY_HEADS or head == "AutoModelForCausalLM":
         inputs.pop("decoder_input_ids", None)
     if head == "AutoModelForMultipleChoice":  # [batch, choices, length]
@@ -75,7 +88,8 @@ def test_every_head_saves_and_loads_through_its_auto_class(model_type, head, tmp
 
 @pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
 def test_config_json_carries_every_setting_and_safetensors_weights(model_type, tmp_path):
-    model = ea_hf.patch(tiny_model(model_type), **SETTINGS)
+    settings = settings_of(model_type)
+    model = ea_hf.patch(tiny_model(model_type), **settings)
     model.save_pretrained(tmp_path)
     files = set(os.listdir(tmp_path))
     assert {"config.json", "model.safetensors", *SAVED_MODELING_FILES} <= files
@@ -85,7 +99,7 @@ def test_config_json_carries_every_setting_and_safetensors_weights(model_type, t
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == f"ea-{model_type}"
     first_role = "decoder" if model_type in DECODER_ONLY_ARCHITECTURES else "encoder"
-    expected = {first_role: {**SETTINGS, "method": "conv"}}
+    expected = {first_role: {"layers": None, **settings, "method": "conv"}}
     if model_type in SEQ2SEQ_ARCHITECTURES:  # the papers' defaults: no skip connection, every layer
         expected |= {kind: {**expected["encoder"], "alpha": 0.0, "layers": None} for kind in ("decoder", "cross")}
     assert config["evolving_attention"] == expected
@@ -97,7 +111,8 @@ def test_config_json_carries_every_setting_and_safetensors_weights(model_type, t
     evolution_keys = sorted(k for k in weights if "evolving_attention" in k)
     # Encoder layers 0 and 2 (+ all 3 decoder and 3 cross layers), weight and bias each.
     decoder_layers = 2 * 3 if model_type in SEQ2SEQ_ARCHITECTURES else 0
-    assert len(evolution_keys) == 2 * (2 + decoder_layers)
+    encoder_modules = 1 if model_type in SHARED_LAYER_ARCHITECTURES else 2  # ALBERT: one module, every layer
+    assert len(evolution_keys) == 2 * (encoder_modules + decoder_layers)
     # Causal kernels keep the rows at and above the centre.
     shapes = {(4,)} | ({(4, 4, 2, 3)} if decoder_layers or first_role == "decoder" else set())
     shapes |= set() if first_role == "decoder" else {(4, 4, 3, 3)}

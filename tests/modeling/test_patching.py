@@ -24,6 +24,8 @@ from testing import (
 
 import ea_hf
 from ea_hf.modeling.architectures import ARCHITECTURES
+from ea_hf.modeling.chain import REPLAYS_KEY
+from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.masks import convolution_mask
 
 EXACT = 1e-5
@@ -279,7 +281,7 @@ def test_unsupported_architecture_names_the_supported_ones():
     config = transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=99)
     model = transformers.BloomModel(config)
     with pytest.raises(
-        ValueError, match="does not support model_type 'bloom'.*Supported: bart, bert, camembert, cohere, cohere2, data"
+        ValueError, match="does not support model_type 'bloom'.*Supported: albert, bart, bert, camembert, cohere"
     ):
         ea_hf.patch(model)
     assert not ea_hf.is_patched(model)
@@ -382,6 +384,65 @@ def test_modernberts_local_layers_never_convolve_entries_outside_their_window():
         other = evolution((scores + outside).clone(), conv_mask, {("encoder", 0): previous + outside})
     assert outside.abs().sum() > 0
     assert torch.equal(one[conv_mask.expand_as(one)], other[conv_mask.expand_as(other)])
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_albert_chains_every_call_of_its_one_shared_layer(grad, monkeypatch):
+    """ALBERT calls one layer's weights at every depth. Its one evolution module is a layer of the chain at each
+    call: the first call evolves S alone, and call k mixes in exactly the logits call k - 1 produced."""
+    model = patched_model("albert", METHODS["conv"])
+    evolutions = [m for m in model.modules() if isinstance(m, AttentionMapEvolution)]
+    assert len(evolutions) == 1 and ea_hf.summary(model).added_parameters == NUM_HEADS**2 * 9 + NUM_HEADS
+    assert "call" in str(ea_hf.summary(model)).splitlines()[1].split()
+    evolution = evolutions[0]
+    calls = []  # per call: the logits waiting in the chain, and the logits it produced
+
+    def record(method):
+        def recorded(*args, **kwargs):
+            chain = next(value for value in (*args, *kwargs.values()) if isinstance(value, dict))
+            waiting = chain.get(evolution.key)
+            waiting = None if waiting is None else waiting.detach().clone()
+            scores = None if grad else args[0].clone()  # forward(scores, conv_mask, chain): S may be overwritten
+            logits = method(*args, **kwargs)
+            produced = chain[evolution.key].detach().clone()
+            if not grad:  # ... and what it produced is the paper's equations on S and the waiting logits
+                alpha, beta, conv_mask = evolution.alpha, evolution.beta, args[1]
+                mixed = scores if waiting is None else alpha * waiting + (1 - alpha) * scores
+                convolved = evolution.convolve(mixed if conv_mask is None else mixed.masked_fill(~conv_mask, 0.0))
+                assert max_abs_diff(produced, beta * convolved + (1 - beta) * mixed) <= 1e-5
+            calls.append((waiting, produced))
+            return logits
+
+        return recorded
+
+    # With autograd the whole attention core runs (attend); without, the evolution alone (forward).
+    monkeypatch.setattr(
+        evolution, "attend" if grad else "forward", record(evolution.attend if grad else evolution.forward)
+    )
+    with torch.set_grad_enabled(grad):
+        model(**tiny_inputs("albert"))
+    assert len(calls) == NUM_LAYERS
+    assert calls[0][0] is None
+    for k in range(1, NUM_LAYERS):
+        assert torch.equal(calls[k][0], calls[k - 1][1]), k
+
+
+def test_albert_evolves_all_its_layers_or_none():
+    model = tiny_model("albert")
+    with pytest.raises(ValueError, match="calls one layer's weights at every depth.*leave layers unset"):
+        ea_hf.patch(model, layers=[0])
+    assert not ea_hf.is_patched(model)
+
+
+def test_a_shared_layer_cannot_be_replayed():
+    """Gradient checkpointing replays layers after the forward call: a shared module would then find the stack's
+    last logits instead of those of the call before it. ALBERT has no checkpointing; any other stack is refused."""
+    evolution = AttentionMapEvolution(NUM_HEADS, alpha=0.5, beta=0.5, kernel_size=3)
+    evolution.shared_across_layers = True
+    scores = torch.randn(1, NUM_HEADS, 5, 5, requires_grad=True)
+    with pytest.raises(RuntimeError, match="shared across layers cannot be replayed"):
+        evolution(scores, None, {REPLAYS_KEY: True})
+    assert evolution(scores, None, {REPLAYS_KEY: False}).shape == scores.shape
 
 
 def test_a_family_newer_than_the_installed_transformers_is_refused_naming_the_release(monkeypatch):
