@@ -21,10 +21,10 @@ IMAGE_ARCHITECTURES = ["vit", "deit", "dinov2"]
 ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES
 #: Speech-to-text: the encoder reads audio features (``input_features``), without a padding mask.
 SPEECH_ARCHITECTURES = ["whisper"]
-SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian", "mt5", "pegasus", "m2m_100"] + SPEECH_ARCHITECTURES
+SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian", "mt5", "umt5", "pegasus", "m2m_100"] + SPEECH_ARCHITECTURES
 DECODER_ONLY_ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 DECODER_ONLY_ARCHITECTURES += ["gemma", "phi", "gpt_neox", "olmo2", "granite", "smollm3", "starcoder2", "opt"]
-DECODER_ONLY_ARCHITECTURES += ["cohere", "cohere2", "olmo", "glm4", "gpt_bigcode"]
+DECODER_ONLY_ARCHITECTURES += ["cohere", "cohere2", "olmo", "glm4", "gpt_bigcode", "gptj", "codegen"]
 #: Mixtures of experts: each expert's product runs over the tokens routed to it, so the model's own outputs at a
 #: position move by fp32 rounding (about 1e-7) when other tokens change.
 MIXTURE_OF_EXPERTS_ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe"]
@@ -72,6 +72,9 @@ _DECODER_ONLY_CONFIGS = {
     "glm4": {"num_key_value_heads": 2},
     # Multi-query attention: one key/value head.
     "gpt_bigcode": {"n_inner": 37},
+    # Rotary embeddings on the first 4 of each head's 8 dimensions.
+    "gptj": {"rotary_dim": 4, "n_inner": 37},
+    "codegen": {"rotary_dim": 4, "n_inner": 37},
 }
 #: Triton's CPU interpreter runs the kernels from this release on (3.6's interpreter fails on them); compiling
 #: them needs ea_hf.ops.triton_kernels.MIN_TRITON.
@@ -182,7 +185,7 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
     """A small random config of an architecture: 3 layers (per stack), 4 heads, hidden size 32."""
     common = dict(hidden_size=32, num_hidden_layers=NUM_LAYERS, num_attention_heads=NUM_HEADS, intermediate_size=37)
     special = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS)
-    if model_type in ("t5", "mt5"):
+    if model_type in ("t5", "mt5", "umt5"):
         kwargs = dict(
             special,
             vocab_size=VOCAB_SIZE,

@@ -74,6 +74,10 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "dinov2": ArchitectureSpec(("Dinov2Attention",), since="5.18.0"),
     "t5": ArchitectureSpec(("T5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
     "mt5": ArchitectureSpec(("MT5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
+    # Before 5.16 its decoder's self-attention did not say it was causal (is_causal).
+    "umt5": ArchitectureSpec(
+        ("UMT5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",), since="5.16.0"
+    ),
     "bart": ArchitectureSpec(("BartAttention",), **_BART_FAMILY),
     "mbart": ArchitectureSpec(("MBartAttention",), **_BART_FAMILY),
     "marian": ArchitectureSpec(("MarianAttention",), **_BART_FAMILY),
@@ -116,6 +120,9 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
             "glm4": "Glm4",
         }.items()
     },
+    # Before 5.24 their attention did not go through AttentionInterface.
+    "gptj": ArchitectureSpec(("GPTJAttention",), num_heads_attribute="num_attention_heads", since="5.24.0"),
+    "codegen": ArchitectureSpec(("CodeGenAttention",), num_heads_attribute="num_attention_heads", since="5.24.0"),
     # One fused query/key/value projection: the head size is an attribute of its own.
     "gpt_neox": ArchitectureSpec(
         ("GPTNeoXAttention",), num_heads_attribute=_FROM_CONFIG, head_dim_attribute="head_size"

@@ -24,7 +24,7 @@ import ea_hf
 from ea_hf.modeling.history import CACHE_ATTRIBUTE, ConvolutionHistory
 
 EVOLVED = {"alpha": 0.4, "beta": 0.5, "decoder": {"alpha": 0.3}, "cross": {"alpha": 0.2, "beta": 0.6}}
-NO_DROPOUT = {"t5": {"dropout_rate": 0.0}, "mt5": {"dropout_rate": 0.0}}
+NO_DROPOUT = {model_type: {"dropout_rate": 0.0} for model_type in ("t5", "mt5", "umt5")}
 
 
 def seq2seq_lm(model_type: str, **overrides):
