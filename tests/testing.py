@@ -17,7 +17,7 @@ TEXT_ARCHITECTURES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", 
 TEXT_ARCHITECTURES += ["roberta-prelayernorm", "xlm-roberta-xl", "data2vec-text", "ernie", "nomic_bert", "albert"]
 #: One attention module serves every layer (ALBERT): it evolves all its layers or none.
 SHARED_LAYER_ARCHITECTURES = ["albert"]
-IMAGE_ARCHITECTURES = ["vit", "deit", "dinov2"]
+IMAGE_ARCHITECTURES = ["vit", "deit", "dinov2", "vit_msn", "dinov3_vit", "clip_vision_model"]
 ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES
 #: Speech-to-text: the encoder reads audio features (``input_features``), without a padding mask.
 SPEECH_ARCHITECTURES = ["whisper"]
@@ -235,6 +235,8 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
         kwargs = dict(dim=32, n_layers=NUM_LAYERS, n_heads=NUM_HEADS, hidden_dim=37, vocab_size=VOCAB_SIZE)
     elif model_type in IMAGE_ARCHITECTURES:
         kwargs = dict(common, image_size=IMAGE_SIZE, patch_size=4, num_channels=3)
+        if model_type == "dinov3_vit":  # register tokens, as in the released DINOv3 checkpoints (4 there)
+            kwargs["num_register_tokens"] = 2
     else:
         kwargs = dict(common, vocab_size=VOCAB_SIZE, max_position_embeddings=64)
         if model_type in ("electra", "albert"):

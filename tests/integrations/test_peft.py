@@ -26,7 +26,9 @@ peft = pytest.importorskip("peft", reason="PEFT adapters are the optional peft e
 def head_and_task(model_type):
     """A head with weights that start untrained (and peft's task type for it)."""
     if model_type in IMAGE_ARCHITECTURES:
-        return transformers.AutoModelForImageClassification, None
+        if "AutoModelForImageClassification" in auto_class_names(model_type):
+            return transformers.AutoModelForImageClassification, None
+        return transformers.AutoModel, None  # a backbone (DINOv3, CLIP's vision tower)
     if "AutoModelForSequenceClassification" in auto_class_names(model_type):
         return transformers.AutoModelForSequenceClassification, "SEQ_CLS"
     # No sequence-classification head in transformers (Marian, Granite): the language-modelling one.
