@@ -64,6 +64,13 @@ def evolving_attention_forward(
     dropout = dropout if module.training else 0.0
     evolution = getattr(module, MODULE_ATTRIBUTE, None)
     if evolution is not None:
+        if kwargs.get("is_causal") and not evolution.causal:
+            # CLIP's text tower: a causal mask through a module whose is_causal is false, so it was taken for
+            # encoder attention. Row i of a full kernel reads row i + 1, whose keys reach token i + 1.
+            raise RuntimeError(
+                f"{type(module).__name__} attends causally (is_causal=True) but its module says it is not causal, "
+                "so it was patched as bidirectional encoder attention, whose convolution would read later tokens."
+            )
         chain = kwargs.get(CHAIN_KWARG)
         cache = kwargs.get(CACHE_KWARG)
         query_length = query.shape[-2]

@@ -19,17 +19,19 @@ from testing import (
     first_output,
     max_abs_diff,
     patched_model,
+    tiny_config,
     tiny_inputs,
     tiny_model,
 )
 
 import ea_hf
-from ea_hf.modeling.architectures import ARCHITECTURES, supported_model_types
+from ea_hf.modeling.architectures import ARCHITECTURES, ArchitectureSpec, supported_model_types
 from ea_hf.modeling.chain import REPLAYS_KEY
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.masks import convolution_mask
 
 EXACT = 1e-5
+TINY_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 PADDING = 1e-4
 
 
@@ -444,6 +446,18 @@ def test_a_shared_layer_cannot_be_replayed():
     with pytest.raises(RuntimeError, match="shared across layers cannot be replayed"):
         evolution(scores, None, {REPLAYS_KEY: True})
     assert evolution(scores, None, {REPLAYS_KEY: False}).shape == scores.shape
+
+
+def test_causal_attention_through_a_module_patched_as_encoder_attention_is_refused(monkeypatch):
+    """CLIP's text tower attends causally through CLIPAttention, whose is_causal is false; were it in the table,
+    its layers would get bidirectional kernels that read later tokens. The call is refused instead."""
+    spec = ArchitectureSpec(("CLIPAttention",), num_heads_attribute="num_heads")
+    monkeypatch.setitem(ARCHITECTURES, "clip_text_model", spec)
+    config = transformers.CLIPTextConfig(**{name: tiny_config("bert").to_dict()[name] for name in TINY_SIZES})
+    model = ea_hf.patch(transformers.CLIPTextModel(config).eval())
+    assert {row.role for row in ea_hf.summary(model).modules} == {"encoder"}
+    with pytest.raises(RuntimeError, match="attends causally .* would read later tokens"):
+        model(input_ids=tiny_inputs("bert")["input_ids"])
 
 
 def test_a_family_newer_than_the_installed_transformers_is_refused_naming_the_release(monkeypatch):
