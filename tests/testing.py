@@ -25,9 +25,10 @@ SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian", "mt5", "umt5", "pegasu
 DECODER_ONLY_ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 DECODER_ONLY_ARCHITECTURES += ["gemma", "phi", "gpt_neox", "olmo2", "granite", "smollm3", "starcoder2", "opt"]
 DECODER_ONLY_ARCHITECTURES += ["cohere", "cohere2", "olmo", "glm4", "gpt_bigcode", "gptj", "codegen"]
+DECODER_ONLY_ARCHITECTURES += ["exaone4", "helium"]
 #: Mixtures of experts: each expert's product runs over the tokens routed to it, so the model's own outputs at a
 #: position move by fp32 rounding (about 1e-7) when other tokens change.
-MIXTURE_OF_EXPERTS_ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe"]
+MIXTURE_OF_EXPERTS_ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe", "phimoe", "deepseek_v3"]
 DECODER_ONLY_ARCHITECTURES += MIXTURE_OF_EXPERTS_ARCHITECTURES
 ALL_ARCHITECTURES = ARCHITECTURES + SEQ2SEQ_ARCHITECTURES + DECODER_ONLY_ARCHITECTURES
 #: Decoder-only language models, by test id: (model_type, config overrides). The BERT family and the BART family
@@ -67,6 +68,14 @@ _DECODER_ONLY_CONFIGS = {
     "qwen2_moe": {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
     | {"shared_expert_intermediate_size": 16},
     "cohere": {"num_key_value_heads": 2},
+    "exaone4": {"num_key_value_heads": 2},
+    "helium": {"num_key_value_heads": 2},
+    "phimoe": {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 40},
+    # Multi-head latent attention (low-rank queries and keys/values; 8 rotary and 8 other query/key dimensions),
+    # a dense first layer, then 4 routed experts.
+    "deepseek_v3": {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8}
+    | {"v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    | {"first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
     "cohere2": {"num_key_value_heads": 2, **_WINDOW},
     "olmo": {"num_key_value_heads": 2},
     "glm4": {"num_key_value_heads": 2},

@@ -96,7 +96,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma 2/3,
     # Phi-3, StarCoder2, Cohere 2) mask the entries outside their window, which the convolution then never reads;
     # Gemma 2's soft-capping applies to S before the evolution (see attention.py). Mixtures of experts (Mixtral,
-    # Qwen2-MoE, Qwen3-MoE) differ in their feed-forward layers only.
+    # Qwen2-MoE, Qwen3-MoE, Phi-MoE, DeepSeek-V3) differ in their feed-forward layers only.
     "gpt2": ArchitectureSpec(("GPT2Attention",), num_heads_attribute="num_heads", cross_attention=("crossattention",)),
     # One key/value head shared by every query head (multi-query attention).
     "gpt_bigcode": ArchitectureSpec(("GPTBigCodeAttention",), num_heads_attribute="num_heads"),
@@ -124,8 +124,15 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
             "cohere2": "Cohere2",
             "olmo": "Olmo",
             "glm4": "Glm4",
+            "exaone4": "Exaone4",
+            "helium": "Helium",
+            "phimoe": "Phimoe",
         }.items()
     },
+    # Multi-head latent attention: queries and keys have a head size of their own (values another).
+    "deepseek_v3": ArchitectureSpec(
+        ("DeepseekV3Attention",), num_heads_attribute="num_heads", head_dim_attribute="qk_head_dim"
+    ),
     # Before 5.24 their attention did not go through AttentionInterface.
     "gptj": ArchitectureSpec(("GPTJAttention",), num_heads_attribute="num_attention_heads", since="5.24.0"),
     "codegen": ArchitectureSpec(("CodeGenAttention",), num_heads_attribute="num_attention_heads", since="5.24.0"),
