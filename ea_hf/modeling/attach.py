@@ -97,13 +97,14 @@ def plan_evolution(
     by_stack: dict[tuple[str, str], list[AttentionSite]] = {}
     for site in sites:
         by_stack.setdefault((site.stack_name, site.role), []).append(site)
+    shared_layers = architecture_of(model).shared_layers
     planned = []
     for (stack_name, role), stack_sites in by_stack.items():
         chosen = settings.get(role)
         if chosen is None:
             continue
         num_layers = len(stack_sites)
-        if chosen.layers is not None and architecture_of(model).shared_layers:
+        if chosen.layers is not None and shared_layers:
             problems.append(
                 f"{type(model).__name__} calls one layer's weights at every depth, so its layers evolve together: "
                 "leave layers unset (all), or leave the model plain"

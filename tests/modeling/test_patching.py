@@ -31,7 +31,6 @@ from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.masks import convolution_mask
 
 EXACT = 1e-5
-TINY_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 PADDING = 1e-4
 
 
@@ -453,8 +452,7 @@ def test_causal_attention_through_a_module_patched_as_encoder_attention_is_refus
     its layers would get bidirectional kernels that read later tokens. The call is refused instead."""
     spec = ArchitectureSpec(("CLIPAttention",), num_heads_attribute="num_heads")
     monkeypatch.setitem(ARCHITECTURES, "clip_text_model", spec)
-    config = transformers.CLIPTextConfig(**{name: tiny_config("bert").to_dict()[name] for name in TINY_SIZES})
-    model = ea_hf.patch(transformers.CLIPTextModel(config).eval())
+    model = ea_hf.patch(transformers.CLIPTextModel(tiny_config("clip_text_model")).eval())
     assert {row.role for row in ea_hf.summary(model).modules} == {"encoder"}
     with pytest.raises(RuntimeError, match="attends causally .* would read later tokens"):
         model(input_ids=tiny_inputs("bert")["input_ids"])
