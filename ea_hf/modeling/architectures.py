@@ -72,8 +72,8 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "vit_msn": ArchitectureSpec(("ViTMSNAttention",)),
     # DINOv3: rotary positions and register tokens; every token attends to every other.
     "dinov3_vit": ArchitectureSpec(("DINOv3ViTAttention",), num_heads_attribute="num_heads"),
-    # CLIP's vision tower alone (CLIPVisionModel and its image-classification head): its text tower attends
-    # causally through the same non-causal module, so a whole CLIP model is not in the table.
+    # CLIP's vision tower alone (CLIPVisionModel; CLIPForImageClassification is built on a whole CLIP config): its
+    # text tower attends causally through the same non-causal module, so a whole CLIP model is not in the table.
     "clip_vision_model": ArchitectureSpec(("CLIPAttention",), num_heads_attribute="num_heads"),
     # Before 5.18 its layers did not hand keyword arguments on to the attention (nor was Dinov2Attention the
     # module that called the interface).
