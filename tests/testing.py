@@ -163,18 +163,23 @@ _TRITON_POINTER_TYPES = {
 def compile_for_cuda(kernel, args: tuple, kwargs: dict, capability: int):
     """``kernel`` (a ``triton.jit`` function) compiled for a CUDA GPU of compute ``capability`` (90: an H100) as
     a launch with ``args`` and ``kwargs`` would compile it, without a GPU: Triton's whole compiler down to the
-    cubin (with the ptxas it ships). Tensors become pointers of their dtype, ``None`` a constexpr, keyword
-    arguments constexprs (except the launch options ``num_warps`` and ``num_stages``)."""
+    cubin (with the ptxas it ships). Tensors become pointers of their dtype, ``None`` and the parameters the
+    kernel declares ``tl.constexpr`` constexprs, as a launch binds them. Keyword arguments (except the launch
+    options ``num_warps`` and ``num_stages``) must be declared constexprs: a launch passes any other one as a
+    run-time value, which fails on a GPU for a string (and the kernels pass their tiles and switches by keyword)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(kernel.arg_names)
+    declared = {parameter.name for parameter in kernel.params if parameter.is_constexpr}
     kwargs = dict(kwargs)
     options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages") if name in kwargs}
+    undeclared = sorted(set(kwargs) - declared)
+    assert not undeclared, f"{kernel.__name__}: keyword arguments not declared tl.constexpr: {undeclared}"
     signature, constants = {}, {}
     for name, value in [*zip(names, args, strict=False), *kwargs.items()]:
-        if value is None or name in kwargs:
+        if value is None or name in declared:
             signature[name], constants[(names.index(name),)] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = _TRITON_POINTER_TYPES[value.dtype]

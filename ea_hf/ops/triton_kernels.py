@@ -443,7 +443,13 @@ def _jit_together(kernels: dict[str, FunctionType], helpers: tuple[FunctionType,
     namespace = dict(globals())
 
     def rebuilt(fn: FunctionType) -> FunctionType:
-        return FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy = FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+        # A new function object has no annotations, and a launch reads which parameters are tl.constexpr from
+        # them: without them every constexpr became a run-time argument, and on a GPU the first launch failed
+        # ("failed to specialize argument of type: str", for FP32_PRECISION). The interpreter never binds them.
+        copy.__annotations__ = dict(fn.__annotations__)
+        copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+        return copy
 
     for helper in helpers:
         namespace[helper.__name__] = triton.jit(rebuilt(helper))
