@@ -147,7 +147,7 @@ def run_case(dtype: str, length: int, batch: int, causal: bool, args: argparse.N
 
 def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace) -> list[dict]:
     """The Triton step's times (each mode) under each setting of SWEEP (with
-    HALF_PRECISION_TILES off, so that each setting is what runs)."""
+    GPU_TILES off, so that each setting is what runs)."""
     from ea_hf.modeling import convolution
     from ea_hf.ops import triton_kernels
 
@@ -158,7 +158,12 @@ def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace) -> 
     rows = []
     with bench_gpu.attributes(convolution, {"FUSED_KERNELS": [triton_kernels]}):
         for setting in SWEEP:
-            tiles = {**saved, **(DRY_RUN_TILES if args.dry_run else {}), **setting, "HALF_PRECISION_TILES": {}}
+            tiles = {
+                **saved,
+                **(DRY_RUN_TILES if args.dry_run else {}),
+                **setting,
+                "GPU_TILES": {"float32": {}, "half": {}},
+            }
             row: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "setting": setting}
             with bench_gpu.attributes(triton_kernels, tiles):
                 try:

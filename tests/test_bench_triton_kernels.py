@@ -55,7 +55,7 @@ def test_dry_run_times_both_paths_and_sweeps_the_tiles(bench, tmp_path, monkeypa
     assert {name: getattr(triton_kernels, name) for name in triton_kernels._TILE_NAMES} == tiles
     assert {name: os.environ.get(name) for name in environment} == environment
     assert convolution.FUSED_KERNELS == registered
-    assert triton_kernels.HALF_PRECISION_TILES and torch.is_grad_enabled()
+    assert all(triton_kernels.GPU_TILES.values()) and torch.is_grad_enabled()
 
 
 def test_without_cuda_the_full_run_refuses(bench, monkeypatch):

@@ -89,16 +89,22 @@ WEIGHT_NUM_WARPS = 4
 WEIGHT_GRAD_PROGRAMS = 2048
 #: The fewest programs an in-place correlation launches at once (see :func:`correlate`).
 IN_PLACE_PROGRAMS = 16384
-#: What half-precision maps on a GPU use instead: half the bytes a value, so larger tiles fit in shared memory
-#: (float32 maps with these need more than an H100's 227 KiB). Chosen by a sweep on an H100 at bf16, N = 512,
-#: batch 8 (see the README's GPU section); the float32 tiles were not swept.
-HALF_PRECISION_TILES = {
-    "BLOCK_ROWS": 8,
-    "TAP_BLOCK": 16,
-    "WEIGHT_BLOCK_COLS": 16,
-    "WEIGHT_TAP_BLOCK": 128,
-    "WEIGHT_NUM_WARPS": 8,
-    "WEIGHT_GRAD_PROGRAMS": 4096,
+#: What maps on a GPU use instead, by dtype: tiles timed on a GPU (bench/bench_triton_kernels.py --sweep, BERT-Base
+#: maps, N = 512, batch 8). Half-precision maps take half the bytes a value, so larger weight-gradient tiles fit in
+#: shared memory (float32 maps with those need more than an H100's 227 KiB). Half: swept on an H100. float32: on
+#: an H200 in TF32 (November 2026), 8-row tiles with 16-tap blocks took forward 7.6 -> 3.2 ms and forward plus
+#: backward 15.2 -> 10.7 ms, and the weight gradient's 8 x 32 tiles with 16 taps 15.2 -> 13.1 ms, each alone;
+#: both together (on another H200): forward 3.3 ms, forward plus backward 8.7 ms (torch operations: 1.2 and 5.1).
+GPU_TILES = {
+    "float32": {"BLOCK_ROWS": 8, "TAP_BLOCK": 16, "WEIGHT_BLOCK_ROWS": 8, "WEIGHT_TAP_BLOCK": 16},
+    "half": {
+        "BLOCK_ROWS": 8,
+        "TAP_BLOCK": 16,
+        "WEIGHT_BLOCK_COLS": 16,
+        "WEIGHT_TAP_BLOCK": 128,
+        "WEIGHT_NUM_WARPS": 8,
+        "WEIGHT_GRAD_PROGRAMS": 4096,
+    },
 }
 _TILE_NAMES = (
     "BLOCK_ROWS",
@@ -382,11 +388,11 @@ def backward(
 
 
 def _tiles(dtype: torch.dtype) -> SimpleNamespace:
-    """The tile settings for maps of ``dtype``: the module's, with HALF_PRECISION_TILES over them for half-precision
-    maps on a GPU (read at call time, so that tests can set them)."""
+    """The tile settings for maps of ``dtype``: the module's, with GPU_TILES of the dtype over them where the
+    kernels are compiled (read at call time, so that tests can set them)."""
     tiles = {name: globals()[name] for name in _TILE_NAMES}
-    if dtype != torch.float32 and not _interpreting():
-        tiles.update(HALF_PRECISION_TILES)
+    if not _interpreting():
+        tiles.update(GPU_TILES["float32" if dtype == torch.float32 else "half"])
     return SimpleNamespace(**tiles)
 
 

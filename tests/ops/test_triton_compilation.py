@@ -77,4 +77,7 @@ def test_every_launch_compiles_for_an_h100(monkeypatch, tmp_path, dtype):
             # float32 accuracy (allow_tf32 off): each product as three TF32 products.
             assert launch_kwargs["FP32_PRECISION"] == "tf32"
             exact = compile_launch(name, args, launch_kwargs | {"FP32_PRECISION": "tf32x3"})
-            assert tensor_core_products(exact) == 3 * products, name
+            # Three times the product instructions, or a multiple of that where the compiler unrolls the longer
+            # loop further (the float32 weight-gradient tiles of GPU_TILES: 192 against 32).
+            exact_products = tensor_core_products(exact)
+            assert exact_products % (3 * products) == 0, (name, exact_products, products)

@@ -46,7 +46,7 @@ SMALL_TILES = dict(
     IN_PLACE_PROGRAMS=8,  # in-place correlation in launches of 2 batch elements (of 3), the last one shorter
 )
 #: The module's own tiles, for whole models.
-DEFAULT_TILES = {name: getattr(kernels, name) for name in (*TILES, *SMALL_TILES, "HALF_PRECISION_TILES")}
+DEFAULT_TILES = {name: getattr(kernels, name) for name in (*TILES, *SMALL_TILES, "GPU_TILES")}
 #: Max error relative to the reference's largest magnitude: fp32 kernels, and half-precision maps.
 FP32_TOLERANCE = 1e-5
 HALF_TOLERANCE = 2e-2
@@ -95,7 +95,7 @@ def triton_on(monkeypatch, device):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     for name, value in TILES.items():
         monkeypatch.setattr(kernels, name, value)
-    monkeypatch.setattr(kernels, "HALF_PRECISION_TILES", {})  # the tests' tiles for every dtype
+    monkeypatch.setattr(kernels, "GPU_TILES", {"float32": {}, "half": {}})  # the tests' tiles for every dtype
 
 
 @pytest.fixture
