@@ -81,3 +81,16 @@ def test_every_launch_compiles_for_an_h100(monkeypatch, tmp_path, dtype):
             # loop further (the float32 weight-gradient tiles of GPU_TILES: 192 against 32).
             exact_products = tensor_core_products(exact)
             assert exact_products % (3 * products) == 0, (name, exact_products, products)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kind"), [(torch.float32, "float32"), (torch.bfloat16, "half"), (torch.float16, "half")]
+)
+def test_gpu_tiles_are_module_tiles_and_apply_only_where_compiled(monkeypatch, dtype, kind):
+    """A misspelt name in GPU_TILES would be ignored without a word; the interpreter keeps the module's tiles."""
+    module_tiles = {name: getattr(kernels, name) for name in kernels._TILE_NAMES}
+    assert kernels.GPU_TILES[kind] and set(kernels.GPU_TILES[kind]) <= set(module_tiles)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert vars(kernels._tiles(dtype)) == module_tiles | kernels.GPU_TILES[kind]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert vars(kernels._tiles(dtype)) == module_tiles
