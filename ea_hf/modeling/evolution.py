@@ -195,14 +195,14 @@ class AttentionMapEvolution(nn.Module):
                 "Evolving attention ran outside a patched layer stack: no per-call chain was passed. "
                 "Call the model (or its encoder) rather than an attention layer on its own."
             )
-        if self.shared_across_layers:
-            return self.previous_call_logits(chain)
-        if self.previous is None:
-            return None
         # Nothing else reads an entry once its successor has (autograd keeps what it needs), so it is dropped:
         # one map per chain stays alive instead of one per layer. Gradient checkpointing replays layers, which
         # read their entries again; chains not started by `start_chain` keep them too.
         replays = torch.is_grad_enabled() and chain.get(REPLAYS_KEY, True)
+        if self.shared_across_layers:
+            return self.previous_call_logits(chain, replays)
+        if self.previous is None:
+            return None
         key = (self.role, self.previous)
         previous = chain.get(key) if replays else chain.pop(key, None)
         if previous is None:
@@ -212,9 +212,9 @@ class AttentionMapEvolution(nn.Module):
             )
         return previous if self.alpha != 0.0 else None
 
-    def previous_call_logits(self, chain: dict[Any, Any]) -> torch.Tensor | None:
+    def previous_call_logits(self, chain: dict[Any, Any], replays: bool) -> torch.Tensor | None:
         """A_logit of the previous call of a module shared across layers (``None`` for the first call)."""
-        if torch.is_grad_enabled() and chain.get(REPLAYS_KEY, True):
+        if replays:
             # A replayed call would find the logits of the stack's last call, not of the call before it.
             raise RuntimeError(
                 "Evolving attention modules shared across layers cannot be replayed (gradient checkpointing): "
