@@ -162,7 +162,7 @@ def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace) -> 
                 **saved,
                 **(DRY_RUN_TILES if args.dry_run else {}),
                 **setting,
-                "GPU_TILES": {"float32": {}, "half": {}},
+                "GPU_TILES": triton_kernels.NO_GPU_TILES,
             }
             row: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "setting": setting}
             with bench_gpu.attributes(triton_kernels, tiles):

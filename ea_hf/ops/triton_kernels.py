@@ -106,6 +106,9 @@ GPU_TILES = {
         "WEIGHT_GRAD_PROGRAMS": 4096,
     },
 }
+#: GPU_TILES that leave the module's tiles in force for every dtype: what the tests and the tile sweep set, so
+#: that the tiles they choose are the ones that run.
+NO_GPU_TILES: dict[str, dict] = {dtype: {} for dtype in GPU_TILES}
 _TILE_NAMES = (
     "BLOCK_ROWS",
     "BLOCK_COLS",

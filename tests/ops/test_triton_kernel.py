@@ -95,7 +95,7 @@ def triton_on(monkeypatch, device):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     for name, value in TILES.items():
         monkeypatch.setattr(kernels, name, value)
-    monkeypatch.setattr(kernels, "GPU_TILES", {"float32": {}, "half": {}})  # the tests' tiles for every dtype
+    monkeypatch.setattr(kernels, "GPU_TILES", kernels.NO_GPU_TILES)  # the tests' tiles for every dtype
 
 
 @pytest.fixture
