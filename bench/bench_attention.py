@@ -362,6 +362,68 @@ def run_paired(
     }
 
 
+#: The variants a profile compares (``--profile``), and how many of its operators it reports per variant.
+PROFILED_VARIANTS = ("eager", "ea")
+PROFILE_ROWS = 25
+
+
+def operator_times(step) -> dict[str, tuple[float, int]]:
+    """Where one call of ``step`` spends its time, per operator (torch's profiler, CPU): name -> (self
+    milliseconds, calls). An operator's self time is its calling thread's wall time inside it, also where it runs
+    on several threads, so the operators of a step add up to about its wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        step()
+    return {event.key: (event.self_cpu_time_total / 1e3, event.count) for event in profiler.key_averages()}
+
+
+def profile_rows(samples: list[dict[str, tuple[float, int]]]) -> list[dict]:
+    """The mean over steps (:func:`operator_times` each) of each operator's self milliseconds and calls: the
+    :data:`PROFILE_ROWS` operators with the most time of their own."""
+    totals: dict[str, list[float]] = {}
+    for sample in samples:
+        for name, (milliseconds, calls) in sample.items():
+            total = totals.setdefault(name, [0.0, 0.0])
+            total[0] += milliseconds
+            total[1] += calls
+    rows = [
+        {"name": name, "self_ms_per_step": milliseconds / len(samples), "calls_per_step": calls / len(samples)}
+        for name, (milliseconds, calls) in totals.items()
+    ]
+    return sorted(rows, key=lambda row: row["self_ms_per_step"], reverse=True)[:PROFILE_ROWS]
+
+
+def run_profile(length: int, mode: str, warmup: int, repeats: int, batch: int, threads: int) -> dict:
+    """Where eager's and EA's steps go on this host (``--profile N MODE``): both models in one process, one step
+    of each in turn (as the paired timing, so that the host's drift hits both alike), each step profiled on its
+    own, ``repeats`` steps of each after the warm-ups. For the machines that lack a full run: the pieces EA adds
+    (its forward and backward nodes, whose own time is mostly the CPU kernel, and the recomputed S and P) show
+    how a host's EA overhead differs from another's."""
+    models, step, _ = prepared_models(PROFILED_VARIANTS, length, mode, batch, threads, compiled=False)
+    for _ in range(warmup):
+        for model in models.values():
+            step(model)
+    samples: dict[str, list] = {variant: [] for variant in models}
+    # Each profiled step's seconds and minor page faults: a step whose maps land on fresh pages spends its first
+    # touches in whichever operator writes them first (see "minor page faults" in bench/README.md).
+    measured: dict[str, list] = {variant: [] for variant in models}
+    for _ in range(repeats):
+        for variant, model in models.items():
+            samples[variant].append(
+                operator_times(lambda model=model, variant=variant: measured[variant].append(step(model)))
+            )
+    return {
+        "n": length,
+        "mode": mode,
+        "batch": batch,
+        "steps": repeats,
+        "profile": {variant: profile_rows(samples[variant]) for variant in models},
+        "times_s": {variant: [seconds for seconds, _ in steps] for variant, steps in measured.items()},
+        "minor_faults": {variant: [faults for _, faults in steps] for variant, steps in measured.items()},
+    }
+
+
 def run_compiled_memory(variant: str, length: int, mode: str, warmup: int, batch: int, threads: int) -> dict:
     """The step memory of one compiled model alone in a fresh process (the compiled row's memory columns):
     at least two warm-up steps (the compilation), then :data:`MEMORY_STEPS` steps measured by
@@ -495,6 +557,8 @@ def machine_info(threads: int) -> dict:
         "cpu_count": os.cpu_count(),
         "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "python": platform.python_version(),
+        # The C library's allocator decides how many fresh pages a step touches (see "minor page faults").
+        "libc": " ".join(platform.libc_ver()),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": threads,
@@ -870,6 +934,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--case", nargs=3, metavar=("VARIANT", "N", "MODE"), help="internal: run one case and print it as JSON"
     )
     parser.add_argument("--paired", nargs=2, metavar=("N", "MODE"), help="internal: run the paired timing")
+    parser.add_argument(
+        "--profile",
+        nargs=2,
+        metavar=("N", "MODE"),
+        help="print where eager's and EA's steps spend their time, per operator (torch profiler), as JSON; "
+        "--repeats steps each after --warmup",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.repeats, args.warmup, args.rounds, args.paired_seconds = [64], 2, 1, 1, 0.0
@@ -883,6 +954,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.compiled_memory[0] not in COMPILED_VARIANTS or args.compiled_memory[2] not in MODES
     ):
         parser.error(f"--compiled-memory expects VARIANT in {COMPILED_VARIANTS} and MODE in {MODES}")
+    if args.profile and args.profile[1] not in MODES:
+        parser.error(f"--profile expects N and MODE in {MODES}")
     if args.compiled is None:
         args.compiled = DEFAULT_COMPILED
     if any(mode not in MODES for _, mode in args.compiled):
@@ -913,6 +986,10 @@ def main(argv: list[str] | None = None) -> None:
         result = run_paired(
             length, mode, args.repeats, args.warmup, args.batch, args.threads, args.paired_seconds / 2, compiled=True
         )
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+    elif args.profile:
+        length, mode = int(args.profile[0]), args.profile[1]
+        result = run_profile(length, mode, args.warmup, args.repeats, args.batch, args.threads)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.compiled_memory:
         variant, length, mode = args.compiled_memory

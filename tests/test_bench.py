@@ -124,3 +124,26 @@ def test_step_memory_is_what_a_step_adds_at_its_peak(bench):
     cpu = torch.device("cpu")
     assert 62 <= bench.step_memory_mib(fill, cpu) <= 68
     assert bench.step_memory_mib(lambda: None, cpu) < 2
+
+
+def test_a_profile_gives_each_operator_its_mean_time_and_calls_per_step(bench):
+    import torch
+
+    left, right = torch.randn(64, 64), torch.randn(64, 64)
+
+    def step() -> None:
+        torch.mm(left, right)
+        torch.mm(right, left).softmax(-1)
+
+    sample = bench.operator_times(step)
+    assert sample["aten::mm"][1] == 2 and sample["aten::_softmax"][1] == 1
+    assert all(milliseconds >= 0 for milliseconds, _ in sample.values())
+    # Means over the steps, largest first, at most PROFILE_ROWS of them.
+    samples = [{"a": (3.0, 2), "b": (1.0, 1)}, {"a": (5.0, 2), "c": (6.0, 4)}]
+    assert bench.profile_rows(samples) == [
+        {"name": "a", "self_ms_per_step": 4.0, "calls_per_step": 2.0},
+        {"name": "c", "self_ms_per_step": 3.0, "calls_per_step": 2.0},
+        {"name": "b", "self_ms_per_step": 0.5, "calls_per_step": 0.5},
+    ]
+    many = [{f"op{i}": (float(i), 1) for i in range(bench.PROFILE_ROWS + 5)}]
+    assert len(bench.profile_rows(many)) == bench.PROFILE_ROWS
