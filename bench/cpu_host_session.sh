@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One call of a lent machine (the device tool) spent on its host CPU alone, the GPU left idle: the CPU
+# measurements of issue 18 on a host kind the benchmark has no full run of (the lent machines' hosts are Intel
+# Xeons), with nothing else running, so that memory bandwidth and caches belong to the measured pair of cores
+# (gpu_session.sh measures the CPU beside GPU work, which shares them):
+#   1. the machine (CPU model and flags, C library, versions) -> $OUT/machine.txt
+#   2. the paired timing of bench_attention.py (eager, sdpa and EA alternating, 2 threads pinned to two physical
+#      cores): N = 512 training in three processes, as the full benchmark's three rounds, then N = 512 inference
+#      and N = 128 training in one each -> $OUT/cpu_paired.log (one BENCH_RESULT line a process)
+#   3. where eager's and EA's N = 512 training steps go, per operator (--profile) -> $OUT/cpu_profile.log
+# Each step has its own time limit; the whole script ends within about 540 s. The device machine has torch and
+# transformers but not ea_hf: it runs from the working tree.
+#     device run: bash bench/cpu_host_session.sh   (timeout_s 570)
+set -u
+OUT=${OUT:-/tmp/cpu_host_session}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 EA_HF_CACHE=/tmp/ea_hf_cache CUDA_VISIBLE_DEVICES=
+PYTHON=${PYTHON:-python3}
+
+# Two CPUs on different physical cores, the last ones.
+PAIR=$(lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | cut -d, -f1 | tail -2 | paste -sd,)
+{
+    date -u
+    lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\) per core|MHz|L2|L3"
+    grep -m1 -o -w -E "avx[0-9a-z_]*|amx[0-9a-z_]*|fma" /proc/cpuinfo | sort -u | paste -sd" "
+    ldd --version | head -1
+    $PYTHON -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    echo "measured on CPUs $PAIR"
+} > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+# The kernel is built (about half a minute) before any timing starts.
+taskset -c "$PAIR" $PYTHON -c "from ea_hf.ops import cpu; print('CPU kernel built:', cpu.kernel_available())"
+
+paired() {  # N MODE BATCH SECONDS
+    timeout $(($4 + 75)) taskset -c "$PAIR" $PYTHON bench/bench_attention.py --paired "$1" "$2" --batch "$3" \
+        --threads 2 --rounds 1 --paired-seconds "$4" --warmup 2 >> "$OUT/cpu_paired.log" 2>&1
+    echo "paired N=$1 $2: exit $?"
+}
+for _ in 1 2 3; do paired 512 training 2 50; done
+paired 512 inference 2 40
+paired 128 training 8 40
+timeout 90 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --profile 512 training --batch 2 --threads 2 \
+    --warmup 2 --repeats 2 > "$OUT/cpu_profile.log" 2>&1
+echo "profile: exit $?"
+grep -c '^BENCH_RESULT' "$OUT/cpu_paired.log" "$OUT/cpu_profile.log"
