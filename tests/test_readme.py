@@ -37,3 +37,11 @@ def test_readme_python_blocks_run_in_order(tmp_path):
     # The evidence section's reference: what predicting the training mean scores on the regression archives.
     assert "Covid3Month: predicting the training mean gives test RMSE 0.0447" in run.stdout
     assert "CardanoSentiment: predicting the training mean gives test RMSE 0.3003" in run.stdout
+
+
+def test_readme_names_every_supported_architecture():
+    """Each model_type of the architecture table appears in the README's tables, in backticks."""
+    from ea_hf.modeling.architectures import supported_model_types
+
+    text = README.read_text()
+    assert not [model_type for model_type in supported_model_types() if f"`{model_type}`" not in text]

@@ -15,17 +15,21 @@ from ea_hf.training.kinds.glue import GLUE_TASKS
 
 TEXT_ARCHITECTURES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "modernbert"]
 TEXT_ARCHITECTURES += ["roberta-prelayernorm", "xlm-roberta-xl", "data2vec-text", "ernie", "nomic_bert", "albert"]
+TEXT_ARCHITECTURES += ["esm", "eurobert"]
 #: One attention module serves every layer (ALBERT): it evolves all its layers or none.
 SHARED_LAYER_ARCHITECTURES = ["albert"]
 IMAGE_ARCHITECTURES = ["vit", "deit", "dinov2", "vit_msn", "dinov3_vit", "clip_vision_model"]
-ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES
+IMAGE_ARCHITECTURES += ["dinov2_with_registers"]
+#: Speech encoders: a convolutional stem turns the waveform (``input_values``) into frames.
+AUDIO_ARCHITECTURES = ["wav2vec2", "hubert"]
+ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES + AUDIO_ARCHITECTURES
 #: Speech-to-text: the encoder reads audio features (``input_features``), without a padding mask.
 SPEECH_ARCHITECTURES = ["whisper"]
 SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian", "mt5", "umt5", "pegasus", "m2m_100"] + SPEECH_ARCHITECTURES
 DECODER_ONLY_ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 DECODER_ONLY_ARCHITECTURES += ["gemma", "phi", "gpt_neox", "olmo2", "granite", "smollm3", "starcoder2", "opt"]
 DECODER_ONLY_ARCHITECTURES += ["cohere", "cohere2", "olmo", "glm4", "gpt_bigcode", "gptj", "codegen"]
-DECODER_ONLY_ARCHITECTURES += ["exaone4", "helium"]
+DECODER_ONLY_ARCHITECTURES += ["exaone4", "helium", "olmo3", "ministral", "biogpt"]
 #: Mixtures of experts: each expert's product runs over the tokens routed to it, so the model's own outputs at a
 #: position move by fp32 rounding (about 1e-7) when other tokens change.
 MIXTURE_OF_EXPERTS_ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe", "phimoe", "deepseek_v3"]
@@ -83,6 +87,10 @@ _DECODER_ONLY_CONFIGS = {
     "gpt_bigcode": {"n_inner": 37},
     # Rotary embeddings on the first 4 of each head's 8 dimensions.
     "gptj": {"rotary_dim": 4, "n_inner": 37},
+    "olmo3": {"num_key_value_heads": 2, **_WINDOW},
+    "ministral": {"num_key_value_heads": 2, **_WINDOW},
+    # Learned positions offset by 2 (as BART's); scaled word embeddings.
+    "biogpt": {},
     "codegen": {"rotary_dim": 4, "n_inner": 37},
 }
 #: Triton's CPU interpreter runs the kernels from this release on (3.6's interpreter fails on them); compiling
@@ -242,11 +250,19 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
         if model_type in ("gpt2", "gpt_bigcode"):
             del kwargs["head_dim"], kwargs["attention_dropout"], kwargs["intermediate_size"]
             kwargs |= dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    elif model_type in AUDIO_ARCHITECTURES:
+        # The stem (kernels 8 and 4, strides 4 and 2) makes 8 samples a frame (see audio_samples). Layer norms in
+        # the stem and before each layer (as wav2vec2-large-lv60 and HuBERT-large): the layout that takes a padding
+        # mask. No SpecAugment masking or layer drop: training steps compare runs.
+        kwargs = dict(common, conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4), vocab_size=20)
+        kwargs |= dict(num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, feat_extract_norm="layer")
+        kwargs |= dict(do_stable_layer_norm=True, mask_time_prob=0.0, layerdrop=0.0, initializer_range=0.2)
+        kwargs |= dict(tdnn_dim=(8, 8), tdnn_kernel=(3, 1), tdnn_dilation=(1, 1), xvector_output_dim=8)
     elif model_type == "distilbert":
         kwargs = dict(dim=32, n_layers=NUM_LAYERS, n_heads=NUM_HEADS, hidden_dim=37, vocab_size=VOCAB_SIZE)
     elif model_type in IMAGE_ARCHITECTURES:
         kwargs = dict(common, image_size=IMAGE_SIZE, patch_size=4, num_channels=3)
-        if model_type == "dinov3_vit":  # register tokens, as in the released DINOv3 checkpoints (4 there)
+        if model_type in ("dinov3_vit", "dinov2_with_registers"):  # register tokens, as released (4 there)
             kwargs["num_register_tokens"] = 2
     else:
         kwargs = dict(common, vocab_size=VOCAB_SIZE, max_position_embeddings=64)
@@ -254,6 +270,10 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
             kwargs["embedding_size"] = 16
         if model_type == "nomic_bert":  # std 0.2 (not 0.02), so the tiny model's maps are far from uniform
             kwargs["initializer_range"] = 0.2
+        if model_type == "eurobert":  # (its special tokens default to ids of its 128k vocabulary)
+            kwargs |= dict(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, mask_token_id=4, num_key_value_heads=2)
+        if model_type == "esm":  # as ESM-2: rotary positions, masked-token dropout scaling in the embeddings
+            kwargs |= dict(pad_token_id=PAD, mask_token_id=4, position_embedding_type="rotary", token_dropout=True)
     kwargs.update(overrides)
     return transformers.CONFIG_MAPPING[model_type](**kwargs)
 
@@ -310,6 +330,11 @@ def patched_model(model_type: str, settings: dict, head=transformers.AutoModel, 
     return model.eval()
 
 
+def audio_samples(frames: int) -> int:
+    """Samples of a waveform that the tiny speech encoders' stem turns into ``frames`` frames."""
+    return 8 * frames + 16
+
+
 def tiny_inputs(model_type: str, batch: int = 3, length: int = 9, seed: int = 1) -> dict[str, torch.Tensor]:
     """Inputs for a tiny model; text batches are right-padded to different lengths.
 
@@ -324,6 +349,12 @@ def tiny_inputs(model_type: str, batch: int = 3, length: int = 9, seed: int = 1)
 
     if model_type in IMAGE_ARCHITECTURES:
         return {"pixel_values": torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)}
+    if model_type in AUDIO_ARCHITECTURES:  # right-padded with silence, `length` frames at most
+        attention_mask = torch.ones(batch, audio_samples(length), dtype=torch.long)
+        for row in range(1, batch):
+            attention_mask[row, audio_samples(length - 2 * row) :] = 0
+        waveform = torch.randn(batch, audio_samples(length), generator=generator) * attention_mask
+        return {"input_values": waveform, "attention_mask": attention_mask}
     if model_type in SPEECH_ARCHITECTURES:
         targets = decoder_input_ids()
         features = torch.randn(batch, MEL_BINS, 2 * SOURCE_FRAMES, generator=generator)
@@ -339,6 +370,17 @@ def tiny_inputs(model_type: str, batch: int = 3, length: int = 9, seed: int = 1)
         input_ids[torch.arange(batch), real - 1] = EOS
         inputs["decoder_input_ids"] = decoder_input_ids()
     return inputs
+
+
+def example_alone(model_type: str, inputs: dict[str, torch.Tensor], row: int) -> tuple[dict[str, torch.Tensor], int]:
+    """Example ``row`` of a padded batch of :func:`tiny_inputs`, unpadded and alone, and how many positions of
+    the model's output it has (tokens, or frames of a speech encoder)."""
+    valid = int(inputs["attention_mask"][row].sum())
+    if model_type in AUDIO_ARCHITECTURES:
+        frames = (valid - 16) // 8  # (inverts audio_samples)
+        assert audio_samples(frames) == valid
+        return {"input_values": inputs["input_values"][row : row + 1, :valid]}, frames
+    return {"input_ids": inputs["input_ids"][row : row + 1, :valid]}, valid
 
 
 def first_output(outputs) -> torch.Tensor:
@@ -359,6 +401,8 @@ SLIDING_WINDOW_ARCHITECTURES = [
     "phi3",
     "starcoder2",
     "cohere2",
+    "olmo3",
+    "ministral",
 ]
 
 

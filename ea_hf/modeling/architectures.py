@@ -63,6 +63,10 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "data2vec-text": ArchitectureSpec(("Data2VecTextSelfAttention",)),
     "ernie": ArchitectureSpec(("ErnieSelfAttention",)),
     "nomic_bert": ArchitectureSpec(("NomicBertAttention",), num_heads_attribute=_FROM_CONFIG),
+    # Protein language models (ESM-2): rotary positions, queries scaled before them (the interface's scaling is 1).
+    "esm": ArchitectureSpec(("EsmSelfAttention",)),
+    # A Llama-like encoder: rotary positions, grouped-query attention possible, every token attends to every other.
+    "eurobert": ArchitectureSpec(("EuroBertAttention",), num_heads_attribute=_FROM_CONFIG),
     "albert": ArchitectureSpec(("AlbertAttention",), head_dim_attribute="attention_head_size", shared_layers=True),
     # Local (sliding-window) and global layers form one chain; a local layer's mask removes the entries outside
     # its window, so its convolution never reads them (see masks.py).
@@ -78,6 +82,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     # Before 5.18 its layers did not hand keyword arguments on to the attention (nor was Dinov2Attention the
     # module that called the interface).
     "dinov2": ArchitectureSpec(("Dinov2Attention",), since="5.18.0"),
+    "dinov2_with_registers": ArchitectureSpec(("Dinov2WithRegistersAttention",), since="5.18.0"),  # (as DINOv2)
     "t5": ArchitectureSpec(("T5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
     "mt5": ArchitectureSpec(("MT5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
     # Before 5.16 its decoder's self-attention did not say it was causal (is_causal).
@@ -90,6 +95,12 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "pegasus": ArchitectureSpec(("PegasusAttention",), **_BART_FAMILY),
     # M2M100's architecture also serves NLLB's dense checkpoints (model_type m2m_100).
     "m2m_100": ArchitectureSpec(("M2M100Attention",), **_BART_FAMILY),
+    # Speech encoders (wav2vec 2.0, HuBERT): a convolutional stem turns the waveform into frames, and a padding
+    # mask over the samples becomes one over the frames. Before 5.16 their encoders took no keyword arguments.
+    **{
+        model_type: ArchitectureSpec((f"{name}Attention",), num_heads_attribute="num_heads", since="5.16.0")
+        for model_type, name in {"wav2vec2": "Wav2Vec2", "hubert": "Hubert"}.items()
+    },
     # Speech: the encoder reads audio features, which have no padding mask (Whisper pads audio with silence).
     "whisper": ArchitectureSpec(("WhisperAttention",), **_BART_FAMILY),
     # Decoder-only language models: one causal chain. Grouped-query attention still has a map per query head,
@@ -98,6 +109,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     # Gemma 2's soft-capping applies to S before the evolution (see attention.py). Mixtures of experts (Mixtral,
     # Qwen2-MoE, Qwen3-MoE, Phi-MoE, DeepSeek-V3) differ in their feed-forward layers only.
     "gpt2": ArchitectureSpec(("GPT2Attention",), num_heads_attribute="num_heads", cross_attention=("crossattention",)),
+    "biogpt": ArchitectureSpec(("BioGptAttention",), num_heads_attribute="num_heads"),
     # One key/value head shared by every query head (multi-query attention).
     "gpt_bigcode": ArchitectureSpec(("GPTBigCodeAttention",), num_heads_attribute="num_heads"),
     **{
@@ -127,6 +139,8 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
             "exaone4": "Exaone4",
             "helium": "Helium",
             "phimoe": "Phimoe",
+            "olmo3": "Olmo3",
+            "ministral": "Ministral",
         }.items()
     },
     # Multi-head latent attention: queries and keys have a head size of their own (values another).

@@ -5,6 +5,7 @@ import torch
 import transformers
 from testing import (
     ALL_ARCHITECTURES,
+    AUDIO_ARCHITECTURES,
     IMAGE_ARCHITECTURES,
     SENTENCES,
     SEQ2SEQ_ARCHITECTURES,
@@ -29,6 +30,8 @@ def head_and_task(model_type):
         if "AutoModelForImageClassification" in auto_class_names(model_type):
             return transformers.AutoModelForImageClassification, None
         return transformers.AutoModel, None  # a backbone (DINOv3, CLIP's vision tower)
+    if model_type in AUDIO_ARCHITECTURES:
+        return transformers.AutoModelForAudioClassification, None
     if "AutoModelForSequenceClassification" in auto_class_names(model_type):
         return transformers.AutoModelForSequenceClassification, "SEQ_CLS"
     # No sequence-classification head in transformers (Marian, Granite): the language-modelling one.
