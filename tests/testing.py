@@ -19,20 +19,22 @@ TEXT_ARCHITECTURES += ["esm", "eurobert"]
 #: One attention module serves every layer (ALBERT): it evolves all its layers or none.
 SHARED_LAYER_ARCHITECTURES = ["albert"]
 IMAGE_ARCHITECTURES = ["vit", "deit", "dinov2", "vit_msn", "dinov3_vit", "clip_vision_model"]
-IMAGE_ARCHITECTURES += ["dinov2_with_registers"]
+IMAGE_ARCHITECTURES += ["dinov2_with_registers", "ijepa"]
 #: Speech encoders: a convolutional stem turns the waveform (``input_values``) into frames.
 AUDIO_ARCHITECTURES = ["wav2vec2", "hubert"]
-ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES + AUDIO_ARCHITECTURES
+#: Spectrogram classifiers: a ViT over patches of a fixed-length spectrogram (``input_values``), no padding mask.
+SPECTROGRAM_ARCHITECTURES = ["audio-spectrogram-transformer"]
+ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES + AUDIO_ARCHITECTURES + SPECTROGRAM_ARCHITECTURES
 #: Speech-to-text: the encoder reads audio features (``input_features``), without a padding mask.
 SPEECH_ARCHITECTURES = ["whisper"]
 SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian", "mt5", "umt5", "pegasus", "m2m_100"] + SPEECH_ARCHITECTURES
 DECODER_ONLY_ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 DECODER_ONLY_ARCHITECTURES += ["gemma", "phi", "gpt_neox", "olmo2", "granite", "smollm3", "starcoder2", "opt"]
 DECODER_ONLY_ARCHITECTURES += ["cohere", "cohere2", "olmo", "glm4", "gpt_bigcode", "gptj", "codegen"]
-DECODER_ONLY_ARCHITECTURES += ["exaone4", "helium", "olmo3", "ministral", "biogpt"]
+DECODER_ONLY_ARCHITECTURES += ["exaone4", "helium", "olmo3", "ministral", "biogpt", "ernie4_5", "seed_oss", "apertus"]
 #: Mixtures of experts: each expert's product runs over the tokens routed to it, so the model's own outputs at a
 #: position move by fp32 rounding (about 1e-7) when other tokens change.
-MIXTURE_OF_EXPERTS_ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe", "phimoe", "deepseek_v3"]
+MIXTURE_OF_EXPERTS_ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe", "phimoe", "deepseek_v3", "olmoe", "granitemoe"]
 DECODER_ONLY_ARCHITECTURES += MIXTURE_OF_EXPERTS_ARCHITECTURES
 ALL_ARCHITECTURES = ARCHITECTURES + SEQ2SEQ_ARCHITECTURES + DECODER_ONLY_ARCHITECTURES
 #: Decoder-only language models, by test id: (model_type, config overrides). The BERT family and the BART family
@@ -91,6 +93,11 @@ _DECODER_ONLY_CONFIGS = {
     "ministral": {"num_key_value_heads": 2, **_WINDOW},
     # Learned positions offset by 2 (as BART's); scaled word embeddings.
     "biogpt": {},
+    "ernie4_5": {"num_key_value_heads": 2},
+    "seed_oss": {"num_key_value_heads": 2},
+    "apertus": {"num_key_value_heads": 2},
+    "olmoe": {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
+    "granitemoe": {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
     "codegen": {"rotary_dim": 4, "n_inner": 37},
 }
 #: Triton's CPU interpreter runs the kernels from this release on (3.6's interpreter fails on them); compiling
@@ -258,12 +265,16 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
         kwargs |= dict(num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, feat_extract_norm="layer")
         kwargs |= dict(do_stable_layer_norm=True, mask_time_prob=0.0, layerdrop=0.0, initializer_range=0.2)
         kwargs |= dict(tdnn_dim=(8, 8), tdnn_kernel=(3, 1), tdnn_dilation=(1, 1), xvector_output_dim=8)
+    elif model_type in SPECTROGRAM_ARCHITECTURES:  # 24 frames x 16 mel bins in 4 x 4 patches, 6 x 4 of them
+        kwargs = dict(common, num_mel_bins=16, max_length=24, patch_size=4, frequency_stride=4, time_stride=4)
     elif model_type == "distilbert":
         kwargs = dict(dim=32, n_layers=NUM_LAYERS, n_heads=NUM_HEADS, hidden_dim=37, vocab_size=VOCAB_SIZE)
     elif model_type in IMAGE_ARCHITECTURES:
         kwargs = dict(common, image_size=IMAGE_SIZE, patch_size=4, num_channels=3)
         if model_type in ("dinov3_vit", "dinov2_with_registers"):  # register tokens, as released (4 there)
             kwargs["num_register_tokens"] = 2
+        if model_type == "ijepa":  # std 0.2: with 0.02 its logits are near 0, and the last ReLU gate all closed
+            kwargs["initializer_range"] = 0.2
     else:
         kwargs = dict(common, vocab_size=VOCAB_SIZE, max_position_embeddings=64)
         if model_type in ("electra", "albert"):
@@ -349,6 +360,8 @@ def tiny_inputs(model_type: str, batch: int = 3, length: int = 9, seed: int = 1)
 
     if model_type in IMAGE_ARCHITECTURES:
         return {"pixel_values": torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)}
+    if model_type in SPECTROGRAM_ARCHITECTURES:
+        return {"input_values": torch.randn(batch, 24, 16, generator=generator)}
     if model_type in AUDIO_ARCHITECTURES:  # right-padded with silence, `length` frames at most
         attention_mask = torch.ones(batch, audio_samples(length), dtype=torch.long)
         for row in range(1, batch):

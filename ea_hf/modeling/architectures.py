@@ -83,6 +83,9 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     # module that called the interface).
     "dinov2": ArchitectureSpec(("Dinov2Attention",), since="5.18.0"),
     "dinov2_with_registers": ArchitectureSpec(("Dinov2WithRegistersAttention",), since="5.18.0"),  # (as DINOv2)
+    "ijepa": ArchitectureSpec(("IJepaAttention",)),
+    # Audio Spectrogram Transformer: a ViT over patches of a fixed-length spectrogram (no padding mask).
+    "audio-spectrogram-transformer": ArchitectureSpec(("ASTAttention",)),
     "t5": ArchitectureSpec(("T5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
     "mt5": ArchitectureSpec(("MT5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
     # Before 5.16 its decoder's self-attention did not say it was causal (is_causal).
@@ -107,7 +110,7 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma 2/3,
     # Phi-3, StarCoder2, Cohere 2) mask the entries outside their window, which the convolution then never reads;
     # Gemma 2's soft-capping applies to S before the evolution (see attention.py). Mixtures of experts (Mixtral,
-    # Qwen2-MoE, Qwen3-MoE, Phi-MoE, DeepSeek-V3) differ in their feed-forward layers only.
+    # Qwen2-MoE, Qwen3-MoE, Phi-MoE, DeepSeek-V3, OLMoE, GraniteMoE) differ in their feed-forward layers only.
     "gpt2": ArchitectureSpec(("GPT2Attention",), num_heads_attribute="num_heads", cross_attention=("crossattention",)),
     "biogpt": ArchitectureSpec(("BioGptAttention",), num_heads_attribute="num_heads"),
     # One key/value head shared by every query head (multi-query attention).
@@ -141,6 +144,11 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
             "phimoe": "Phimoe",
             "olmo3": "Olmo3",
             "ministral": "Ministral",
+            "ernie4_5": "Ernie4_5",
+            "seed_oss": "SeedOss",
+            "apertus": "Apertus",
+            "olmoe": "Olmoe",
+            "granitemoe": "GraniteMoe",
         }.items()
     },
     # Multi-head latent attention: queries and keys have a head size of their own (values another).

@@ -10,6 +10,7 @@ from testing import (
     SENTENCES,
     SEQ2SEQ_ARCHITECTURES,
     SHARED_LAYER_ARCHITECTURES,
+    SPECTROGRAM_ARCHITECTURES,
     SPEECH_ARCHITECTURES,
     first_output,
     seq2seq_head,
@@ -30,7 +31,7 @@ def head_and_task(model_type):
         if "AutoModelForImageClassification" in auto_class_names(model_type):
             return transformers.AutoModelForImageClassification, None
         return transformers.AutoModel, None  # a backbone (DINOv3, CLIP's vision tower)
-    if model_type in AUDIO_ARCHITECTURES:
+    if model_type in AUDIO_ARCHITECTURES + SPECTROGRAM_ARCHITECTURES:
         return transformers.AutoModelForAudioClassification, None
     if "AutoModelForSequenceClassification" in auto_class_names(model_type):
         return transformers.AutoModelForSequenceClassification, "SEQ_CLS"
