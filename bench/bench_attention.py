@@ -424,6 +424,82 @@ def run_profile(length: int, mode: str, warmup: int, repeats: int, batch: int, t
     }
 
 
+#: Independent sets of maps the kernel timing cycles through, so that each call finds its maps out of cache (as
+#: in a training step, where a layer's maps were written a whole layer earlier): 4 sets of 4 maps of 24 MiB at
+#: N = 512, batch 2, several times any last-level cache of the hosts measured.
+KERNEL_MAP_SETS = 4
+
+
+def run_kernel(length: int, batch: int, repeats: int, threads: int, heads: int = 12) -> dict:
+    """The fused CPU kernel alone (``--kernel N``), at BERT-Base's head count and the benchmark's settings
+    (3x3, alpha = beta = 0.2): the forward of a training step (in place, with its gate) and its backward (the
+    gradient written over the incoming one, A_prev's added as it is read, one map for both gradients), each the
+    median of ``repeats`` calls after one warm-up, the maps out of cache. Against the whole step, it tells how a
+    host's EA overhead divides between the kernel and the rest (the profile, ``--profile``, gives the kernel's
+    time inside a step, with whatever it shares the caches with)."""
+    import torch
+
+    from ea_hf.ops import cpu
+
+    torch.set_num_threads(threads)
+    if not cpu.kernel_available():
+        raise RuntimeError("no C++ compiler: the fused CPU kernel cannot be built on this machine")
+    generator = torch.Generator().manual_seed(0)
+    shape = (batch, heads, length, length)
+    weight = torch.randn(heads, heads, 3, 3, generator=generator) * (EA_BETA / (3 * heads))
+    bias = torch.zeros(heads)
+    sets = [
+        {name: torch.randn(shape, generator=generator) for name in ("scores", "previous", "grad", "addend")}
+        for _ in range(KERNEL_MAP_SETS)
+    ]
+    times: dict[str, list[float]] = {"forward": [], "backward": []}
+    for call in range(repeats + 1):
+        maps = sets[call % KERNEL_MAP_SETS]
+        start = time.perf_counter()
+        _, gate = cpu.evolve(
+            maps["scores"], maps["previous"], None, weight, bias, EA_ALPHA, 1.0 - EA_BETA, 1, in_place=True, gate=True
+        )
+        forward = time.perf_counter() - start
+        start = time.perf_counter()
+        cpu.backward(
+            maps["scores"], maps["previous"], EA_ALPHA, None, maps["grad"], gate, weight, 1, EA_BETA,
+            into=(maps["grad"], None), addend=maps["addend"], shared_map=True,
+        )  # fmt: skip
+        backward = time.perf_counter() - start
+        if call:  # (the first call builds and warms up)
+            times["forward"].append(forward)
+            times["backward"].append(backward)
+    return {
+        "n": length,
+        "batch": batch,
+        "heads": heads,
+        "calls": repeats,
+        **{f"{pass_}_ms": 1e3 * statistics.median(seconds) for pass_, seconds in times.items()},
+    }
+
+
+def memory_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> dict:
+    """This host's memory bandwidth with ``threads`` threads (GB/s, the best of ``repeats``): a copy between two
+    arrays of ``mib`` MiB (bytes read plus written) and a sum of one (read). The kernel streams its maps; the
+    matmuls around it mostly do not."""
+    import torch
+
+    torch.set_num_threads(threads)
+    source = torch.ones(mib * 262144)
+    target = torch.empty_like(source)
+    passes = {"copy": (lambda: target.copy_(source), 2 * source.nbytes), "read": (source.sum, source.nbytes)}
+    result = {}
+    for name, (run, nbytes) in passes.items():
+        run()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+        result[f"{name}_gb_s"] = nbytes / best / 1e9
+    return result
+
+
 def run_compiled_memory(variant: str, length: int, mode: str, warmup: int, batch: int, threads: int) -> dict:
     """The step memory of one compiled model alone in a fresh process (the compiled row's memory columns):
     at least two warm-up steps (the compilation), then :data:`MEMORY_STEPS` steps measured by
@@ -941,6 +1017,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="print where eager's and EA's steps spend their time, per operator (torch profiler), as JSON; "
         "--repeats steps each after --warmup",
     )
+    parser.add_argument(
+        "--kernel",
+        type=int,
+        metavar="N",
+        help="print the fused CPU kernel's forward and backward milliseconds alone at N (--batch, --repeats "
+        "calls) and the host's memory bandwidth, as JSON",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.repeats, args.warmup, args.rounds, args.paired_seconds = [64], 2, 1, 1, 0.0
@@ -990,6 +1073,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.profile:
         length, mode = int(args.profile[0]), args.profile[1]
         result = run_profile(length, mode, args.warmup, args.repeats, args.batch, args.threads)
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+    elif args.kernel:
+        result = {**run_kernel(args.kernel, args.batch, args.repeats, args.threads), **memory_bandwidth(args.threads)}
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.compiled_memory:
         variant, length, mode = args.compiled_memory

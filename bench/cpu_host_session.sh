@@ -4,13 +4,16 @@
 # Xeons), with nothing else running, so that memory bandwidth and caches belong to the measured pair of cores
 # (gpu_session.sh measures the CPU beside GPU work, which shares them):
 #   1. the machine (CPU model and flags, C library, versions) -> $OUT/machine.txt
-#   2. the paired timing of bench_attention.py (eager, sdpa and EA alternating, 2 threads pinned to two physical
+#   2. the fused kernel alone (forward and backward of a training step, maps out of cache) at N = 512, batch 2
+#      and N = 128, batch 8, and the memory bandwidth of the pair of cores (--kernel) -> $OUT/cpu_kernel.log:
+#      whether the kernel itself takes longer there than on AMD EPYC, and how fast the maps can stream
+#   3. the paired timing of bench_attention.py (eager, sdpa and EA alternating, 2 threads pinned to two physical
 #      cores): N = 512 training in three processes, as the full benchmark's three rounds, then N = 128 training
 #      -> $OUT/cpu_paired.log (one BENCH_RESULT line a process). N = 512 inference, 1.012x on the last Intel
 #      host against its 1.10 target, is left out for time.
-#   3. N = 512 training once more with glibc's heap held (no trimming, no mmap: every variant's steps then touch
+#   4. N = 512 training once more with glibc's heap held (no trimming, no mmap: every variant's steps then touch
 #      no fresh pages), which takes the page faults out of the ratio -> $OUT/cpu_paired_held_heap.log
-#   4. where eager's and EA's N = 512 training steps go, per operator (--profile) -> $OUT/cpu_profile.log
+#   5. where eager's and EA's N = 512 training steps go, per operator (--profile) -> $OUT/cpu_profile.log
 # Each step has its own time limit; the whole script ends within about 540 s. The device machine has torch and
 # transformers but not ea_hf: it runs from the working tree.
 #     device run: bash bench/cpu_host_session.sh   (timeout_s 570)
@@ -33,6 +36,13 @@ PAIR=$(lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | cut -d, -f1 | tai
 cat "$OUT/machine.txt"
 # The kernel is built (about half a minute) before any timing starts.
 taskset -c "$PAIR" $PYTHON -c "from ea_hf.ops import cpu; print('CPU kernel built:', cpu.kernel_available())"
+# The kernel alone first: short, and what the paired steps cannot separate.
+for case in "512 2" "128 8"; do
+    set -- $case
+    timeout 60 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --kernel "$1" --batch "$2" --threads 2 \
+        --repeats 9 >> "$OUT/cpu_kernel.log" 2>&1
+    echo "kernel N=$1: exit $?"
+done
 
 paired() {  # N MODE BATCH SECONDS LOG
     timeout $(($4 + 120)) taskset -c "$PAIR" $PYTHON bench/bench_attention.py --paired "$1" "$2" --batch "$3" \
@@ -46,4 +56,5 @@ GLIBC_TUNABLES=glibc.malloc.trim_threshold=68719476736:glibc.malloc.mmap_max=0 \
 timeout 90 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --profile 512 training --batch 2 --threads 2 \
     --warmup 2 --repeats 2 > "$OUT/cpu_profile.log" 2>&1
 echo "profile: exit $?"
-grep -c '^BENCH_RESULT' "$OUT/cpu_paired.log" "$OUT/cpu_paired_held_heap.log" "$OUT/cpu_profile.log"
+grep -c '^BENCH_RESULT' "$OUT/cpu_paired.log" "$OUT/cpu_paired_held_heap.log" "$OUT/cpu_profile.log" \
+    "$OUT/cpu_kernel.log"
