@@ -27,7 +27,7 @@ from testing import (
 )
 
 import ea_hf
-import ea_hf.modeling.attention as attention_module
+from ea_hf.modeling import attention as attention_module
 from ea_hf.modeling.architectures import ARCHITECTURES, ArchitectureSpec, supported_model_types
 from ea_hf.modeling.chain import REPLAYS_KEY
 from ea_hf.modeling.evolution import AttentionMapEvolution
