@@ -109,3 +109,45 @@ def reorder_convolution_histories(cache: Any, beam_idx: torch.LongTensor) -> Non
     for history in getattr(cache, CACHE_ATTRIBUTE, {}).values():
         if history.rows is not None:
             history.rows = history.rows.index_select(0, beam_idx.to(history.rows.device))
+
+
+#: Where generate's output holds the KV cache: ``cache`` in newer transformers releases (5.24), ``past_key_values``
+#: in older ones (5.15 to 5.20).
+OUTPUT_CACHE_KEYS = ("cache", "past_key_values")
+
+
+def output_cache(output: Any) -> Any:
+    """The KV cache a ``generate`` output (a ModelOutput or dict) holds, or ``None``."""
+    return next((output[key] for key in OUTPUT_CACHE_KEYS if output.get(key) is not None), None)
+
+
+def split_convolution_histories(cache: Any, parts: list[Any]) -> None:
+    """Give each example's cache in ``parts`` (example ``i``'s at index ``i``; ``None`` where it has none) its
+    rows of the convolution histories kept on ``cache``, on the CPU, as Whisper's ``generate`` splits its output
+    by example and rebuilds each example's cache from its keys and values alone (moved to the CPU)."""
+    histories = getattr(cache, CACHE_ATTRIBUTE, None)
+    if not histories:
+        return
+    for index, part in enumerate(parts):
+        if part is not None:
+            setattr(part, CACHE_ATTRIBUTE, {key: split_history(h, index) for key, h in histories.items()})
+
+
+def split_history(history: ConvolutionHistory, index: int) -> ConvolutionHistory:
+    """Example ``index`` of a history's batch, on the CPU."""
+    rows = None if history.rows is None else history.rows[index : index + 1].cpu()
+    return dataclasses.replace(history, rows=rows)
+
+
+def stack_convolution_histories(parts: list[Any], cache: Any, device: torch.device | str) -> None:
+    """The converse of :func:`split_convolution_histories`: the histories of the examples' caches ``parts``
+    stacked again onto ``cache`` (on ``device``), as Whisper's ``generate`` stacks the keys and values."""
+    kept = [getattr(part, CACHE_ATTRIBUTE, None) for part in parts]
+    if cache is None or not kept or any(not histories for histories in kept):
+        return
+    stacked = {}
+    for key, history in kept[0].items():
+        rows = [histories[key].rows for histories in kept]
+        joined = None if rows[0] is None else torch.cat(rows).to(device)
+        stacked[key] = dataclasses.replace(history, rows=joined)
+    setattr(cache, CACHE_ATTRIBUTE, stacked)

@@ -24,7 +24,12 @@ from .attach import attach_evolution, attention_roles
 from .attention import ATTENTION_IMPLEMENTATION
 from .config_classes import EA_PREFIX, _transformers_class, cached_ea_class, evolving_attention_config_class
 from .evolution import AttentionMapEvolution
-from .history import reorder_convolution_histories
+from .history import (
+    output_cache,
+    reorder_convolution_histories,
+    split_convolution_histories,
+    stack_convolution_histories,
+)
 from .settings import CONFIG_ATTRIBUTE, default_settings, settings_from_config
 
 #: Uploads an EA model with its model card (``push_to_hub``); set by ``ea_hf.hub`` through
@@ -148,6 +153,24 @@ class EvolvingAttentionModelMixin:
         )
 
 
+class SplitGenerationOutputsMixin:
+    """For the models whose ``generate`` splits its output by example and stacks it again (Whisper), rebuilding
+    the returned cache from its keys and values alone: the convolution rows kept on the cache are split and
+    stacked with them, so that decoding can continue from the cache ``generate`` returns."""
+
+    def _postprocess_outputs(self, seek_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        tokens, outputs = super()._postprocess_outputs(seek_outputs, *args, **kwargs)
+        if isinstance(outputs, list):  # (a tensor where generate returned no dict)
+            split_convolution_histories(output_cache(seek_outputs), [output_cache(output) for output in outputs])
+        return tokens, outputs
+
+    def _stack_split_outputs(self, seek_outputs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        outputs = super()._stack_split_outputs(seek_outputs, *args, **kwargs)
+        parts = [output_cache(output) for output in seek_outputs]
+        stack_convolution_histories(parts, output_cache(outputs), self.device)
+        return outputs
+
+
 _model_classes: dict[type, type] = {}
 
 
@@ -163,9 +186,10 @@ def evolving_attention_model_class(base: type[PreTrainedModel]) -> type[PreTrain
 
     def build(name: str) -> type[PreTrainedModel]:
         auto_names = auto_class_names(base.config_class.model_type)
+        splits_outputs = hasattr(base, "_postprocess_outputs") and hasattr(base, "_stack_split_outputs")
         return type(
             name,
-            (EvolvingAttentionModelMixin, base),
+            (EvolvingAttentionModelMixin, *([SplitGenerationOutputsMixin] if splits_outputs else []), base),
             {
                 "__module__": __name__,
                 "__qualname__": name,

@@ -1,5 +1,7 @@
 """Encoder-decoder models (T5, the BART family, Whisper): three chains, causality, cache-exact generation."""
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -229,25 +231,28 @@ def test_generation_with_the_cache_equals_generation_without(model_type, mode):
     settings = GENERATION_MODES[mode]
     with torch.no_grad():
         cached = cached_and_uncached_generation(model, inputs, **settings)
-    if model_type in SPEECH_ARCHITECTURES:
-        # Whisper's generate returns a cache rebuilt from keys and values (it splits the batch and stacks it again),
-        # without the rows the convolution kept; continuing from it is refused (test below).
-        return
+    # (Whisper's generate returns a cache rebuilt from keys and values, splitting the batch and stacking it
+    # again: the kept rows are split and stacked with them.)
     histories = cached.past_key_values.__dict__[CACHE_ATTRIBUTE]
     assert sorted(histories) == sorted((kind, i) for kind in ("decoder", "cross") for i in range(NUM_LAYERS))
     assert {h.seen for h in histories.values()} == {cached.sequences.shape[1] - 1}
 
 
-def test_continuing_from_the_cache_whisper_returns_is_refused():
-    """Whisper's generate rebuilds the cache it returns from keys and values alone: the convolution's kept rows
-    are not in it, so a step from it would convolve without them. The step is refused instead."""
+def test_decoding_continues_from_the_cache_whisper_returns():
+    """Whisper's generate rebuilds the cache it returns from the keys and values of each example; the
+    convolution's kept rows are split and stacked with them, so a step from that cache computes what the full
+    forward does. Without them (the cache as transformers alone rebuilds it) the step is refused."""
     model = ea_hf.patch(seq2seq_lm("whisper"), **EVOLVED)
     inputs = tiny_inputs("whisper")
     with torch.no_grad():
         generated = generate(model, inputs)
+        cache = generated.past_key_values
         step = dict(input_features=inputs["input_features"], decoder_input_ids=generated.sequences[:, -1:])
+        full = model(input_features=inputs["input_features"], decoder_input_ids=generated.sequences).logits[:, -1]
+        assert max_abs_diff(model(**step, past_key_values=copy.deepcopy(cache)).logits[:, -1], full) <= 1e-5
+        delattr(cache, CACHE_ATTRIBUTE)
         with pytest.raises(RuntimeError, match="kept convolution rows for 0"):
-            model(**step, past_key_values=generated.past_key_values)
+            model(**step, past_key_values=cache)
 
 
 @pytest.mark.parametrize("num_beams", [1, 3], ids=["greedy", "beam"])
