@@ -91,7 +91,7 @@ _DECODER_ONLY_CONFIGS = {
     "gptj": {"rotary_dim": 4, "n_inner": 37},
     "olmo3": {"num_key_value_heads": 2, **_WINDOW},
     "ministral": {"num_key_value_heads": 2, **_WINDOW},
-    # Learned positions offset by 2 (as BART's); scaled word embeddings.
+    # Multi-head attention (no key/value heads to group); learned positions counted from the first real token.
     "biogpt": {},
     "ernie4_5": {"num_key_value_heads": 2},
     "seed_oss": {"num_key_value_heads": 2},
