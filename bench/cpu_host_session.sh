@@ -8,16 +8,23 @@
 #      and N = 128, batch 8, and the memory bandwidth of the pair of cores (--kernel) -> $OUT/cpu_kernel.log:
 #      whether the kernel itself takes longer there than on AMD EPYC, and how fast the maps can stream
 #   3. the paired timing of bench_attention.py (eager, sdpa and EA alternating, 2 threads pinned to two physical
-#      cores): N = 512 training in three processes, as the full benchmark's three rounds, then N = 128 training
-#      -> $OUT/cpu_paired.log (one BENCH_RESULT line a process). N = 512 inference, 1.012x on the last Intel
+#      cores): N = 512 training in three processes, as the full benchmark's three rounds, then (after step 5)
+#      N = 128 training -> $OUT/cpu_paired.log (one BENCH_RESULT line a process). N = 512 inference, 1.012x on the last Intel
 #      host against its 1.10 target, is left out for time.
 #   4. N = 512 training once more with glibc's heap held (no trimming, no mmap: every variant's steps then touch
 #      no fresh pages), which takes the page faults out of the ratio -> $OUT/cpu_paired_held_heap.log
 #   5. where eager's and EA's N = 512 training steps go, per operator (--profile) -> $OUT/cpu_profile.log
-# Each step has its own time limit; the whole script ends within about 540 s. The device machine has torch and
+# Each step has its own time limit. On the first Intel host it ran on (November 2026) steps 1 to 4 took 9.5 min
+# with 50 s of timed steps a process and 3 warm-up rounds, and the profile was cut off at 570 s: the paired
+# processes now time 40 s (N = 512) and 30 s (N = 128) after 2 warm-up rounds, and the profile runs before the
+# held heap, so that the whole script ends within about 540 s there. The device machine has torch and
 # transformers but not ea_hf: it runs from the working tree.
 #     device run: bash bench/cpu_host_session.sh   (timeout_s 570)
+# `bash bench/cpu_host_session.sh quick` runs steps 1 and 3's three N = 512 training processes alone (30 s of
+# timed steps each), about 4 min: for a session with less device time left.
+#     device run: bash bench/cpu_host_session.sh quick   (timeout_s 270)
 set -u
+MODE=${1:-full}
 OUT=${OUT:-/tmp/cpu_host_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 EA_HF_CACHE=/tmp/ea_hf_cache CUDA_VISIBLE_DEVICES=
@@ -37,7 +44,7 @@ cat "$OUT/machine.txt"
 # The kernel is built (about half a minute) before any timing starts.
 taskset -c "$PAIR" $PYTHON -c "from ea_hf.ops import cpu; print('CPU kernel built:', cpu.kernel_available())"
 # The kernel alone first: short, and what the paired steps cannot separate.
-for case in "512 2" "128 8"; do
+[ "$MODE" = quick ] || for case in "512 2" "128 8"; do
     set -- $case
     timeout 60 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --kernel "$1" --batch "$2" --threads 2 \
         --repeats 9 >> "$OUT/cpu_kernel.log" 2>&1
@@ -46,15 +53,20 @@ done
 
 paired() {  # N MODE BATCH SECONDS LOG
     timeout $(($4 + 120)) taskset -c "$PAIR" $PYTHON bench/bench_attention.py --paired "$1" "$2" --batch "$3" \
-        --threads 2 --rounds 1 --paired-seconds "$4" --warmup 3 >> "$OUT/$5" 2>&1
+        --threads 2 --rounds 1 --paired-seconds "$4" --warmup 2 >> "$OUT/$5" 2>&1
     echo "paired N=$1 $2 ($5): exit $?"
 }
-for _ in 1 2 3; do paired 512 training 2 50 cpu_paired.log; done
-paired 128 training 8 40 cpu_paired.log
-GLIBC_TUNABLES=glibc.malloc.trim_threshold=68719476736:glibc.malloc.mmap_max=0 \
-    paired 512 training 2 50 cpu_paired_held_heap.log
+if [ "$MODE" = quick ]; then
+    for _ in 1 2 3; do paired 512 training 2 30 cpu_paired.log; done
+    grep -c '^BENCH_RESULT' "$OUT/cpu_paired.log"
+    exit 0
+fi
+for _ in 1 2 3; do paired 512 training 2 40 cpu_paired.log; done
 timeout 90 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --profile 512 training --batch 2 --threads 2 \
     --warmup 2 --repeats 2 > "$OUT/cpu_profile.log" 2>&1
 echo "profile: exit $?"
+paired 128 training 8 30 cpu_paired.log
+GLIBC_TUNABLES=glibc.malloc.trim_threshold=68719476736:glibc.malloc.mmap_max=0 \
+    paired 512 training 2 40 cpu_paired_held_heap.log
 grep -c '^BENCH_RESULT' "$OUT/cpu_paired.log" "$OUT/cpu_paired_held_heap.log" "$OUT/cpu_profile.log" \
     "$OUT/cpu_kernel.log"

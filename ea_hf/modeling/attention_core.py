@@ -70,10 +70,11 @@ def stacked_heads(maps: torch.Tensor, key_value_heads: int) -> torch.Tensor:
     return maps.reshape(maps.shape[0], key_value_heads, heads // key_value_heads * maps.shape[-2], maps.shape[-1])
 
 
-def grouped_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+def grouped_product(left: torch.Tensor, right: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``left @ right`` over heads, where ``right`` may have fewer heads than ``left`` (grouped-query attention:
     head h of ``left`` pairs with head h // groups of ``right``, as after ``right.repeat_interleave(groups, 1)``),
     without repeating ``right``: each of its heads takes its group of ``left``'s heads as the rows of one product.
+    Written into ``out`` (contiguous, of the product's shape and dtype) where given: the same numbers.
 
     Repeating the keys and values copies them for every query head: in a decoding step (a ~125M Llama with 4
     key/value heads for 12 query heads, 512 cached tokens, AMD EPYC) that took longer than the two products.
@@ -83,6 +84,9 @@ def grouped_product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         >>> torch.allclose(grouped_product(q, k), q @ k.repeat_interleave(3, dim=1), atol=1e-6)
         True
     """
+    if out is not None:
+        torch.matmul(stacked_heads(left, right.shape[1]), right, out=stacked_heads(out, right.shape[1]))
+        return out
     if left.shape[1] == right.shape[1]:
         return torch.matmul(left, right)
     product = torch.matmul(stacked_heads(left, right.shape[1]), right)
@@ -114,9 +118,11 @@ def attention_scores(
     scaling: float,
     position_bias: torch.Tensor | None = None,
     softcap: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """S = QK^T * scaling (+ ``position_bias``; then ``tanh(S / softcap) * softcap``), as eager attention; keys
-    with fewer heads than the queries are shared by groups of query heads (see :func:`grouped_product`).
+    with fewer heads than the queries are shared by groups of query heads (see :func:`grouped_product`). The
+    product is written into ``out`` where given (the same numbers): a map the caller has spent.
 
     Example:
         >>> q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4)
@@ -126,9 +132,9 @@ def attention_scores(
     if exact_scaling(scaling):
         # A power of two (1/8 for 64-dimensional heads) scales exactly: scaling the queries instead of the
         # [B, H, Q, K] product gives eager attention's numbers with one pass less over the map.
-        scores = grouped_product(query * scaling if scaling != 1.0 else query, key.transpose(-1, -2))
-    else:  # in place: the product is a fresh tensor that autograd does not keep
-        scores = grouped_product(query, key.transpose(-1, -2)).mul_(scaling)
+        scores = grouped_product(query * scaling if scaling != 1.0 else query, key.transpose(-1, -2), out)
+    else:  # in place: the product is a fresh tensor (or ``out``) that autograd does not keep
+        scores = grouped_product(query, key.transpose(-1, -2), out).mul_(scaling)
     if position_bias is not None:
         scores = scores + position_bias
     if softcap is not None:
@@ -409,9 +415,9 @@ class EvolvingAttentionCore(torch.autograd.Function):
         # P again (bit-identical to forward's) where it was not kept; then the gradients of dropout(P) @ V and of
         # the softmax.
         if kept_probabilities is not None:
-            full = kept_probabilities
+            full, recomputed = kept_probabilities, None
         else:
-            full = softmax_probabilities(logits, allowed, additive)
+            full = recomputed = softmax_probabilities(logits, allowed, additive)
         dropout_scale = 1.0 / (1.0 - dropout) if dropout > 0.0 else 1.0
         # Outputs without a gradient come as None (see forward): the attention weights usually, the last
         # layer's A_logit, both without a map of zeros to allocate and add.
@@ -422,18 +428,20 @@ class EvolvingAttentionCore(torch.autograd.Function):
             if mask is not None:
                 probabilities = torch.ops.aten.native_dropout_backward(probabilities, mask, dropout_scale)
             grad_value = grouped_transposed_product(probabilities, grad_output, value.shape[1])
+            # dO @ V^T over dropout(P)'s map where that is a map of its own (spent now), as S goes over P's below.
+            spare = probabilities if probabilities is not full and probabilities.dtype == grad_output.dtype else None
             del probabilities
-            product = grouped_product(grad_output, value.transpose(-1, -2))
+            product = grouped_product(grad_output, value.transpose(-1, -2), out=spare)
             grad_attention = product if grad_probabilities is None else product.add_(grad_probabilities)
         elif grad_attention is not None:  # autograd's own tensor: the steps below write over it
             grad_attention = grad_attention.clone()
         else:  # only A_logit's gradient flows back: none passes through the softmax
             grad_attention = torch.zeros_like(full)
-        if mask is not None:
-            grad_attention = torch.ops.aten.native_dropout_backward(grad_attention, mask, dropout_scale)
+        if mask is not None:  # in place: grad_attention is a map of this function's own by now
+            torch.ops.aten.native_dropout_backward.out(grad_attention, mask, dropout_scale, out=grad_attention)
         # The softmax's gradient P * (G - rowsum(G * P)), by eager attention's fused kernel, written over G: a
-        # training step then allocates no more [B, H, Q, K] maps in backward than eager attention does (P, G
-        # and S; the evolution's gradients are written over G and P below).
+        # training step then allocates no more [B, H, Q, K] maps in backward than eager attention does (P and
+        # G: S is written over P, the evolution's gradient over G, below).
         grad_evolved = grad_attention.to(full.dtype)
         torch.ops.aten._softmax_backward_data.out(grad_evolved, full, -1, full.dtype, grad_input=grad_evolved)
         del grad_attention
@@ -444,7 +452,12 @@ class EvolvingAttentionCore(torch.autograd.Function):
         if kept_scores is not None:
             scores = kept_scores
         elif ctx.plain:  # S again, bit-identical to forward's, from the queries as forward kept them
-            scores = attention_scores(query, key, ctx.product_scaling)
+            # Written over the recomputed P, spent once the softmax's gradient is taken (the evolution's gradient
+            # goes over G): a training step's backward then allocates one [B, H, Q, K] map a layer less. Each
+            # fresh map is pages the C library may have returned to the system, touched anew (at N = 512, batch
+            # 2, about 6,100 page faults; see bench/README.md).
+            scores = attention_scores(query, key, ctx.product_scaling, out=recomputed)
+            recomputed = None
         else:
             # S again, with autograd, to carry its gradient to Q, K and the positional bias as forward's ops do.
             # Which of them need a gradient comes from the inputs (the saved keys are a contiguous copy of them).
@@ -470,7 +483,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
             needs_input=any(ctx.needs_input_grad[i] for i in (0, 1, 3, 4)),
             needs_kernel=ctx.needs_input_grad[5] or ctx.needs_input_grad[6],
             # Gradients over maps spent here: G, and a recomputed P (a kept one may be the caller's weights).
-            spent=(grad_evolved, full if kept_probabilities is None else None),
+            spent=(grad_evolved, recomputed),
             grad_addend=grad_logits,  # the next layer's, through its A_prev: added as the kernel reads
             scaled_scores=True,  # S's gradient may share A_prev's map (see ScaledMap)
             skip_masked_tails=ctx.skip_masked_tails,
