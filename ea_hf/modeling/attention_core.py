@@ -334,6 +334,37 @@ def _key_gradient(grad_product: torch.Tensor, query: torch.Tensor, key_heads: in
     return grouped_transposed_product(query, grad_product, key_heads).transpose(-1, -2)
 
 
+def _map_key(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape), tensor.dtype, tensor.device
+
+
+def leave_spare_map(spare_maps: dict | None, spent: torch.Tensor) -> None:
+    """Leave ``spent``, a map a layer's backward allocated and reads no more, in its call's ``spare_maps`` for the
+    next layer down to recompute P into (:func:`take_spare_map`): a training step's backward then allocates one
+    fresh [B, H, Q, K] map a layer (G) instead of two, and fresh maps are pages the C library may have given back
+    to the system, touched anew (page faults; see bench/README.md). At most one map of a shape is left, and the
+    dict is emptied when the backward pass ends, so that none outlives it (nothing is left outside a pass).
+
+    Example:
+        >>> spares = {}
+        >>> leave_spare_map(spares, torch.empty(2, 3)), spares  # not inside a backward pass: nothing is left
+        (None, {})
+    """
+    if spare_maps is None or torch.compiler.is_compiling():
+        return
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(spare_maps.clear)
+    except RuntimeError:  # outside the autograd engine's pass, where no callback can empty the dict later
+        return
+    spare_maps[_map_key(spent)] = spent
+
+
+def take_spare_map(spare_maps: dict | None, like: torch.Tensor) -> torch.Tensor | None:
+    """The map of ``like``'s shape, dtype and device that an upper layer's backward left in ``spare_maps``
+    (:func:`leave_spare_map`), taken out of it, or None."""
+    return None if spare_maps is None else spare_maps.pop(_map_key(like), None)
+
+
 class EvolvingAttentionCore(torch.autograd.Function):
     """(output [B, H, Q, D], A_logit, attention weights) of one evolving attention layer, keeping A_logit, the
     ReLU gate and the dropout mask for backward (see the module docstring).
@@ -344,7 +375,9 @@ class EvolvingAttentionCore(torch.autograd.Function):
     where entries may enter the convolution, or ``None``), ``allowed`` / ``additive`` (the attention mask, see
     :func:`~.masks.split_attention_mask`), then the constants ``scaling``, ``softcap``, ``alpha``, ``beta``,
     ``causal``, ``context_rows``, ``dropout`` (the probability; 0 outside training) and ``skip_masked_tails``
-    (see :class:`~.convolution.FusedKernel`). Half-precision queries give fp32 maps, as the unfused path does.
+    (see :class:`~.convolution.FusedKernel`), and ``spare_maps`` (the call's dict of maps that backward passes
+    down the layers, see :func:`leave_spare_map`; or ``None``). Half-precision queries give fp32 maps, as the
+    unfused path does.
     """
 
     @staticmethod
@@ -368,6 +401,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         context_rows,
         dropout,
         skip_masked_tails=False,
+        spare_maps=None,
     ):
         # Keys and values as contiguous [B, H, K, D] (they arrive as views of the projections' [B, K, H * D]
         # outputs): every product with them, here and in backward, then reads them in place instead of copying
@@ -400,7 +434,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         # S is recomputed under the autocast state it was computed under (a matmul may run in half precision).
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.constants = (scaling, softcap, alpha, beta, context_rows, dropout)
-        ctx.skip_masked_tails = skip_masked_tails
+        ctx.skip_masked_tails, ctx.spare_maps = skip_masked_tails, spare_maps
         ctx.set_materialize_grads(False)
         return output, logits, probabilities
 
@@ -417,7 +451,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
         if kept_probabilities is not None:
             full, recomputed = kept_probabilities, None
         else:
-            full = recomputed = softmax_probabilities(logits, allowed, additive)
+            spare = take_spare_map(ctx.spare_maps, logits)
+            full = recomputed = softmax_probabilities(logits, allowed, additive, out=spare)
         dropout_scale = 1.0 / (1.0 - dropout) if dropout > 0.0 else 1.0
         # Outputs without a gradient come as None (see forward): the attention weights usually, the last
         # layer's A_logit, both without a map of zeros to allocate and add.
@@ -449,6 +484,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
             # torch.where in place: masked_fill_ with a mask broadcast over the heads is slower on CPU (AMD EPYC,
             # [2, 12, 512, 512]: 3.5 against 2.5 ms), with the same result.
             torch.where(allowed, grad_evolved, grad_evolved.new_zeros(()), out=grad_evolved)
+        spent_scores = None  # S's map where it is this function's own, to leave to the layer below
         if kept_scores is not None:
             scores = kept_scores
         elif ctx.plain:  # S again, bit-identical to forward's, from the queries as forward kept them
@@ -456,7 +492,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
             # goes over G): a training step's backward then allocates one [B, H, Q, K] map a layer less. Each
             # fresh map is pages the C library may have returned to the system, touched anew (at N = 512, batch
             # 2, about 6,100 page faults; see bench/README.md).
-            scores = attention_scores(query, key, ctx.product_scaling, out=recomputed)
+            scores = spent_scores = attention_scores(query, key, ctx.product_scaling, out=recomputed)
             recomputed = None
         else:
             # S again, with autograd, to carry its gradient to Q, K and the positional bias as forward's ops do.
@@ -489,6 +525,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
             skip_masked_tails=ctx.skip_masked_tails,
         )
         del grad_evolved, full
+        if spent_scores is not None and previous is not None:  # a layer below, whose backward comes next
+            leave_spare_map(ctx.spare_maps, spent_scores)
         if ctx.plain:
             grad_query, grad_key, grad_positions = None, None, None
             if grad_scores is not None:
@@ -510,7 +548,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
             grad_query, grad_key, grad_positions = (None if t is None else grads.get(id(t)) for t in leaves)
         if grad_weight is not None:
             grad_weight, grad_bias = grad_weight.to(weight.dtype), grad_bias.to(bias.dtype)
-        return (grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias, *[None] * 11)
+        return (grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias, *[None] * 12)
 
 
 #: Operators whose outputs :func:`compiled_core` keeps for backward: the fused kernel's A_logit and gate, and
@@ -545,15 +583,16 @@ def compiled_core(
     context_rows: int,
     dropout: float,
     skip_masked_tails: bool = False,
+    spare_maps: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What :class:`EvolvingAttentionCore` computes, with the arguments of its ``apply``, in a form
-    ``torch.compile`` traces (whose kernel operators correlate the masked tails too: ``skip_masked_tails``
-    changes nothing here): the layer's operators inside a selective activation checkpoint that keeps A_logit
-    and the gate of the fused CPU kernel (and dropout's mask) and recomputes S and P in backward, as the core
-    does. Without it, a compiled training step keeps S, A_logit and P per layer (1.5x a compiled eager step's
-    memory at N = 512). Where the maps are small (:func:`keeps_small_maps`), S is kept (computed before the
-    checkpoint) and only P is recomputed. Where no fused kernel applies (the torch-operation path: recomputing
-    would repeat its convolution), the operators run without a checkpoint.
+    """What :class:`EvolvingAttentionCore` computes, with the arguments of its ``apply``, in a form ``torch.compile``
+    traces (whose kernel operators correlate the masked tails too: ``skip_masked_tails`` changes nothing here, nor
+    ``spare_maps``: a compiled graph plans its own buffers): the layer's operators inside a selective activation
+    checkpoint that keeps A_logit and the gate of the fused CPU kernel (and dropout's mask) and recomputes S and P in
+    backward, as the core does. Without it, a compiled training step keeps S, A_logit and P per layer (1.5x a compiled
+    eager step's memory at N = 512). Where the maps are small (:func:`keeps_small_maps`), S is kept (computed before the
+    checkpoint) and only P is recomputed. Where no fused kernel applies (the torch-operation path: recomputing would
+    repeat its convolution), the operators run without a checkpoint.
 
     Example:
         >>> q, k, v = (torch.randn(1, 2, 20, 4) for _ in range(3))

@@ -32,7 +32,7 @@ from torch import nn
 from transformers import initialization as hf_init
 
 from .attention_core import EvolvingAttentionCore, attention_scores, compiled_core, full_precision
-from .chain import REPLAYS_KEY, SHARED_LAYERS, SPARE_KEY
+from .chain import BACKWARD_SPARES_KEY, REPLAYS_KEY, SHARED_LAYERS, SPARE_KEY
 from .convolution import begin_history, evolve_convolution
 from .history import ConvolutionHistory
 from .settings import ATTENTION_ROLES, CAUSAL_ROLES, EvolvingAttentionSettings
@@ -295,6 +295,7 @@ class AttentionMapEvolution(nn.Module):
             self.context_rows,
             dropout,
             self.skip_masked_tails,
+            chain.setdefault(BACKWARD_SPARES_KEY, {}),
         )
         chain[self.key] = logits
         return output, probabilities

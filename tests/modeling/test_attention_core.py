@@ -472,3 +472,42 @@ def test_whole_models_train_the_same_through_the_core(model_type, scores_path, m
     assert core_grads.keys() == grads.keys()
     for name, grad in grads.items():
         assert (core_grads[name] - grad).abs().max() <= 1e-5 * max(1.0, grad.abs().max().item()), name
+
+
+def test_backward_hands_spent_maps_down_the_layers_and_keeps_none(monkeypatch):
+    """Where S and P are recomputed, each layer's backward leaves its spent S map for the layer below to
+    recompute P into (one fresh map a layer less): every layer but the top one takes a map the layer above left,
+    the gradients are those of fresh maps bit for bit, and no map is left once the backward pass ends."""
+    layers, length = 3, 32  # 8-dimensional heads: maps of 32 tokens are recomputed (keeps_small_maps)
+    config = tiny_config("bert", num_hidden_layers=layers, num_attention_heads=4)
+    model = ea_hf.patch(transformers.AutoModel.from_config(config), alpha=0.3, beta=0.4).eval()
+    inputs = {"input_ids": torch.randint(5, 99, (2, length)), "attention_mask": torch.ones(2, length, dtype=torch.long)}
+    inputs["attention_mask"][1, -5:] = 0
+    left, taken, dicts = [], [], []
+    leave, take = attention_core.leave_spare_map, attention_core.take_spare_map
+
+    def leaving(spare_maps, spent):
+        dicts.append(spare_maps)
+        leave(spare_maps, spent)
+        left.append(spent.data_ptr() if spare_maps else None)
+
+    def taking(spare_maps, like):
+        taken.append(take(spare_maps, like))
+        return taken[-1]
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        model(**inputs).last_hidden_state.pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    monkeypatch.setattr(attention_core, "leave_spare_map", leaving)
+    monkeypatch.setattr(attention_core, "take_spare_map", taking)
+    handed = gradients()
+    assert len(left) == layers - 1 and None not in left  # every layer with a layer below left its S
+    assert len(taken) == layers and taken[0] is None  # the top layer found none
+    assert [m.data_ptr() for m in taken[1:]] == left
+    assert all(d is dicts[0] and not d for d in dicts)  # one dict for the call, empty once the pass ended
+    monkeypatch.setattr(attention_core, "leave_spare_map", lambda spare_maps, spent: None)
+    fresh = gradients()
+    assert handed.keys() == fresh.keys()
+    assert all(torch.equal(handed[n], fresh[n]) for n in fresh)
