@@ -56,12 +56,13 @@ paired() {  # N MODE BATCH SECONDS LOG
         --threads 2 --rounds 1 --paired-seconds "$4" --warmup 2 >> "$OUT/$5" 2>&1
     echo "paired N=$1 $2 ($5): exit $?"
 }
+SECONDS_512=40
+[ "$MODE" = quick ] && SECONDS_512=30
+for _ in 1 2 3; do paired 512 training 2 $SECONDS_512 cpu_paired.log; done
 if [ "$MODE" = quick ]; then
-    for _ in 1 2 3; do paired 512 training 2 30 cpu_paired.log; done
     grep -c '^BENCH_RESULT' "$OUT/cpu_paired.log"
     exit 0
 fi
-for _ in 1 2 3; do paired 512 training 2 40 cpu_paired.log; done
 timeout 90 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --profile 512 training --batch 2 --threads 2 \
     --warmup 2 --repeats 2 > "$OUT/cpu_profile.log" 2>&1
 echo "profile: exit $?"

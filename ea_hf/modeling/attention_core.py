@@ -451,8 +451,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
         if kept_probabilities is not None:
             full, recomputed = kept_probabilities, None
         else:
-            spare = take_spare_map(ctx.spare_maps, logits)
-            full = recomputed = softmax_probabilities(logits, allowed, additive, out=spare)
+            handed_down = take_spare_map(ctx.spare_maps, logits)  # the S map the layer above spent, if any
+            full = recomputed = softmax_probabilities(logits, allowed, additive, out=handed_down)
         dropout_scale = 1.0 / (1.0 - dropout) if dropout > 0.0 else 1.0
         # Outputs without a gradient come as None (see forward): the attention weights usually, the last
         # layer's A_logit, both without a map of zeros to allocate and add.
