@@ -27,7 +27,9 @@ class FusedKernel(Protocol):
     A_logit written over ``scores`` and no gate unless ``gate``; ``convolve`` a plain correlation plus bias whose
     output row i reads input rows ``i + row_shift ..``; ``backward`` the step's gradients (see
     ``ea_hf.ops.cpu.backward``; with ``shared_map=True`` it may return S's gradient as a :class:`ScaledMap` of
-    A_prev's). ``skip_masked_tails``: the caller's softmax masks, in every layer of the chain, the entries right of
+    A_prev's); ``select_kept`` the attention core's masked passes, ``keep ? scale * x : fill`` (into ``out`` where
+    given), or ``None`` where the kernel does not take them (see :func:`select_kept`). ``skip_masked_tails``: the
+    caller's softmax masks, in every layer of the chain, the entries right of
     each row's last kept column, so a kernel may leave them out (the CPU kernel does, see
     ``ea_hf.ops.cpu.forward_correlation``).
     """
@@ -55,6 +57,10 @@ class FusedKernel(Protocol):
     def convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> Any: ...
 
     def backward(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]: ...
+
+    def select_kept(
+        self, x: torch.Tensor, keep: torch.Tensor, scale: float, fill: float, out: torch.Tensor | None
+    ) -> torch.Tensor | None: ...
 
 
 class ScaledMap(NamedTuple):
@@ -90,6 +96,33 @@ def fused_kernel(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None
         if kernel.applicable(*tensors, keep=keep, weight=weight):
             return kernel
     return None
+
+
+def select_kept(
+    x: torch.Tensor, keep: torch.Tensor, scale: float = 1.0, fill: float = 0.0, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``keep ? scale * x : fill`` for a bool ``keep`` that broadcasts to ``x``, into ``out`` where given (which
+    may be ``x``): the attention core's masked passes over its maps (dropout's gradient and dropout(P) with
+    dropout's mask; a bool attention mask's zeros in a gradient, or its masked logits). Outside autograd and
+    compilation the first registered kernel that takes these tensors runs it in one pass (``select_kept`` of
+    :class:`FusedKernel`); elsewhere torch operations give the same numbers (dropout's gradient by torch's
+    ``native_dropout_backward``, whose zeros keep the sign of ``x``).
+
+    Example:
+        >>> x, keep = torch.tensor([[1.0, -2.0, 3.0]]), torch.tensor([[True, False, True]])
+        >>> select_kept(x, keep, 2.0).tolist()
+        [[2.0, -0.0, 6.0]]
+    """
+    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
+        # A loop, not next() over a generator: torch 2.8's dynamo cannot trace that (see fused_kernel).
+        for kernel in FUSED_KERNELS:
+            result = kernel.select_kept(x, keep, scale, fill, out)
+            if result is not None:
+                return result
+    if fill == 0.0 and scale != 1.0:  # dropout's gradient: one kernel on GPUs, the numbers the CPU kernel gives
+        result = torch.ops.aten.native_dropout_backward(x, keep, scale)
+        return result if out is None else out.copy_(result)
+    return torch.where(keep, x if scale == 1.0 else scale * x, x.new_full((), fill), out=out)
 
 
 class EvolveConvolution(torch.autograd.Function):

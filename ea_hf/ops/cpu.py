@@ -97,6 +97,8 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.ea_backward.restype = integer
     library.ea_backward.argtypes = [pointer, pointer, single, *[pointer] * 5, *[integer] * 8, single]
     library.ea_backward.argtypes += [pointer, single, pointer, single, pointer, pointer, integer, integer]
+    library.ea_select_kept.restype = integer
+    library.ea_select_kept.argtypes = [pointer, pointer, *[ctypes.c_long] * 3, single, single, pointer, *[integer] * 5]
     return library
 
 
@@ -166,6 +168,54 @@ def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, 
     if keep is not None and keep.dim() == 4 and keep.shape[1] != 1:
         return False
     return kernel_available()
+
+
+def select_kept(
+    x: torch.Tensor,
+    keep: torch.Tensor,
+    scale: float = 1.0,
+    fill: float = 0.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """``keep ? scale * x : fill`` in one pass of the kernel (``ea_select_kept``), into ``out`` where given (it may
+    be ``x``), or ``None`` where the kernel does not take these tensors: ``x`` (and ``out``) a contiguous float32
+    [B, H, Q, K] map on CPU, ``keep`` a bool mask that broadcasts to it and is contiguous along the keys. Called
+    directly, outside autograd and compilation (see ``ea_hf.modeling.attention_core.select_kept``).
+
+    Example:
+        >>> x, keep = torch.randn(1, 2, 3, 4), torch.rand(1, 1, 3, 4) > 0.5
+        >>> result = select_kept(x, keep, 2.0)
+        >>> result is None or torch.equal(result, torch.where(keep, 2.0 * x, 0.0))
+        True
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 4 or not x.is_contiguous():
+        return None
+    if keep.dtype != torch.bool or keep.device.type != "cpu" or keep.dim() > 4:
+        return None
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
+        return None
+    try:
+        keep = keep.expand(x.shape)
+    except RuntimeError:  # does not broadcast
+        return None
+    if (x.shape[-1] > 1 and keep.stride(-1) != 1) or not kernel_available():
+        return None
+    out = torch.empty_like(x) if out is None else out
+    batch, heads, rows, cols = x.shape
+    cpu_kernel().ea_select_kept(
+        x.data_ptr(),
+        keep.data_ptr(),
+        *keep.stride()[:3],
+        float(scale),
+        float(fill),
+        out.data_ptr(),
+        batch,
+        heads,
+        rows,
+        cols,
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def correlate(

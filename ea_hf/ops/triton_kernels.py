@@ -792,3 +792,11 @@ def evolve(
 def convolve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> torch.Tensor:
     """A plain correlation plus bias (the kept rows of a decoding step), as :func:`correlate` computes it."""
     return correlate(x, weight, bias, row_shift=row_shift)
+
+
+def select_kept(
+    x: torch.Tensor, keep: torch.Tensor, scale: float, fill: float, out: torch.Tensor | None
+) -> torch.Tensor | None:
+    """None: on GPUs the attention core's masked passes (``keep ? scale * x : fill``) are single fused kernels of
+    torch already (``torch.where``, ``native_dropout_backward``), so nothing is taken here."""
+    return None

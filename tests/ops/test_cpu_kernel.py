@@ -9,6 +9,7 @@ from testing import CAUSAL_LM_FAMILIES, VOCAB_SIZE, cached_and_uncached_generati
 from transformers import AutoModel, AutoModelForCausalLM
 
 import ea_hf
+from ea_hf.modeling import convolution
 from ea_hf.modeling.convolution import pack_gate, packed_gate, unpacked_gate
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.ops import cpu as kernels
@@ -237,6 +238,56 @@ def test_kernel_declines_what_it_does_not_take():
     assert not kernels.applicable(maps, keep=torch.ones(1, 4, 5, 5), weight=weight)  # a mask per head
     assert not kernels.applicable(maps, weight=torch.zeros(4, 4, 9, 9))  # kernels taller than 8 rows
     assert not kernels.applicable(torch.zeros(1, 65, 5, 5), weight=weight)  # more than 64 heads
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "keep_shape",
+    [(2, 3, 5, 37), (2, 1, 5, 37), (2, 1, 1, 37), (1, 1, 5, 37), (5, 37)],
+    ids=["dropout", "per-query", "padding", "one-for-the-batch", "2-d"],
+)
+@pytest.mark.parametrize(("scale", "fill"), [(1 / 0.9, 0.0), (1.0, 0.0), (1.0, torch.finfo(torch.float32).min)])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_select_kept_gives_torch_where_bit_for_bit(keep_shape, scale, fill, in_place, threads, monkeypatch):
+    """``keep ? scale * x : fill`` in one pass, with masks broadcast over the batch, heads or queries, into a new
+    map or over ``x``: the bits of torch.where (and of native_dropout_backward, dropout's gradient)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 37)  # 37 columns: not a whole number of vectors
+    keep = torch.rand(keep_shape) > 0.3
+    expected = torch.where(keep, scale * x, torch.tensor(fill))
+    if fill == 0.0 and keep_shape == x.shape:  # the same values (its zeros keep x's sign)
+        assert torch.equal(expected, torch.ops.aten.native_dropout_backward(x, keep, scale))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    out = x.clone() if in_place else None
+    result = kernels.select_kept(x if out is None else out, keep, scale, fill, out)
+    assert result is not None and (result is out or out is None)
+    assert torch.equal(result.view(torch.int32), expected.view(torch.int32))
+
+
+def test_select_kept_declines_what_the_kernel_does_not_take():
+    x, keep = torch.randn(2, 3, 5, 8), torch.rand(2, 1, 5, 8) > 0.5
+    assert kernels.select_kept(x.double(), keep) is None  # float32 only
+    assert kernels.select_kept(x.transpose(-1, -2), keep.transpose(-1, -2)) is None  # contiguous maps only
+    assert kernels.select_kept(x, keep.float()) is None  # bool masks only
+    assert kernels.select_kept(x, torch.rand(3, 1, 5, 8) > 0.5) is None  # does not broadcast
+    assert kernels.select_kept(x, keep.transpose(-1, -2).contiguous().transpose(-1, -2)) is None  # strided keys
+    assert kernels.select_kept(x, torch.rand(2, 3, 5, 1) > 0.5) is None  # broadcast over the keys
+    assert kernels.select_kept(x, keep, out=torch.empty(2, 3, 5, 8).transpose(-1, -2)) is None
+
+
+def test_select_kept_falls_back_to_torch_with_the_same_numbers(monkeypatch):
+    """Without a kernel that takes them (none registered, or under autograd), the core's masked passes run as
+    torch operations: the same numbers."""
+    torch.manual_seed(0)
+    x, keep = torch.randn(2, 3, 5, 8), torch.rand(2, 3, 5, 8) > 0.3
+    fused = convolution.select_kept(x, keep, 1 / 0.9)
+    monkeypatch.setattr(convolution, "FUSED_KERNELS", [])
+    for scale, fill in ((1 / 0.9, 0.0), (1.0, 0.0), (1.0, -5.0)):
+        assert torch.equal(convolution.select_kept(x, keep, scale, fill), torch.where(keep, scale * x, fill))
+    assert torch.equal(convolution.select_kept(x, keep, 1 / 0.9), fused)
+    out = x.clone()
+    assert convolution.select_kept(out, keep, 1 / 0.9, out=out) is out and torch.equal(out, fused)
 
 
 @needs_compiler
