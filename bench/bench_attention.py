@@ -137,13 +137,14 @@ def step_memory_mib(step, device) -> float:
     return status_mib("VmHWM") - before
 
 
-def build_model(variant: str, device):
-    """BERT-Base (transformers.BertConfig defaults) with random weights, dropout off, fp32."""
+def build_model(variant: str, device, dropout: float = 0.0):
+    """BERT-Base (transformers.BertConfig defaults) with random weights, fp32, its attention and hidden dropout
+    ``dropout`` (off by default: train and eval then compute the same thing; BERT's own default is 0.1)."""
     import torch
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)  # same BERT weights for every variant
-    config = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertConfig(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     model = BertModel(config)
     model.set_attn_implementation("sdpa" if variant == "sdpa" else "eager")
     if variant == "ea":
@@ -153,7 +154,9 @@ def build_model(variant: str, device):
     return model.to(device=device, dtype=torch.float32)
 
 
-def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, batch: int, threads: int) -> dict:
+def run_case(
+    variant: str, length: int, mode: str, repeats: int, warmup: int, batch: int, threads: int, dropout: float = 0.0
+) -> dict:
     import torch
 
     try:  # import in every variant so that all children carry the same libraries
@@ -166,7 +169,7 @@ def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, ba
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
 
-    model = build_model(variant, device)
+    model = build_model(variant, device, dropout)
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator).to(device)
     attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
@@ -251,6 +254,7 @@ def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, ba
         ),
         "n": length,
         "mode": mode,
+        "dropout": dropout,
         "batch": batch,
         "threads": threads,
         "device": device.type,
@@ -281,7 +285,9 @@ def run_case(variant: str, length: int, mode: str, repeats: int, warmup: int, ba
     }
 
 
-def prepared_models(variants: tuple[str, ...], length: int, mode: str, batch: int, threads: int, compiled: bool):
+def prepared_models(
+    variants: tuple[str, ...], length: int, mode: str, batch: int, threads: int, compiled: bool, dropout: float = 0.0
+):
     """The models of ``variants`` (each through ``torch.compile`` if ``compiled``) in train or eval mode, and
     ``step(model) -> (seconds, minor page faults)``: one inference or training step of a model on the shared
     random batch, gradients set to ``None`` first (outside the timed region)."""
@@ -289,7 +295,7 @@ def prepared_models(variants: tuple[str, ...], length: int, mode: str, batch: in
 
     torch.set_num_threads(threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    models = {v: build_model(v, device) for v in variants}
+    models = {v: build_model(v, device, dropout) for v in variants}
     vocab_size = next(iter(models.values())).config.vocab_size
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, vocab_size, (batch, length), generator=generator).to(device)
@@ -326,6 +332,7 @@ def run_paired(
     threads: int,
     min_seconds: float = 0.0,
     compiled: bool = False,
+    dropout: float = 0.0,
 ) -> dict:
     """The three variants in one process, one step of each in turn (the order rotating), so that slow and
     fast spells of the machine hit them alike: the time ratios of the table. At least ``repeats`` timed steps
@@ -335,7 +342,7 @@ def run_paired(
     ``compiled``: eager and EA only, each through ``torch.compile`` (inductor); the warm-up steps, at least two,
     include the compilation of forward (and backward). Their memory comes from :func:`run_compiled_memory`."""
     variants = COMPILED_VARIANTS if compiled else VARIANTS
-    models, step, _ = prepared_models(variants, length, mode, batch, threads, compiled)
+    models, step, _ = prepared_models(variants, length, mode, batch, threads, compiled, dropout)
     if compiled:
         warmup = max(warmup, COMPILED_WARMUP)
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -352,6 +359,7 @@ def run_paired(
     return {
         "n": length,
         "mode": mode,
+        "dropout": dropout,
         "batch": batch,
         "compiled": compiled,
         "repeats": index - warmup,
@@ -394,13 +402,15 @@ def profile_rows(samples: list[dict[str, tuple[float, int]]]) -> list[dict]:
     return sorted(rows, key=lambda row: row["self_ms_per_step"], reverse=True)[:PROFILE_ROWS]
 
 
-def run_profile(length: int, mode: str, warmup: int, repeats: int, batch: int, threads: int) -> dict:
+def run_profile(
+    length: int, mode: str, warmup: int, repeats: int, batch: int, threads: int, dropout: float = 0.0
+) -> dict:
     """Where eager's and EA's steps go on this host (``--profile N MODE``): both models in one process, one step
     of each in turn (as the paired timing, so that the host's drift hits both alike), each step profiled on its
     own, ``repeats`` steps of each after the warm-ups. For the machines that lack a full run: the pieces EA adds
     (its forward and backward nodes, whose own time is mostly the CPU kernel, and the recomputed S and P) show
     how a host's EA overhead differs from another's."""
-    models, step, _ = prepared_models(PROFILED_VARIANTS, length, mode, batch, threads, compiled=False)
+    models, step, _ = prepared_models(PROFILED_VARIANTS, length, mode, batch, threads, False, dropout)
     for _ in range(warmup):
         for model in models.values():
             step(model)
@@ -416,6 +426,7 @@ def run_profile(length: int, mode: str, warmup: int, repeats: int, batch: int, t
     return {
         "n": length,
         "mode": mode,
+        "dropout": dropout,
         "batch": batch,
         "steps": repeats,
         "profile": {variant: profile_rows(samples[variant]) for variant in models},
@@ -500,12 +511,14 @@ def memory_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> dict:
     return result
 
 
-def run_compiled_memory(variant: str, length: int, mode: str, warmup: int, batch: int, threads: int) -> dict:
+def run_compiled_memory(
+    variant: str, length: int, mode: str, warmup: int, batch: int, threads: int, dropout: float = 0.0
+) -> dict:
     """The step memory of one compiled model alone in a fresh process (the compiled row's memory columns):
     at least two warm-up steps (the compilation), then :data:`MEMORY_STEPS` steps measured by
     :func:`step_memory_mib`. Alone, because the heap a second compiled model leaves behind moves what a step
     takes from the kernel (1.05x against 1.34x EA/eager at N = 512 for the same code, alone and together)."""
-    models, step, device = prepared_models((variant,), length, mode, batch, threads, compiled=True)
+    models, step, device = prepared_models((variant,), length, mode, batch, threads, True, dropout)
     model = models[variant]
     for _ in range(max(warmup, COMPILED_WARMUP)):
         step(model)
@@ -543,6 +556,8 @@ def spawn(internal: list[str], args: argparse.Namespace, what: str, length: int)
         str(batch_of(args, length)),
         "--threads",
         str(args.threads),
+        "--dropout",
+        str(args.dropout),
     ]
     return run_result_process(command, args.threads, what)
 
@@ -927,7 +942,7 @@ def main_parent(args: argparse.Namespace) -> None:
             "paired_seconds": args.paired_seconds,
             "warmup": args.warmup,
             "dtype": "float32",
-            "dropout": 0.0,
+            "dropout": args.dropout,
             "inputs": "random input_ids, all-ones attention_mask",
             "training_step": "model.train(); forward; loss = last_hidden_state.float().pow(2).mean(); backward "
             "(gradients set to None before every repetition, outside the timed region)",
@@ -1004,6 +1019,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-compiled", dest="compiled", action="store_const", const=[], help="skip them")
     parser.add_argument("--batch", type=int, default=1, help="internal: the batch size of a child process")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every case")
+    parser.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="attention and hidden dropout of the BERT models (default 0, which the targets are measured at; BERT "
+        "fine-tuning's own default is 0.1, what users pay with it)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: N=64, 2 repeats, 1 warm-up")
     parser.add_argument("--markdown", metavar="PATH", help="also write the Markdown table here (default: in --out)")
     parser.add_argument(
@@ -1046,6 +1068,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.compiled = [(int(length), mode) for length, mode in args.compiled]
     if args.batches and len(args.batches) not in (1, len(args.lengths)):
         parser.error("--batches takes one batch size per length in --lengths, or one for all")
+    if not 0.0 <= args.dropout < 1.0:
+        parser.error("--dropout is a probability in [0, 1)")
     if min(args.repeats, args.rounds, args.batch, args.threads, *(args.batches or [1])) < 1 or args.warmup < 0:
         parser.error("--repeats, --rounds, --batch and --threads must be positive, --warmup non-negative")
     return args
@@ -1055,31 +1079,46 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.case:
         variant, length, mode = args.case
-        result = run_case(variant, length, mode, args.repeats, args.warmup, args.batch, args.threads)
+        result = run_case(variant, length, mode, args.repeats, args.warmup, args.batch, args.threads, args.dropout)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.paired:
         length, mode = int(args.paired[0]), args.paired[1]
         # One of the rounds' paired processes: its share of the steps and of the seconds.
         result = run_paired(
-            length, mode, args.repeats, args.warmup, args.batch, args.threads, args.paired_seconds / args.rounds
+            length,
+            mode,
+            args.repeats,
+            args.warmup,
+            args.batch,
+            args.threads,
+            args.paired_seconds / args.rounds,
+            dropout=args.dropout,
         )
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.compiled_timing:
         length, mode = int(args.compiled_timing[0]), args.compiled_timing[1]
         result = run_paired(
-            length, mode, args.repeats, args.warmup, args.batch, args.threads, args.paired_seconds / 2, compiled=True
+            length,
+            mode,
+            args.repeats,
+            args.warmup,
+            args.batch,
+            args.threads,
+            args.paired_seconds / 2,
+            compiled=True,
+            dropout=args.dropout,
         )
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.profile:
         length, mode = int(args.profile[0]), args.profile[1]
-        result = run_profile(length, mode, args.warmup, args.repeats, args.batch, args.threads)
+        result = run_profile(length, mode, args.warmup, args.repeats, args.batch, args.threads, args.dropout)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.kernel:
         result = {**run_kernel(args.kernel, args.batch, args.repeats, args.threads), **memory_bandwidth(args.threads)}
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.compiled_memory:
         variant, length, mode = args.compiled_memory
-        result = run_compiled_memory(variant, int(length), mode, args.warmup, args.batch, args.threads)
+        result = run_compiled_memory(variant, int(length), mode, args.warmup, args.batch, args.threads, args.dropout)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     else:
         main_parent(args)

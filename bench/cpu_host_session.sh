@@ -23,8 +23,19 @@
 # `bash bench/cpu_host_session.sh quick` runs steps 1 and 3's three N = 512 training processes alone (30 s of
 # timed steps each), about 4 min: for a session with less device time left.
 #     device run: bash bench/cpu_host_session.sh quick   (timeout_s 270)
+# `bash bench/cpu_host_session.sh dropout` runs the same three processes with BERT's own dropout (0.1, attention
+# and hidden; the targets are measured without), into cpu_paired_dropout.log: what EA costs users who fine-tune.
+#     device run: bash bench/cpu_host_session.sh dropout   (timeout_s 300)
 set -u
 MODE=${1:-full}
+DROPOUT=0
+PAIRED_LOG=cpu_paired.log
+if [ "$MODE" = dropout ]; then
+    DROPOUT=0.1
+    PAIRED_LOG=cpu_paired_dropout.log
+fi
+SHORT=no
+[ "$MODE" = quick ] || [ "$MODE" = dropout ] && SHORT=yes
 OUT=${OUT:-/tmp/cpu_host_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 EA_HF_CACHE=/tmp/ea_hf_cache CUDA_VISIBLE_DEVICES=
@@ -44,7 +55,7 @@ cat "$OUT/machine.txt"
 # The kernel is built (about half a minute) before any timing starts.
 taskset -c "$PAIR" $PYTHON -c "from ea_hf.ops import cpu; print('CPU kernel built:', cpu.kernel_available())"
 # The kernel alone first: short, and what the paired steps cannot separate.
-[ "$MODE" = quick ] || for case in "512 2" "128 8"; do
+[ "$SHORT" = yes ] || for case in "512 2" "128 8"; do
     set -- $case
     timeout 60 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --kernel "$1" --batch "$2" --threads 2 \
         --repeats 9 >> "$OUT/cpu_kernel.log" 2>&1
@@ -53,14 +64,14 @@ done
 
 paired() {  # N MODE BATCH SECONDS LOG
     timeout $(($4 + 120)) taskset -c "$PAIR" $PYTHON bench/bench_attention.py --paired "$1" "$2" --batch "$3" \
-        --threads 2 --rounds 1 --paired-seconds "$4" --warmup 2 >> "$OUT/$5" 2>&1
+        --threads 2 --rounds 1 --paired-seconds "$4" --warmup 2 --dropout "$DROPOUT" >> "$OUT/$5" 2>&1
     echo "paired N=$1 $2 ($5): exit $?"
 }
 SECONDS_512=40
-[ "$MODE" = quick ] && SECONDS_512=30
-for _ in 1 2 3; do paired 512 training 2 $SECONDS_512 cpu_paired.log; done
-if [ "$MODE" = quick ]; then
-    grep -c '^BENCH_RESULT' "$OUT/cpu_paired.log"
+[ "$SHORT" = yes ] && SECONDS_512=30
+for _ in 1 2 3; do paired 512 training 2 $SECONDS_512 "$PAIRED_LOG"; done
+if [ "$SHORT" = yes ]; then
+    grep -c '^BENCH_RESULT' "$OUT/$PAIRED_LOG"
     exit 0
 fi
 timeout 90 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --profile 512 training --batch 2 --threads 2 \

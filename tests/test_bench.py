@@ -87,6 +87,20 @@ def test_quick_mode_is_a_short_smoke_run(bench):
         bench.parse_args(["--compiled-memory", "ea", "128", "decoding"])
 
 
+def test_dropout_reaches_every_child_process(bench, monkeypatch):
+    """``--dropout`` (what BERT fine-tuning runs with; 0 by default, as the targets are measured) is handed to the
+    child processes that build the models."""
+    assert bench.parse_args([]).dropout == 0.0
+    args = bench.parse_args(["--dropout", "0.1"])
+    commands = []
+    monkeypatch.setattr(bench, "run_result_process", lambda command, threads, what: commands.append(command) or {})
+    bench.spawn(["--paired", "512", "training"], args, "paired", 512)
+    assert commands[0][commands[0].index("--dropout") + 1] == "0.1"
+    for wrong in ("1.0", "-0.1"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--dropout", wrong])
+
+
 def test_batches_follow_the_lengths(bench):
     defaults = bench.parse_args([])
     assert [bench.batch_of(defaults, n) for n in defaults.lengths] == [8, 2]  # the issue's shapes
