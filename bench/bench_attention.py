@@ -1081,32 +1081,13 @@ def main(argv: list[str] | None = None) -> None:
         variant, length, mode = args.case
         result = run_case(variant, length, mode, args.repeats, args.warmup, args.batch, args.threads, args.dropout)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
-    elif args.paired:
-        length, mode = int(args.paired[0]), args.paired[1]
-        # One of the rounds' paired processes: its share of the steps and of the seconds.
+    elif args.paired or args.compiled_timing:
+        compiled = bool(args.compiled_timing)
+        length, mode = int((args.compiled_timing or args.paired)[0]), (args.compiled_timing or args.paired)[1]
+        # A paired process of one of the rounds gets its share of the seconds; the compiled timing, half of them.
+        seconds = args.paired_seconds / (2 if compiled else args.rounds)
         result = run_paired(
-            length,
-            mode,
-            args.repeats,
-            args.warmup,
-            args.batch,
-            args.threads,
-            args.paired_seconds / args.rounds,
-            dropout=args.dropout,
-        )
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
-    elif args.compiled_timing:
-        length, mode = int(args.compiled_timing[0]), args.compiled_timing[1]
-        result = run_paired(
-            length,
-            mode,
-            args.repeats,
-            args.warmup,
-            args.batch,
-            args.threads,
-            args.paired_seconds / 2,
-            compiled=True,
-            dropout=args.dropout,
+            length, mode, args.repeats, args.warmup, args.batch, args.threads, seconds, compiled, args.dropout
         )
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.profile:
