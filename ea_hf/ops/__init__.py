@@ -1,6 +1,6 @@
 """Optional fused kernels of the evolution step, apart from the modeling core.
 
-Each kernel module provides ``applicable``, ``evolve``, ``convolve`` and ``backward`` (see
+Each kernel module provides ``applicable``, ``evolve``, ``convolve``, ``backward`` and ``select_kept`` (see
 ``ea_hf.modeling.convolution.FusedKernel``) and is registered with the core by ``ea_hf``'s ``__init__``; where
 none applies, the core runs the same steps as torch operations.
 

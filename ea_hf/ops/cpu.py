@@ -180,7 +180,7 @@ def select_kept(
     """``keep ? scale * x : fill`` in one pass of the kernel (``ea_select_kept``), into ``out`` where given (it may
     be ``x``), or ``None`` where the kernel does not take these tensors: ``x`` (and ``out``) a contiguous float32
     [B, H, Q, K] map on CPU, ``keep`` a bool mask that broadcasts to it and is contiguous along the keys. Called
-    directly, outside autograd and compilation (see ``ea_hf.modeling.attention_core.select_kept``).
+    directly, outside autograd and compilation (see ``ea_hf.modeling.convolution.select_kept``).
 
     Example:
         >>> x, keep = torch.randn(1, 2, 3, 4), torch.rand(1, 1, 3, 4) > 0.5
