@@ -170,6 +170,12 @@ def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, 
     return kernel_available()
 
 
+#: Maps smaller than this take torch's operators instead of :func:`select_kept`'s kernel pass: a decoding step's
+#: one-row maps, where the checks and the ctypes call cost more than the pass saves (AMD EPYC, a masked softmax
+#: into P's map: [1, 12, 1, 513] 21 us with torch.where, 27 us through the kernel; [2, 12, 1, 1024] 39 against 35).
+SELECT_KEPT_MIN_ENTRIES = 16384
+
+
 def select_kept(
     x: torch.Tensor,
     keep: torch.Tensor,
@@ -179,16 +185,19 @@ def select_kept(
 ) -> torch.Tensor | None:
     """``keep ? scale * x : fill`` in one pass of the kernel (``ea_select_kept``), into ``out`` where given (it may
     be ``x``), or ``None`` where the kernel does not take these tensors: ``x`` (and ``out``) a contiguous float32
-    [B, H, Q, K] map on CPU, ``keep`` a bool mask that broadcasts to it and is contiguous along the keys. Called
-    directly, outside autograd and compilation (see ``ea_hf.modeling.convolution.select_kept``).
+    [B, H, Q, K] map on CPU of at least :data:`SELECT_KEPT_MIN_ENTRIES` entries, ``keep`` a bool mask that
+    broadcasts to it and is contiguous along the keys. Called directly, outside autograd and compilation (see
+    ``ea_hf.modeling.convolution.select_kept``).
 
     Example:
-        >>> x, keep = torch.randn(1, 2, 3, 4), torch.rand(1, 1, 3, 4) > 0.5
+        >>> x, keep = torch.randn(1, 2, 64, 128), torch.rand(1, 1, 64, 128) > 0.5
         >>> result = select_kept(x, keep, 2.0)
         >>> result is None or torch.equal(result, torch.where(keep, 2.0 * x, 0.0))
         True
     """
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 4 or not x.is_contiguous():
+        return None
+    if x.numel() < SELECT_KEPT_MIN_ENTRIES:
         return None
     if keep.dtype != torch.bool or keep.device.type != "cpu" or keep.dim() > 4:
         return None

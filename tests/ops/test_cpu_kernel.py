@@ -259,14 +259,18 @@ def test_select_kept_gives_torch_where_bit_for_bit(keep_shape, scale, fill, in_p
     if fill == 0.0 and keep_shape == x.shape:  # the same values (its zeros keep x's sign)
         assert torch.equal(expected, torch.ops.aten.native_dropout_backward(x, keep, scale))
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(kernels, "SELECT_KEPT_MIN_ENTRIES", 0)  # these small maps too
     out = x.clone() if in_place else None
     result = kernels.select_kept(x if out is None else out, keep, scale, fill, out)
     assert result is not None and (result is out or out is None)
     assert torch.equal(result.view(torch.int32), expected.view(torch.int32))
 
 
-def test_select_kept_declines_what_the_kernel_does_not_take():
+def test_select_kept_declines_what_the_kernel_does_not_take(monkeypatch):
     x, keep = torch.randn(2, 3, 5, 8), torch.rand(2, 1, 5, 8) > 0.5
+    assert kernels.select_kept(x, keep) is None  # smaller than SELECT_KEPT_MIN_ENTRIES: torch's operators
+    monkeypatch.setattr(kernels, "SELECT_KEPT_MIN_ENTRIES", x.numel())
+    assert torch.equal(kernels.select_kept(x, keep), torch.where(keep, x, 0.0))  # from there on, the kernel
     assert kernels.select_kept(x.double(), keep) is None  # float32 only
     assert kernels.select_kept(x.transpose(-1, -2), keep.transpose(-1, -2)) is None  # contiguous maps only
     assert kernels.select_kept(x, keep.float()) is None  # bool masks only
@@ -281,6 +285,7 @@ def test_select_kept_falls_back_to_torch_with_the_same_numbers(monkeypatch):
     torch operations: the same numbers."""
     torch.manual_seed(0)
     x, keep = torch.randn(2, 3, 5, 8), torch.rand(2, 3, 5, 8) > 0.3
+    monkeypatch.setattr(kernels, "SELECT_KEPT_MIN_ENTRIES", 0)
     fused = convolution.select_kept(x, keep, 1 / 0.9)
     monkeypatch.setattr(convolution, "FUSED_KERNELS", [])
     for scale, fill in ((1 / 0.9, 0.0), (1.0, 0.0), (1.0, -5.0)):
