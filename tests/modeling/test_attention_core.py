@@ -11,7 +11,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import ea_hf
-from ea_hf.modeling import attention_core
+from ea_hf.modeling import attention_core, convolution
 from ea_hf.modeling.attention_core import (
     EvolvingAttentionCore,
     attend_values,
@@ -210,6 +210,29 @@ def test_attention_tail_drops_out_as_eager_attention_does_and_keeps_a_bool_mask(
     assert torch.equal(probabilities, masked_logits(logits, allowed, None).softmax(-1))
     assert torch.equal(weights, eager) and torch.equal(output, eager @ value)
     assert mask.dtype == torch.bool and torch.equal(mask & (probabilities != 0), eager != 0)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_dropout_outside_autograd_is_native_dropout_bit_for_bit(threads, kernel, monkeypatch):
+    """The core's forward draws dropout's mask itself and applies it in one pass (dropout_with_mask): the mask and
+    the bits of ``torch.native_dropout`` with the same seed, through the kernel's pass and through torch's."""
+    if kernel:
+        monkeypatch.setattr(cpu, "SELECT_KEPT_MIN_ENTRIES", 0)
+    else:
+        monkeypatch.setattr(convolution, "FUSED_KERNELS", [])
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        weights = torch.rand(2, 3, 33, 70)
+        torch.manual_seed(11)
+        dropped, mask = attention_core.dropout_with_mask(weights, DROPOUT)
+        torch.manual_seed(11)
+        expected, expected_mask = torch.native_dropout(weights, DROPOUT, True)
+    finally:
+        torch.set_num_threads(previous_threads)
+    assert torch.equal(mask, expected_mask) and 0.6 < mask.float().mean() < 0.8
+    assert torch.equal(dropped.view(torch.int32), expected.view(torch.int32))
 
 
 @pytest.mark.parametrize(
