@@ -186,7 +186,7 @@ def run_case(
     if mode == "inference":
         model.eval()
     else:
-        model.train()  # dropout probabilities are 0, so train and eval compute the same thing
+        model.train()  # with --dropout 0 (the default) train and eval compute the same thing
 
     def step() -> None:
         if mode == "inference":
