@@ -207,11 +207,12 @@ def select_kept(
         keep = keep.expand(x.shape)
     except RuntimeError:  # does not broadcast
         return None
-    if (x.shape[-1] > 1 and keep.stride(-1) != 1) or not kernel_available():
+    library = cpu_kernel()
+    if (x.shape[-1] > 1 and keep.stride(-1) != 1) or library is None:
         return None
     out = torch.empty_like(x) if out is None else out
     batch, heads, rows, cols = x.shape
-    cpu_kernel().ea_select_kept(
+    library.ea_select_kept(
         x.data_ptr(),
         keep.data_ptr(),
         *keep.stride()[:3],
