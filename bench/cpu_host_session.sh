@@ -20,8 +20,9 @@
 # held heap, so that the whole script ends within about 540 s there. The device machine has torch and
 # transformers but not ea_hf: it runs from the working tree.
 #     device run: bash bench/cpu_host_session.sh   (timeout_s 570)
-# `bash bench/cpu_host_session.sh quick` runs steps 1 and 3's three N = 512 training processes alone (30 s of
-# timed steps each), about 4 min: for a session with less device time left.
+# `bash bench/cpu_host_session.sh quick` runs steps 1, 2 at N = 512 only (about 15 s: the kernel's own time is
+# what a kernel change moves first) and 3's three N = 512 training processes (30 s of timed steps each), about
+# 4 min: for a session with less device time left.
 #     device run: bash bench/cpu_host_session.sh quick   (timeout_s 270)
 # `bash bench/cpu_host_session.sh dropout` runs the same three processes with BERT's own dropout (0.1, attention
 # and hidden; the targets are measured without), into cpu_paired_dropout.log: what EA costs users who fine-tune.
@@ -55,7 +56,10 @@ cat "$OUT/machine.txt"
 # The kernel is built (about half a minute) before any timing starts.
 taskset -c "$PAIR" $PYTHON -c "from ea_hf.ops import cpu; print('CPU kernel built:', cpu.kernel_available())"
 # The kernel alone first: short, and what the paired steps cannot separate.
-[ "$SHORT" = yes ] || for case in "512 2" "128 8"; do
+KERNEL_CASES=("512 2" "128 8")
+[ "$SHORT" = yes ] && KERNEL_CASES=("512 2")
+[ "$MODE" = dropout ] && KERNEL_CASES=()
+for case in ${KERNEL_CASES[@]+"${KERNEL_CASES[@]}"}; do
     set -- $case
     timeout 60 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --kernel "$1" --batch "$2" --threads 2 \
         --repeats 9 >> "$OUT/cpu_kernel.log" 2>&1
