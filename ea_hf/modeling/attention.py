@@ -18,8 +18,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention_core import attend_values, attention_scores, full_precision
-from .chain import CHAIN_KWARG, SPARE_KEY
+from .attention_core import attend_values, attention_scores, full_precision, plain_scores
+from .chain import CHAIN_KWARG, SPARE_KEY, SPENT_WEIGHTS_KEY
 from .history import convolution_history
 from .masks import convolution_mask, evolving_attention_mask, split_attention_mask
 
@@ -29,6 +29,10 @@ ATTENTION_IMPLEMENTATION = "evolving_attention"
 MODULE_ATTRIBUTE = "evolving_attention"
 #: Keyword argument that carries the KV cache (if any) down to the attention calls of causal layers.
 CACHE_KWARG = "evolving_attention_cache"
+#: Smallest attention weights (bytes) that the next layer's product QK^T is written into: glibc's default mmap
+#: threshold, from which malloc may serve a new map with fresh pages (page faults on first touch). Smaller maps
+#: come back from its free lists, and taking them costs a decoding step about 7 us a layer (AMD EPYC).
+SPENT_WEIGHTS_MIN_BYTES = 128 * 1024
 
 
 def evolving_attention_forward(
@@ -63,6 +67,7 @@ def evolving_attention_forward(
     allowed, additive = split_attention_mask(attention_mask)
     dropout = dropout if module.training else 0.0
     evolution = getattr(module, MODULE_ATTRIBUTE, None)
+    chain = kwargs.get(CHAIN_KWARG)
     if evolution is not None:
         if kwargs.get("is_causal") and not evolution.causal:
             # CLIP's text tower: a causal mask through a module whose is_causal is false, so it was taken for
@@ -71,7 +76,6 @@ def evolving_attention_forward(
                 f"{type(module).__name__} attends causally (is_causal=True) but its module says it is not causal, "
                 "so it was patched as bidirectional encoder attention, whose convolution would read later tokens."
             )
-        chain = kwargs.get(CHAIN_KWARG)
         cache = kwargs.get(CACHE_KWARG)
         query_length = query.shape[-2]
         if cache is None and evolution.role == "decoder" and key.shape[-2] != query_length:
@@ -102,36 +106,48 @@ def evolving_attention_forward(
                 softcap=softcap,
             )
             return output.transpose(1, 2).contiguous(), probs
-    scores = attention_scores(query, key, scaling, position_bias, softcap)
+    spent = None
+    if chain is not None and SPENT_WEIGHTS_KEY in chain and plain_scores(query, position_bias, softcap):
+        # The product QK^T goes into the previous layer's attention weights where nobody kept them, and this
+        # layer's probabilities into the previous layer's logits (spare_map): without autograd a stack of layers
+        # then allocates its two maps in its first layer and none in the others.
+        product = torch.empty((), dtype=query.dtype, device=query.device).expand(*query.shape[:-1], key.shape[-2])
+        spent = spare_map(chain, product, SPENT_WEIGHTS_KEY)
+    scores = attention_scores(query, key, scaling, position_bias, softcap, out=spent)
     spare = None
     if evolution is not None:
         scores = evolution(full_precision(scores), conv_mask, chain, history, query=query, past=past)
         spare = spare_map(chain, scores)
     output, probs, _, _ = attend_values(scores, allowed, additive, value, dropout, out=spare)
+    if evolution is not None and chain is not None and not torch.is_grad_enabled():
+        if probs.numel() * probs.element_size() >= SPENT_WEIGHTS_MIN_BYTES:
+            chain[SPENT_WEIGHTS_KEY] = probs
     return output.transpose(1, 2).contiguous(), probs
 
 
-def spare_map(chain: dict | None, scores: torch.Tensor) -> torch.Tensor | None:
-    """Takes the spare map (the previous layer's logits, which nothing reads any more) out of ``chain`` and returns
-    it where this layer's probabilities may be written into it: without autograd and outside compilation, with the
-    shape, dtype and device of ``scores``, and held by nothing else.
+def spare_map(chain: dict | None, like: torch.Tensor, key: str = SPARE_KEY) -> torch.Tensor | None:
+    """Takes a spent map out of ``chain`` (under ``key``: the previous layer's logits, which nothing reads any
+    more, for this layer's probabilities; under ``SPENT_WEIGHTS_KEY`` the previous layer's attention weights, for
+    this layer's product QK^T) and returns it where a map like ``like`` may be written into it: without autograd
+    and outside compilation, with the shape, dtype and device of ``like``, and held by nothing else.
 
-    Without autograd the previous layer's logits are dead once this layer has mixed them in; reusing their
-    storage spares the allocator a fresh [B, H, Q, K] map per layer, whose first touch costs page faults that
-    weigh as much as the convolution on long sequences. Nothing else may hold the map: not the tensor object
-    (a forward hook on the evolution module may have kept it) and not a view of its storage. The references are
-    counted here, right after the map leaves the chain, so the functions that use it may pass it on freely.
+    Without autograd the previous layer's maps are dead once this layer has mixed in its logits and its caller
+    has dropped its weights; reusing their storage spares the allocator a fresh [B, H, Q, K] map per layer,
+    whose first touch costs page faults that weigh as much as the convolution on long sequences. Nothing else
+    may hold the map: not the tensor object (a forward hook on the evolution module may have kept it, a caller
+    that asked for the attentions keeps the weights) and not a view of its storage. The references are counted
+    here, right after the map leaves the chain, so the functions that use it may pass it on freely.
     """
-    spare = None if chain is None else chain.pop(SPARE_KEY, None)
+    spare = None if chain is None else chain.pop(key, None)
     # Compiling first: dynamo reads it as a constant and stops there, never tracing the reference count (a
     # graph break); a compiled graph plans its own buffers anyway.
     if spare is None or torch.compiler.is_compiling() or torch.is_grad_enabled():
         return None
     reusable = (
         sys.getrefcount(spare) == LOCAL_REFERENCES
-        and spare.shape == scores.shape
-        and spare.dtype == scores.dtype
-        and spare.device == scores.device
+        and spare.shape == like.shape
+        and spare.dtype == like.dtype
+        and spare.device == like.device
         and spare.is_contiguous()
         and sole_storage_user(spare)
     )

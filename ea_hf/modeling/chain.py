@@ -26,6 +26,9 @@ REPLAYS_KEY = "replays"
 #: Chain entry with the previous layer's logits once consumed without autograd: the attention function may
 #: write this layer's probabilities into them instead of allocating a new map.
 SPARE_KEY = "spare"
+#: Chain entry with a layer's attention weights once returned without autograd: the next layer may write its
+#: product QK^T into them instead of allocating a new map (see attention.spare_map).
+SPENT_WEIGHTS_KEY = "spent_weights"
 #: Chain entry with the maps a layer's backward has spent, for the next layer down to recompute its P into
 #: (see attention_core.leave_spare_map): one dict per call, emptied when the backward pass ends.
 BACKWARD_SPARES_KEY = "backward_spares"

@@ -405,6 +405,47 @@ def test_inference_reuses_consumed_logits_without_changing_a_number(monkeypatch)
     assert len({a.data_ptr() for a in reusing.attentions}) == len(reusing.attentions)
 
 
+def test_inference_writes_each_product_into_the_previous_weights(monkeypatch):
+    """Without autograd, where no caller keeps the attention weights, each layer after the first writes QK^T into
+    the previous layer's weights (and its probabilities into the previous layer's logits): the stack's products
+    take two maps in all, and the outputs are bit-identical to allocating a new map for each. Maps under
+    SPENT_WEIGHTS_MIN_BYTES (such as these, and a decoding step's) are left to the allocator."""
+    layers = 4
+    model = ea_hf.patch(BertModel(BertConfig(**{**TINY_BERT, "num_hidden_layers": layers})), alpha=0.3, beta=0.4)
+    model.eval()
+    inputs = {"input_ids": torch.randint(0, 100, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    inputs["attention_mask"][1, 6:] = 0
+    products = []  # (the product's storage, whether it went into a spent map) per layer
+
+    def recording(*args, **kwargs):
+        product = attention_scores(*args, **kwargs)
+        products.append((product.data_ptr(), kwargs.get("out") is not None))
+        return product
+
+    monkeypatch.setattr(attention_module, "attention_scores", recording)
+    with torch.no_grad():
+        model(**inputs)
+    assert [into_spent for _, into_spent in products] == [False] * layers
+
+    products.clear()
+    monkeypatch.setattr(attention_module, "SPENT_WEIGHTS_MIN_BYTES", 0)
+    with torch.no_grad():
+        reusing = model(**inputs).last_hidden_state
+    assert [into_spent for _, into_spent in products] == [False] + [True] * (layers - 1)
+    assert len({pointer for pointer, _ in products}) == 2
+
+    products.clear()
+    with torch.no_grad():  # a caller that keeps the attentions keeps every weights map: nothing is written into them
+        attentions = model(**inputs, output_attentions=True).attentions
+    assert [into_spent for _, into_spent in products] == [False] * layers
+    monkeypatch.setattr(attention_module, "sole_storage_user", lambda tensor: False)
+    with torch.no_grad():
+        allocating = model(**inputs, output_attentions=True)
+    assert torch.equal(reusing, allocating.last_hidden_state)
+    for kept, fresh in zip(attentions, allocating.attentions, strict=True):
+        assert torch.equal(kept, fresh)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_with_padding_stays_finite(dtype):
     """bf16/fp16 models with padded batches: no overflow, no NaN, forward and backward; close to fp32."""
