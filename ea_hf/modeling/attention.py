@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention_core import attend_values, attention_scores, full_precision, plain_scores
+from .attention_core import attend_values, attention_scores, full_precision, plain_scores, scores_stand_in
 from .chain import CHAIN_KWARG, SPARE_KEY, SPENT_WEIGHTS_KEY
 from .history import convolution_history
 from .masks import convolution_mask, evolving_attention_mask, split_attention_mask
@@ -111,8 +111,7 @@ def evolving_attention_forward(
         # The product QK^T goes into the previous layer's attention weights where nobody kept them, and this
         # layer's probabilities into the previous layer's logits (spare_map): without autograd a stack of layers
         # then allocates its two maps in its first layer and none in the others.
-        product = torch.empty((), dtype=query.dtype, device=query.device).expand(*query.shape[:-1], key.shape[-2])
-        spent = spare_map(chain, product, SPENT_WEIGHTS_KEY)
+        spent = spare_map(chain, scores_stand_in(query, key, query.dtype), SPENT_WEIGHTS_KEY)
     scores = attention_scores(query, key, scaling, position_bias, softcap, out=spent)
     spare = None
     if evolution is not None:

@@ -149,6 +149,18 @@ def attention_scores(
     return scores
 
 
+def scores_stand_in(query: torch.Tensor, key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of S's shape [B, H, Q, K] for these queries and keys, of ``dtype`` and on their device, that holds
+    no memory (one element, expanded): what a map is asked about before it is computed.
+
+    Example:
+        >>> stand_in = scores_stand_in(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 7, 4), torch.float32)
+        >>> stand_in.shape, stand_in.untyped_storage().nbytes()
+        (torch.Size([2, 3, 5, 7]), 4)
+    """
+    return torch.empty((), dtype=dtype, device=query.device).expand(*query.shape[:-1], key.shape[-2])
+
+
 def full_precision(scores: torch.Tensor) -> torch.Tensor:
     """Half-precision maps as fp32 for the evolution, mask and softmax: a half-precision map rounds away the small
     residual terms, and fp16's mask value plus a negative logit overflows to -inf."""
@@ -650,9 +662,8 @@ def compiled_core(
         return after_scores(scores_of(query, key, position_bias), value, previous, weight, bias)
 
     tensors = (query, key, value, previous, position_bias, weight, bias)
-    # A stand-in with S's shape, device and dtype (no memory) to ask whether a fused kernel takes the maps.
-    map_dtype = full_precision(query.new_empty(())).dtype
-    maps = torch.empty((), dtype=map_dtype, device=query.device).expand(*query.shape[:-1], key.shape[-2])
+    # A stand-in with S's shape, device and dtype to ask whether a fused kernel takes the maps.
+    maps = scores_stand_in(query, key, full_precision(query.new_empty(())).dtype)
     if fused_kernel(maps, previous, keep=conv_mask, weight=weight) is None:
         return core(*tensors)
     policy = functools.partial(create_selective_checkpoint_contexts, _keep_logits_and_gate)
