@@ -20,6 +20,7 @@ returns ``None`` and the evolution uses torch operations (same results to float 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -30,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -48,6 +50,7 @@ MAX_KERNEL_COLUMNS = 33
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_NOT_LOADED = object()
 
 
 def _compiler() -> str | None:
@@ -71,9 +74,9 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("EA_HF_CACHE", Path.home() / ".cache" / "ea_hf")) / "kernels"
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + compiler.encode() + " ".join(FLAGS).encode() + _cpu_signature().encode())
+    key = hashlib.sha256(source + compiler.encode() + " ".join(flags).encode() + _cpu_signature().encode())
     target = _cache_dir() / f"evolve_cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -83,7 +86,7 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=True, capture_output=True, text=True, timeout=300
+            [compiler, *flags, "-o", str(built), str(SOURCE)], check=True, capture_output=True, text=True, timeout=300
         )
         os.replace(built, target)
     return target
@@ -124,6 +127,49 @@ def cpu_kernel() -> ctypes.CDLL | None:
                     logger.warning("ea_hf: building the CPU kernel failed, using torch operations: %s", detail)
             _loaded["cpu"] = library
         return _loaded["cpu"]
+
+
+def build_library(*extra_flags: str) -> ctypes.CDLL:
+    """The kernel library built with ``extra_flags`` after the usual ones (cached as the default build is), for
+    tests and benchmarks that compare builds: ``-DEA_HF_DIRECT_CONVOLUTION`` (the direct form of every
+    correlation), ``-DEA_HF_CORRELATE_EVERY_ROW`` (no bias-only rows), ``-DEA_HF_PREFETCH_LOCALITY=3`` (cache lines
+    requested into L1), ``-mno-avx512f``. Calls use it inside :func:`using_library`. Raises ``RuntimeError``
+    without a C++ compiler and ``subprocess.CalledProcessError`` where the build fails.
+
+    Example:
+        >>> library = build_library("-DEA_HF_PREFETCH_LOCALITY=3") if kernel_available() else None
+        >>> with using_library(library):
+        ...     kernel_available() == (library is not None)
+        True
+    """
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler: the fused CPU kernel cannot be built on this machine")
+    return _declare(ctypes.CDLL(str(_build(compiler, (*FLAGS, *extra_flags)))))
+
+
+@contextlib.contextmanager
+def using_library(library: ctypes.CDLL | None) -> Iterator[None]:
+    """Runs the kernel's calls inside the block on ``library`` (a :func:`build_library` build; ``None``: torch
+    operations), then restores the default. Process-wide, for tests and benchmarks: not for code that other
+    threads run kernels beside.
+
+    Example:
+        >>> with using_library(None):
+        ...     kernel_available()
+        False
+    """
+    with _lock:
+        previous = _loaded.get("cpu", _NOT_LOADED)
+        _loaded["cpu"] = library
+    try:
+        yield
+    finally:
+        with _lock:
+            if previous is _NOT_LOADED:
+                _loaded.pop("cpu", None)
+            else:
+                _loaded["cpu"] = previous
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

@@ -75,9 +75,7 @@ def library_built_with(tmp_path_factory, name: str, *flags: str):
     """The kernel built with ``flags`` added to the usual ones, in a cache of its own."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("EA_HF_CACHE", str(tmp_path_factory.mktemp(name)))
-        patch.setattr(kernels, "FLAGS", (*kernels.FLAGS, *flags))
-        patch.setattr(kernels, "_loaded", {})
-        return kernels.cpu_kernel()
+        return kernels.build_library(*flags)
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +89,12 @@ def direct_form_library(tmp_path_factory):
 def avx2_library(tmp_path_factory):
     """The kernel built without AVX-512 (-mno-avx512f after -march=native): what CPUs without it run."""
     return library_built_with(tmp_path_factory, "no-avx512", "-mno-avx512f")
+
+
+@pytest.fixture(scope="session")
+def l1_prefetch_library(tmp_path_factory):
+    """The kernel built with -DEA_HF_PREFETCH_LOCALITY=3: cache lines requested into L1 instead of L2."""
+    return library_built_with(tmp_path_factory, "l1-prefetch", "-DEA_HF_PREFETCH_LOCALITY=3")
 
 
 @pytest.fixture(scope="session")
@@ -136,6 +140,31 @@ def test_the_winograd_form_matches_the_direct_form(
         assert not torch.equal(winograd, direct)
         assert not torch.equal(winograd_grads[0], direct_grads[0])  # the input gradient's form
         assert torch.equal(winograd_grads[2], direct_grads[2])  # the weight gradient is direct in both
+
+
+@needs_compiler
+def test_a_build_requesting_lines_into_l1_gives_the_same_bits(l1_prefetch_library):
+    """Where the kernel requests its cache lines (``EA_HF_PREFETCH_LOCALITY``, for bench_attention.py
+    --kernel-build) changes no value: forward, gate and gradients bit for bit, on a map large enough that every
+    row requests its next one. ``using_library`` runs the calls on the other build and restores the default."""
+    torch.manual_seed(0)
+    x, end, grad, addend = (torch.randn(2, 12, 70, 70) for _ in range(4))
+    weight, bias = torch.randn(12, 12, 3, 3) * 0.05, torch.randn(12)
+    default = kernels.cpu_kernel()
+
+    def step():
+        saved = packed_gate(x)
+        out = kernels.correlate(x, weight, bias, row_shift=-1, saved=saved, lerp_end=end, lerp_weight=0.3, relu=True)
+        grads = kernels.backward(x, end, 0.3, None, grad, saved, weight, 1, 0.4, addend=addend)
+        return out, saved, *grads
+
+    expected = step()
+    with kernels.using_library(l1_prefetch_library):
+        assert kernels.cpu_kernel() is l1_prefetch_library
+        got = step()
+    assert kernels.cpu_kernel() is default
+    for a, b in zip(got, expected, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @needs_compiler
