@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -441,13 +442,19 @@ def run_profile(
 KERNEL_MAP_SETS = 4
 
 
-def run_kernel(length: int, batch: int, repeats: int, threads: int, heads: int = 12) -> dict:
+def run_kernel(
+    length: int, batch: int, repeats: int, threads: int, heads: int = 12, builds: Sequence[str] = ()
+) -> dict:
     """The fused CPU kernel alone (``--kernel N``), at BERT-Base's head count and the benchmark's settings
     (3x3, alpha = beta = 0.2): the forward of a training step (in place, with its gate) and its backward (the
     gradient written over the incoming one, A_prev's added as it is read, one map for both gradients), each the
     median of ``repeats`` calls after one warm-up, the maps out of cache. Against the whole step, it tells how a
     host's EA overhead divides between the kernel and the rest (the profile, ``--profile``, gives the kernel's
-    time inside a step, with whatever it shares the caches with)."""
+    time inside a step, with whatever it shares the caches with).
+
+    ``builds``: other builds of the kernel to time against the default one, each a string of compiler flags
+    added to the usual ones (``--kernel-build=-DEA_HF_PREFETCH_LOCALITY=3``), the builds' calls alternating on
+    the same maps (``builds`` in the result, by flags)."""
     import torch
 
     from ea_hf.ops import cpu
@@ -463,30 +470,35 @@ def run_kernel(length: int, batch: int, repeats: int, threads: int, heads: int =
         {name: torch.randn(shape, generator=generator) for name in ("scores", "previous", "grad", "addend")}
         for _ in range(KERNEL_MAP_SETS)
     ]
-    times: dict[str, list[float]] = {"forward": [], "backward": []}
-    for call in range(repeats + 1):
-        maps = sets[call % KERNEL_MAP_SETS]
-        start = time.perf_counter()
-        _, gate = cpu.evolve(
-            maps["scores"], maps["previous"], None, weight, bias, EA_ALPHA, 1.0 - EA_BETA, 1, in_place=True, gate=True
-        )
-        forward = time.perf_counter() - start
-        start = time.perf_counter()
-        cpu.backward(
-            maps["scores"], maps["previous"], EA_ALPHA, None, maps["grad"], gate, weight, 1, EA_BETA,
-            into=(maps["grad"], None), addend=maps["addend"], shared_map=True,
-        )  # fmt: skip
-        backward = time.perf_counter() - start
-        if call:  # (the first call builds and warms up)
-            times["forward"].append(forward)
-            times["backward"].append(backward)
-    return {
-        "n": length,
-        "batch": batch,
-        "heads": heads,
-        "calls": repeats,
-        **{f"{pass_}_ms": 1e3 * statistics.median(seconds) for pass_, seconds in times.items()},
+    libraries = {"": cpu.cpu_kernel(), **{flags: cpu.build_library(*flags.split()) for flags in builds}}
+    times = {flags: {"forward": [], "backward": []} for flags in libraries}
+    call = 0
+    for repeat in range(repeats + 1):
+        for flags, library in libraries.items():
+            maps = sets[call % KERNEL_MAP_SETS]
+            call += 1
+            with cpu.using_library(library):
+                start = time.perf_counter()
+                _, gate = cpu.evolve(
+                    maps["scores"], maps["previous"], None, weight, bias, EA_ALPHA, 1.0 - EA_BETA, 1,
+                    in_place=True, gate=True,
+                )  # fmt: skip
+                forward = time.perf_counter() - start
+                start = time.perf_counter()
+                cpu.backward(
+                    maps["scores"], maps["previous"], EA_ALPHA, None, maps["grad"], gate, weight, 1, EA_BETA,
+                    into=(maps["grad"], None), addend=maps["addend"], shared_map=True,
+                )  # fmt: skip
+                backward = time.perf_counter() - start
+            if repeat:  # (the first round warms up)
+                times[flags]["forward"].append(forward)
+                times[flags]["backward"].append(backward)
+    medians = {
+        flags: {f"{pass_}_ms": 1e3 * statistics.median(seconds) for pass_, seconds in passes.items()}
+        for flags, passes in times.items()
     }
+    result = {"n": length, "batch": batch, "heads": heads, "calls": repeats, **medians.pop("")}
+    return {**result, "builds": medians} if builds else result
 
 
 def memory_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> dict:
@@ -1046,6 +1058,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="print the fused CPU kernel's forward and backward milliseconds alone at N (--batch, --repeats "
         "calls) and the host's memory bandwidth, as JSON",
     )
+    parser.add_argument(
+        "--kernel-build",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="with --kernel: also time the kernel built with these compiler flags added (repeatable; several flags "
+        "in one string, separated by spaces), its calls alternating with the default build's; the flags start "
+        "with a dash, so give them after '=': --kernel-build=-DEA_HF_PREFETCH_LOCALITY=3",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.lengths, args.repeats, args.warmup, args.rounds, args.paired_seconds = [64], 2, 1, 1, 0.0
@@ -1095,7 +1116,8 @@ def main(argv: list[str] | None = None) -> None:
         result = run_profile(length, mode, args.warmup, args.repeats, args.batch, args.threads, args.dropout)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.kernel:
-        result = {**run_kernel(args.kernel, args.batch, args.repeats, args.threads), **memory_bandwidth(args.threads)}
+        kernel = run_kernel(args.kernel, args.batch, args.repeats, args.threads, builds=args.kernel_build)
+        result = {**kernel, **memory_bandwidth(args.threads)}
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     elif args.compiled_memory:
         variant, length, mode = args.compiled_memory

@@ -178,5 +178,28 @@ def test_the_kernel_alone_and_the_memory_bandwidth(bench):
         torch.set_num_threads(threads)
     assert (result["n"], result["batch"], result["heads"], result["calls"]) == (64, 1, 4, 2)
     assert 0 < result["forward_ms"] < 1e3 and 0 < result["backward_ms"] < 1e3
+    assert "builds" not in result
     assert set(bandwidth) == {"copy_gb_s", "read_gb_s"}
     assert all(0.1 < value < 1e4 for value in bandwidth.values())
+
+
+def test_the_kernel_alone_against_another_build(bench, tmp_path, monkeypatch):
+    """``--kernel-build``: another build of the kernel (here its lines requested into L1) timed beside the
+    default one, their calls alternating; the default build is restored afterwards."""
+    from ea_hf.ops import cpu
+
+    if not cpu.kernel_available():
+        pytest.skip("no C++ compiler here: the fused CPU kernel cannot be built")
+    import torch
+
+    monkeypatch.setenv("EA_HF_CACHE", str(tmp_path))
+    default, threads = cpu.cpu_kernel(), torch.get_num_threads()
+    try:
+        result = bench.run_kernel(64, batch=1, repeats=2, threads=1, heads=4, builds=["-DEA_HF_PREFETCH_LOCALITY=3"])
+    finally:
+        torch.set_num_threads(threads)
+    assert cpu.cpu_kernel() is default
+    assert 0 < result["forward_ms"] < 1e3 and 0 < result["backward_ms"] < 1e3
+    ((flags, build),) = result["builds"].items()
+    assert flags == "-DEA_HF_PREFETCH_LOCALITY=3"
+    assert set(build) == {"forward_ms", "backward_ms"} and all(0 < value < 1e3 for value in build.values())
