@@ -112,9 +112,7 @@ def has_avx512() -> bool:
 # Winograd's vectors hold 32 columns: fewer, exactly one, one more, two, and a partial second half.
 @pytest.mark.parametrize("cols", [1, 5, 31, 32, 33, 64, 77])
 @pytest.mark.parametrize(("kernel_rows", "row_shift"), [(3, -1), (2, -1)])
-def test_the_winograd_form_matches_the_direct_form(
-    heads, cols, kernel_rows, row_shift, direct_form_library, monkeypatch
-):
+def test_the_winograd_form_matches_the_direct_form(heads, cols, kernel_rows, row_shift, direct_form_library):
     """The correlations of 3-column kernels (forward, and backward's input gradient) take Winograd's F(2, 3) form
     on AVX-512 hosts: within 1e-5 of torch's convolution like the direct form, the same ReLU gate, backward
     within 1e-5 of the direct form's gradients, and (proving the form ran) not the same bits as the direct form."""
@@ -127,9 +125,9 @@ def test_the_winograd_form_matches_the_direct_form(
     saved = packed_gate(x)
     winograd = kernels.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
     winograd_grads = kernels.backward(*backward)
-    monkeypatch.setattr(kernels, "_loaded", {"cpu": direct_form_library})
-    direct = kernels.correlate(x, weight, bias, row_shift=row_shift, **options)
-    direct_grads = kernels.backward(*backward)
+    with kernels.using_library(direct_form_library):
+        direct = kernels.correlate(x, weight, bias, row_shift=row_shift, **options)
+        direct_grads = kernels.backward(*backward)
     expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)
     for form in (winograd, direct):
         assert (form - expected).abs().max() <= 1e-5 * expected.abs().max()
@@ -170,7 +168,7 @@ def test_a_build_requesting_lines_into_l1_gives_the_same_bits(l1_prefetch_librar
 @needs_compiler
 @pytest.mark.parametrize("heads", [3, 12])
 @pytest.mark.parametrize("cols", [5, 37, 64])  # a partial vector; whole ones and a partial one; whole ones
-def test_a_build_without_avx512_matches_the_default_build(heads, cols, avx2_library, monkeypatch):
+def test_a_build_without_avx512_matches_the_default_build(heads, cols, avx2_library):
     """CPUs without AVX-512 (most laptops) run the kernel's other paths: 8-lane vectors, register blocks for 16
     vector registers, the direct form, and the gate's bits a byte a vector from lane comparisons instead of mask
     registers. Built so here: forward and backward within 1e-5 of the default build, the same gate bits (none
@@ -183,10 +181,10 @@ def test_a_build_without_avx512_matches_the_default_build(heads, cols, avx2_libr
     backward = (x, end, 0.3, keep, grad, pack_gate(torch.rand(2, heads, 6, cols) > 0.4), weight, 1, 0.4)
     results = []
     for library in (kernels.cpu_kernel(), avx2_library):
-        monkeypatch.setattr(kernels, "_loaded", {"cpu": library})
         saved = packed_gate(x)
-        results.append((kernels.correlate(x, weight, bias, row_shift=-1, saved=saved, **options), saved))
-        results[-1] += kernels.backward(*backward)
+        with kernels.using_library(library):
+            results.append((kernels.correlate(x, weight, bias, row_shift=-1, saved=saved, **options), saved))
+            results[-1] += kernels.backward(*backward)
     (out, saved, *grads), (avx2_out, avx2_saved, *avx2_grads) = results
     assert torch.equal(avx2_saved, saved)
     assert torch.equal(saved, pack_gate(unpacked_gate(saved, cols)))  # zeros past the last column
@@ -658,7 +656,7 @@ BIAS_ONLY_CASES = [("padded", 3, 1), ("padded", 5, 2), ("left-padded causal", 2,
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("skip_masked_tails", [False, True])
 def test_rows_that_read_only_padding_rows_give_the_bits_of_their_correlation(
-    kind, kernel_rows, context_rows, heads, threads, skip_masked_tails, every_row_library, monkeypatch
+    kind, kernel_rows, context_rows, heads, threads, skip_masked_tails, every_row_library
 ):
     """An output row whose input rows are all padding queries' rows (masked whole) takes the bias alone for its
     correlation, and an input-gradient row masked whole nothing: the forward's logits and gate bits and the
@@ -671,16 +669,16 @@ def test_rows_that_read_only_padding_rows_give_the_bits_of_their_correlation(
     weight, bias = torch.randn(heads, heads, kernel_rows, 3) * 0.3, torch.randn(heads) * 0.3
 
     def step(library):
-        monkeypatch.setattr(kernels, "_loaded", {"cpu": library})
         options = {"skip_masked_tails": skip_masked_tails}
-        logits, gate = with_threads(
-            threads, kernels.evolve, scores.clone(), previous, keep, weight, bias, 0.3, 0.6, context_rows,
-            in_place=True, gate=True, **options,
-        )  # fmt: skip
-        grads = with_threads(
-            threads, kernels.backward, scores, previous, 0.3, keep, upstream, gate, weight, context_rows, 0.4,
-            **options,
-        )  # fmt: skip
+        with kernels.using_library(library):
+            logits, gate = with_threads(
+                threads, kernels.evolve, scores.clone(), previous, keep, weight, bias, 0.3, 0.6, context_rows,
+                in_place=True, gate=True, **options,
+            )  # fmt: skip
+            grads = with_threads(
+                threads, kernels.backward, scores, previous, 0.3, keep, upstream, gate, weight, context_rows, 0.4,
+                **options,
+            )  # fmt: skip
         return logits, gate, grads
 
     (logits, gate, grads), (every_logits, every_gate, every_grads) = step(kernels.cpu_kernel()), step(every_row_library)
@@ -693,7 +691,7 @@ def test_rows_that_read_only_padding_rows_give_the_bits_of_their_correlation(
 @needs_compiler
 @pytest.mark.parametrize(("kind", "kernel_rows", "context_rows"), BIAS_ONLY_CASES)
 def test_exactly_the_rows_that_read_only_padding_rows_skip_their_products(
-    kind, kernel_rows, context_rows, every_row_library, monkeypatch
+    kind, kernel_rows, context_rows, every_row_library
 ):
     """Which rows skip their products, seen where it shows: with a NaN weight every product of output head 0 is
     NaN, and the ReLU makes a NaN correlation 0 (NaN > 0 is false), so head 0's logits are the blend alone in a
@@ -713,8 +711,10 @@ def test_exactly_the_rows_that_read_only_padding_rows_skip_their_products(
     blend = 0.6 * torch.lerp(scores[:, 0], previous[:, 0], 0.3)
     rows_with_bias = []
     for library in (kernels.cpu_kernel(), every_row_library):
-        monkeypatch.setattr(kernels, "_loaded", {"cpu": library})
-        logits, _ = kernels.evolve(scores.clone(), previous, keep, weight, bias, 0.3, 0.6, context_rows, in_place=True)
+        with kernels.using_library(library):
+            logits, _ = kernels.evolve(
+                scores.clone(), previous, keep, weight, bias, 0.3, 0.6, context_rows, in_place=True
+            )
         correlation = logits[:, 0] - blend
         with_bias = ((correlation - 1).abs() < 1e-5).all(-1)
         assert (with_bias | (correlation.abs() < 1e-5).all(-1)).all()  # every row one or the other
