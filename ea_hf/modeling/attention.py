@@ -106,11 +106,16 @@ def evolving_attention_forward(
                 softcap=softcap,
             )
             return output.transpose(1, 2).contiguous(), probs
+    # Without autograd, where S is the plain product: QK^T goes into the previous layer's attention weights where
+    # nobody kept them, and this layer's probabilities into the previous layer's logits (spare_map), so a stack of
+    # layers allocates its two maps in its first layer and none in the others. Elsewhere (a positional bias,
+    # soft-capping, half precision) the chain holds no weights: no layer would take them, and holding them would
+    # keep one more map alive through the next layer.
+    writes_into_weights = (
+        chain is not None and not torch.is_grad_enabled() and plain_scores(query, position_bias, softcap)
+    )
     spent = None
-    if chain is not None and SPENT_WEIGHTS_KEY in chain and plain_scores(query, position_bias, softcap):
-        # The product QK^T goes into the previous layer's attention weights where nobody kept them, and this
-        # layer's probabilities into the previous layer's logits (spare_map): without autograd a stack of layers
-        # then allocates its two maps in its first layer and none in the others.
+    if writes_into_weights and SPENT_WEIGHTS_KEY in chain:
         spent = spare_map(chain, scores_stand_in(query, key, query.dtype), SPENT_WEIGHTS_KEY)
     scores = attention_scores(query, key, scaling, position_bias, softcap, out=spent)
     spare = None
@@ -118,9 +123,12 @@ def evolving_attention_forward(
         scores = evolution(full_precision(scores), conv_mask, chain, history, query=query, past=past)
         spare = spare_map(chain, scores)
     output, probs, _, _ = attend_values(scores, allowed, additive, value, dropout, out=spare)
-    if evolution is not None and chain is not None and not torch.is_grad_enabled():
-        if probs.numel() * probs.element_size() >= SPENT_WEIGHTS_MIN_BYTES:
-            chain[SPENT_WEIGHTS_KEY] = probs
+    if (
+        writes_into_weights
+        and evolution is not None
+        and probs.numel() * probs.element_size() >= SPENT_WEIGHTS_MIN_BYTES
+    ):
+        chain[SPENT_WEIGHTS_KEY] = probs
     return output.transpose(1, 2).contiguous(), probs
 
 

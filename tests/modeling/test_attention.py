@@ -446,6 +446,28 @@ def test_inference_writes_each_product_into_the_previous_weights(monkeypatch):
         assert torch.equal(kept, fresh)
 
 
+def test_inference_holds_no_weights_where_no_layer_takes_them(monkeypatch):
+    """Where S is not the plain product (here half precision; likewise a positional bias or soft-capping), no
+    layer writes its product into the previous layer's weights, so the chain keeps none: each layer's weights
+    are freed once the caller drops them, before the next layer attends."""
+    import weakref
+
+    model = ea_hf.patch(BertModel(BertConfig(**TINY_BERT)), alpha=0.3, beta=0.4).to(torch.bfloat16).eval()
+    monkeypatch.setattr(attention_module, "SPENT_WEIGHTS_MIN_BYTES", 0)
+    weights, alive_at_next_layer = [], []
+
+    def recording(*args, **kwargs):
+        alive_at_next_layer.extend(ref() is not None for ref in weights)
+        result = attend_values(*args, **kwargs)
+        weights[:] = [weakref.ref(result[1])]
+        return result
+
+    monkeypatch.setattr(attention_module, "attend_values", recording)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 100, (2, 9)))
+    assert alive_at_next_layer == [False] * (TINY_BERT["num_hidden_layers"] - 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_with_padding_stays_finite(dtype):
     """bf16/fp16 models with padded batches: no overflow, no NaN, forward and backward; close to fp32."""
