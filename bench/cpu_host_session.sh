@@ -6,10 +6,9 @@
 #   1. the machine (CPU model and flags, C library, versions) -> $OUT/machine.txt
 #   2. the fused kernel alone (forward and backward of a training step, maps out of cache) at N = 512, batch 2
 #      and N = 128, batch 8, and the memory bandwidth of the pair of cores (--kernel) -> $OUT/cpu_kernel.log:
-#      whether the kernel itself takes longer there than on AMD EPYC, and how fast the maps can stream; beside
-#      it, calls alternating, the build that requests its cache lines into L1
-#      (--kernel-build=-DEA_HF_PREFETCH_LOCALITY=3): the default requests them into L2, measured faster on AMD
-#      EPYC only
+#      whether the kernel itself takes longer there than on AMD EPYC, and how fast the maps can stream (a kernel
+#      change is timed against the default build by adding --kernel-build=FLAGS, calls alternating; the L1
+#      prefetch build, -DEA_HF_PREFETCH_LOCALITY=3, timed so on the H200's Intel host, gave the same kernel)
 #   3. the paired timing of bench_attention.py (eager, sdpa and EA alternating, 2 threads pinned to two physical
 #      cores): N = 512 training in three processes, as the full benchmark's three rounds, then (after step 5)
 #      N = 128 training -> $OUT/cpu_paired.log (one BENCH_RESULT line a process). N = 512 inference, 1.012x on the last Intel
@@ -23,10 +22,11 @@
 # held heap, so that the whole script ends within about 540 s there. The device machine has torch and
 # transformers but not ea_hf: it runs from the working tree.
 #     device run: bash bench/cpu_host_session.sh   (timeout_s 570)
-# `bash bench/cpu_host_session.sh quick` runs steps 1, 2 at N = 512 only (about 30 s: the kernel's own time is
-# what a kernel change moves first) and 3's three N = 512 training processes (30 s of timed steps each), about
-# 4 min: for a session with less device time left.
-#     device run: bash bench/cpu_host_session.sh quick   (timeout_s 270)
+# `bash bench/cpu_host_session.sh quick` runs steps 1, 2 at N = 512 only (the kernel's own time is what a kernel
+# change moves first) and 3's three N = 512 training processes (30 s of timed steps each): for a session with
+# less device time left. About 4 min on the H100's host; on the slower H200's host the first two processes and
+# the kernel took 280 s (the third was cut off).
+#     device run: bash bench/cpu_host_session.sh quick   (timeout_s 360)
 # `bash bench/cpu_host_session.sh dropout` runs the same three processes with BERT's own dropout (0.1, attention
 # and hidden; the targets are measured without), into cpu_paired_dropout.log: what EA costs users who fine-tune.
 #     device run: bash bench/cpu_host_session.sh dropout   (timeout_s 300)
@@ -65,7 +65,7 @@ KERNEL_CASES=("512 2" "128 8")
 for case in ${KERNEL_CASES[@]+"${KERNEL_CASES[@]}"}; do
     set -- $case
     timeout 90 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --kernel "$1" --batch "$2" --threads 2 \
-        --repeats 9 --kernel-build=-DEA_HF_PREFETCH_LOCALITY=3 >> "$OUT/cpu_kernel.log" 2>&1
+        --repeats 9 >> "$OUT/cpu_kernel.log" 2>&1
     echo "kernel N=$1: exit $?"
 done
 

@@ -161,8 +161,9 @@ struct Input {  // where rows of `a` come from
 // own use. Measured on AMD EPYC (maps out of cache, builds alternating in one process, medians): backward 22.5 ->
 // 20.0 ms at N = 512, B = 2 and 9.3 -> 8.5 ms at N = 128, B = 8; forward 14.2 -> 12.1 and 2.9 -> 2.65 ms (in a
 // slower spell of the host). Into L1, the backward's requests had cost more than they saved (27.0 ms against 25.0
-// with none, 24.0 into L2). No Intel host has timed that yet (there, into L1 had measured 15.4 -> 13.7 ms against
-// none): -DEA_HF_PREFETCH_LOCALITY=3 builds the requests into L1, for bench_attention.py --kernel-build to compare.
+// with none, 24.0 into L2). On Intel Xeon (a lent H200's host) L1 and L2 gave the same kernel: 22.6 against 22.4
+// ms backward, 10.84 against 10.80 forward. -DEA_HF_PREFETCH_LOCALITY=3 builds the requests into L1, for
+// bench_attention.py --kernel-build to compare.
 #ifndef EA_HF_PREFETCH_LOCALITY
 #define EA_HF_PREFETCH_LOCALITY 2
 #endif
