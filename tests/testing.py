@@ -32,6 +32,7 @@ DECODER_ONLY_ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gem
 DECODER_ONLY_ARCHITECTURES += ["gemma", "phi", "gpt_neox", "olmo2", "granite", "smollm3", "starcoder2", "opt"]
 DECODER_ONLY_ARCHITECTURES += ["cohere", "cohere2", "olmo", "glm4", "gpt_bigcode", "gptj", "codegen"]
 DECODER_ONLY_ARCHITECTURES += ["exaone4", "helium", "olmo3", "ministral", "biogpt", "ernie4_5", "seed_oss", "apertus"]
+DECODER_ONLY_ARCHITECTURES += ["persimmon", "arcee", "glm", "vaultgemma", "hunyuan_v1_dense", "bitnet", "ministral3"]
 #: Mixtures of experts: each expert's product runs over the tokens routed to it, so the model's own outputs at a
 #: position move by fp32 rounding (about 1e-7) when other tokens change.
 MIXTURE_OF_EXPERTS_ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe", "phimoe", "deepseek_v3", "olmoe", "granitemoe"]
@@ -99,6 +100,15 @@ _DECODER_ONLY_CONFIGS = {
     "olmoe": {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
     "granitemoe": {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
     "codegen": {"rotary_dim": 4, "n_inner": 37},
+    "persimmon": {},
+    "arcee": {"num_key_value_heads": 2},
+    "glm": {"num_key_value_heads": 2},
+    # As Gemma 2 (soft-capping, eager attention), with the sliding window on the middle layer.
+    "vaultgemma": {"num_key_value_heads": 2, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 8, **_WINDOW}
+    | {"attn_implementation": "eager"},
+    "hunyuan_v1_dense": {"num_key_value_heads": 2},
+    "bitnet": {"num_key_value_heads": 2},
+    "ministral3": {"num_key_value_heads": 2},
 }
 #: Triton's CPU interpreter runs the kernels from this release on (3.6's interpreter fails on them); compiling
 #: them needs ea_hf.ops.triton_kernels.MIN_TRITON.

@@ -108,9 +108,11 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "whisper": ArchitectureSpec(("WhisperAttention",), **_BART_FAMILY),
     # Decoder-only language models: one causal chain. Grouped-query attention still has a map per query head,
     # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma 2/3,
-    # Phi-3, StarCoder2, Cohere 2) mask the entries outside their window, which the convolution then never reads;
-    # Gemma 2's soft-capping applies to S before the evolution (see attention.py). Mixtures of experts (Mixtral,
-    # Qwen2-MoE, Qwen3-MoE, Phi-MoE, DeepSeek-V3, OLMoE, GraniteMoE) differ in their feed-forward layers only.
+    # Phi-3, StarCoder2, Cohere 2, VaultGemma) mask the entries outside their window, which the convolution then
+    # never reads; Gemma 2's and VaultGemma's soft-capping applies to S before the evolution (see attention.py).
+    # Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-MoE, DeepSeek-V3, OLMoE, GraniteMoE) differ in their
+    # feed-forward layers only. Not supported: StableLM and Nemotron, whose decoder layers do not hand
+    # transformers' keyword arguments (and so the per-call chain) on to their attention.
     "gpt2": ArchitectureSpec(("GPT2Attention",), num_heads_attribute="num_heads", cross_attention=("crossattention",)),
     "biogpt": ArchitectureSpec(("BioGptAttention",), num_heads_attribute="num_heads"),
     # One key/value head shared by every query head (multi-query attention).
@@ -149,6 +151,13 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
             "apertus": "Apertus",
             "olmoe": "Olmoe",
             "granitemoe": "GraniteMoe",
+            "persimmon": "Persimmon",
+            "arcee": "Arcee",
+            "glm": "Glm",
+            "vaultgemma": "VaultGemma",
+            "hunyuan_v1_dense": "HunYuanDenseV1",
+            "bitnet": "BitNet",
+            "ministral3": "Ministral3",
         }.items()
     },
     # Multi-head latent attention: queries and keys have a head size of their own (values another).

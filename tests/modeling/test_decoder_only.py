@@ -32,7 +32,7 @@ from ea_hf.modeling.history import CACHE_ATTRIBUTE
 FAMILIES = list(CAUSAL_LM_FAMILIES)
 EVOLVED = {"alpha": 0.4, "beta": 0.5}
 #: Families whose layers alternate full and sliding-window attention (``config.layer_types``).
-ALTERNATING = ["qwen2", "qwen3", "gemma2", "gemma3_text", "cohere2", "olmo3", "ministral"]
+ALTERNATING = ["qwen2", "qwen3", "gemma2", "gemma3_text", "cohere2", "olmo3", "ministral", "vaultgemma"]
 #: Families whose position embeddings do not follow ``position_ids`` (the BART family counts positions from the
 #: first column), so a left-padded prompt is not the same input as the prompt alone, patched or not.
 ABSOLUTE_FROM_FIRST_COLUMN = ["bart-causal", "mbart-causal"]
