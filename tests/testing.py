@@ -15,7 +15,7 @@ from ea_hf.training.kinds.glue import GLUE_TASKS
 
 TEXT_ARCHITECTURES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "modernbert"]
 TEXT_ARCHITECTURES += ["roberta-prelayernorm", "xlm-roberta-xl", "data2vec-text", "ernie", "nomic_bert", "albert"]
-TEXT_ARCHITECTURES += ["esm", "eurobert"]
+TEXT_ARCHITECTURES += ["esm", "eurobert", "roc_bert", "layoutlm"]
 #: One attention module serves every layer (ALBERT): it evolves all its layers or none.
 SHARED_LAYER_ARCHITECTURES = ["albert"]
 IMAGE_ARCHITECTURES = ["vit", "deit", "dinov2", "vit_msn", "dinov3_vit", "clip_vision_model"]
@@ -28,6 +28,7 @@ ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES + AUDIO_ARCHITECTURES +
 #: Speech-to-text: the encoder reads audio features (``input_features``), without a padding mask.
 SPEECH_ARCHITECTURES = ["whisper"]
 SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian", "mt5", "umt5", "pegasus", "m2m_100"] + SPEECH_ARCHITECTURES
+SEQ2SEQ_ARCHITECTURES += ["blenderbot", "blenderbot-small", "plbart"]
 DECODER_ONLY_ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
 DECODER_ONLY_ARCHITECTURES += ["gemma", "phi", "gpt_neox", "olmo2", "granite", "smollm3", "starcoder2", "opt"]
 DECODER_ONLY_ARCHITECTURES += ["cohere", "cohere2", "olmo", "glm4", "gpt_bigcode", "gptj", "codegen"]
@@ -289,7 +290,8 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
         kwargs = dict(common, vocab_size=VOCAB_SIZE, max_position_embeddings=64)
         if model_type in ("electra", "albert"):
             kwargs["embedding_size"] = 16
-        if model_type == "nomic_bert":  # std 0.2 (not 0.02), so the tiny model's maps are far from uniform
+        if model_type in ("nomic_bert", "roc_bert", "layoutlm"):  # std 0.2 (not 0.02): the tiny models' maps
+            # are then far from uniform
             kwargs["initializer_range"] = 0.2
         if model_type == "eurobert":  # (its special tokens default to ids of its 128k vocabulary)
             kwargs |= dict(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, mask_token_id=4, num_key_value_heads=2)

@@ -62,6 +62,8 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "xlm-roberta-xl": ArchitectureSpec(("XLMRobertaXLSelfAttention",)),
     "data2vec-text": ArchitectureSpec(("Data2VecTextSelfAttention",)),
     "ernie": ArchitectureSpec(("ErnieSelfAttention",)),
+    "roc_bert": ArchitectureSpec(("RoCBertSelfAttention",)),
+    "layoutlm": ArchitectureSpec(("LayoutLMSelfAttention",)),
     "nomic_bert": ArchitectureSpec(("NomicBertAttention",), num_heads_attribute=_FROM_CONFIG),
     # Protein language models (ESM-2): rotary positions, queries scaled before them (the interface's scaling is 1).
     "esm": ArchitectureSpec(("EsmSelfAttention",)),
@@ -98,6 +100,9 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "pegasus": ArchitectureSpec(("PegasusAttention",), **_BART_FAMILY),
     # M2M100's architecture also serves NLLB's dense checkpoints (model_type m2m_100).
     "m2m_100": ArchitectureSpec(("M2M100Attention",), **_BART_FAMILY),
+    "blenderbot": ArchitectureSpec(("BlenderbotAttention",), **_BART_FAMILY),
+    "blenderbot-small": ArchitectureSpec(("BlenderbotSmallAttention",), **_BART_FAMILY),
+    "plbart": ArchitectureSpec(("PLBartAttention",), **_BART_FAMILY),
     # Speech encoders (wav2vec 2.0, HuBERT): a convolutional stem turns the waveform into frames, and a padding
     # mask over the samples becomes one over the frames. Before 5.16 their encoders took no keyword arguments.
     **{
