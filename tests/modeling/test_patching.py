@@ -321,7 +321,7 @@ def test_unsupported_architecture_names_the_supported_ones():
     config = transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=99)
     model = transformers.BloomModel(config)
     supported = ", ".join(supported_model_types())
-    assert supported.startswith("albert, apertus, audio-spectrogram-transformer, bart, bert")  # sorted
+    assert supported.startswith("albert, apertus, arcee, audio-spectrogram-transformer, bart, bert")  # sorted
     assert len(supported.split(", ")) == len(ARCHITECTURES)  # every architecture of the table
     with pytest.raises(ValueError, match=rf"does not support model_type 'bloom'.*Supported: {re.escape(supported)}\.$"):
         ea_hf.patch(model)
