@@ -15,7 +15,7 @@ from ea_hf.training.kinds.glue import GLUE_TASKS
 
 TEXT_ARCHITECTURES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "modernbert"]
 TEXT_ARCHITECTURES += ["roberta-prelayernorm", "xlm-roberta-xl", "data2vec-text", "ernie", "nomic_bert", "albert"]
-TEXT_ARCHITECTURES += ["esm", "eurobert", "roc_bert", "layoutlm"]
+TEXT_ARCHITECTURES += ["esm", "eurobert", "roc_bert", "layoutlm", "gte"]
 #: One attention module serves every layer (ALBERT): it evolves all its layers or none.
 SHARED_LAYER_ARCHITECTURES = ["albert"]
 IMAGE_ARCHITECTURES = ["vit", "deit", "dinov2", "vit_msn", "dinov3_vit", "clip_vision_model"]
@@ -290,8 +290,8 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
         kwargs = dict(common, vocab_size=VOCAB_SIZE, max_position_embeddings=64)
         if model_type in ("electra", "albert"):
             kwargs["embedding_size"] = 16
-        if model_type in ("nomic_bert", "roc_bert", "layoutlm"):  # std 0.2 (not 0.02): the tiny models' maps
-            # are then far from uniform
+        if model_type in ("nomic_bert", "roc_bert", "layoutlm", "gte"):  # std 0.2 (not 0.02): the tiny models'
+            # maps are then far from uniform
             kwargs["initializer_range"] = 0.2
         if model_type == "eurobert":  # (its special tokens default to ids of its 128k vocabulary)
             kwargs |= dict(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, mask_token_id=4, num_key_value_heads=2)

@@ -64,6 +64,8 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "ernie": ArchitectureSpec(("ErnieSelfAttention",)),
     "roc_bert": ArchitectureSpec(("RoCBertSelfAttention",)),
     "layoutlm": ArchitectureSpec(("LayoutLMSelfAttention",)),
+    # GTE (gte-multilingual-base and kin; in transformers from 5.18): rotary positions, no head count on the module.
+    "gte": ArchitectureSpec(("GteAttention",), num_heads_attribute=_FROM_CONFIG, since="5.18.0"),
     "nomic_bert": ArchitectureSpec(("NomicBertAttention",), num_heads_attribute=_FROM_CONFIG),
     # Protein language models (ESM-2): rotary positions, queries scaled before them (the interface's scaling is 1).
     "esm": ArchitectureSpec(("EsmSelfAttention",)),

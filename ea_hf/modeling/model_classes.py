@@ -219,6 +219,8 @@ def register_auto_classes(model_types: list[str] | None = None) -> None:
     """Register EA configs and models with AutoConfig and every AutoModel* class (idempotent)."""
     auto_classes = _auto_model_classes()
     for model_type in model_types or sorted(ARCHITECTURES):
+        if model_type not in CONFIG_MAPPING:  # an architecture newer than the installed transformers (its `since`)
+            continue
         base_config = CONFIG_MAPPING[model_type]
         config_class = evolving_attention_config_class(base_config)
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
