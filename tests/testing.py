@@ -34,9 +34,11 @@ DECODER_ONLY_ARCHITECTURES += ["gemma", "phi", "gpt_neox", "olmo2", "granite", "
 DECODER_ONLY_ARCHITECTURES += ["cohere", "cohere2", "olmo", "glm4", "gpt_bigcode", "gptj", "codegen"]
 DECODER_ONLY_ARCHITECTURES += ["exaone4", "helium", "olmo3", "ministral", "biogpt", "ernie4_5", "seed_oss", "apertus"]
 DECODER_ONLY_ARCHITECTURES += ["persimmon", "arcee", "glm", "vaultgemma", "hunyuan_v1_dense", "bitnet", "ministral3"]
+DECODER_ONLY_ARCHITECTURES += ["jais2", "nanochat", "hyperclovax"]
 #: Mixtures of experts: each expert's product runs over the tokens routed to it, so the model's own outputs at a
 #: position move by fp32 rounding (about 1e-7) when other tokens change.
 MIXTURE_OF_EXPERTS_ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe", "phimoe", "deepseek_v3", "olmoe", "granitemoe"]
+MIXTURE_OF_EXPERTS_ARCHITECTURES += ["glm4_moe", "ernie4_5_moe", "deepseek_v2", "granitemoeshared"]
 DECODER_ONLY_ARCHITECTURES += MIXTURE_OF_EXPERTS_ARCHITECTURES
 ALL_ARCHITECTURES = ARCHITECTURES + SEQ2SEQ_ARCHITECTURES + DECODER_ONLY_ARCHITECTURES
 #: Decoder-only language models, by test id: (model_type, config overrides). The BERT family and the BART family
@@ -110,6 +112,18 @@ _DECODER_ONLY_CONFIGS = {
     "hunyuan_v1_dense": {"num_key_value_heads": 2},
     "bitnet": {"num_key_value_heads": 2},
     "ministral3": {"num_key_value_heads": 2},
+    "jais2": {"num_key_value_heads": 2},
+    "nanochat": {"num_key_value_heads": 2},
+    "hyperclovax": {"num_key_value_heads": 2},
+    "glm4_moe": {"num_key_value_heads": 2, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    | {"first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    "ernie4_5_moe": {"num_key_value_heads": 2, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 16}
+    | {"moe_num_shared_experts": 1, "moe_layer_start_index": 1, "moe_layer_end_index": 2},
+    "deepseek_v2": {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8}
+    | {"v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    | {"first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "n_shared_experts": 1},
+    "granitemoeshared": {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}
+    | {"intermediate_size": 16, "shared_intermediate_size": 16},
 }
 #: Triton's CPU interpreter runs the kernels from this release on (3.6's interpreter fails on them); compiling
 #: them needs ea_hf.ops.triton_kernels.MIN_TRITON.

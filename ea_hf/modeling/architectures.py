@@ -48,6 +48,7 @@ class ArchitectureSpec:
 
 
 _FROM_CONFIG = "config.num_attention_heads"
+_QK = "qk_head_dim"  # multi-head latent attention's query/key head size (its values have another)
 _BART_FAMILY: dict[str, Any] = {"num_heads_attribute": "num_heads", "cross_attention": ("encoder_attn",)}
 
 #: Supported architectures, by transformers ``model_type``. All share the attention-interface path.
@@ -117,9 +118,9 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma 2/3,
     # Phi-3, StarCoder2, Cohere 2, VaultGemma) mask the entries outside their window, which the convolution then
     # never reads; Gemma 2's and VaultGemma's soft-capping applies to S before the evolution (see attention.py).
-    # Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-MoE, DeepSeek-V3, OLMoE, GraniteMoE) differ in their
-    # feed-forward layers only. Not supported: StableLM and Nemotron, whose decoder layers do not hand
-    # transformers' keyword arguments (and so the per-call chain) on to their attention.
+    # Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-MoE, DeepSeek-V2/V3, OLMoE, GraniteMoE, GLM-4-MoE,
+    # ERNIE 4.5 MoE) differ in their feed-forward layers only. Not supported: StableLM and Nemotron, whose decoder
+    # layers do not hand transformers' keyword arguments (and so the per-call chain) on to their attention.
     "gpt2": ArchitectureSpec(("GPT2Attention",), num_heads_attribute="num_heads", cross_attention=("crossattention",)),
     "biogpt": ArchitectureSpec(("BioGptAttention",), num_heads_attribute="num_heads"),
     # One key/value head shared by every query head (multi-query attention).
@@ -165,12 +166,17 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
             "hunyuan_v1_dense": "HunYuanDenseV1",
             "bitnet": "BitNet",
             "ministral3": "Ministral3",
+            "jais2": "Jais2",
+            "nanochat": "NanoChat",
+            "hyperclovax": "HyperCLOVAX",
+            "glm4_moe": "Glm4Moe",
+            "ernie4_5_moe": "Ernie4_5_Moe",
+            "granitemoeshared": "GraniteMoeShared",
         }.items()
     },
     # Multi-head latent attention: queries and keys have a head size of their own (values another).
-    "deepseek_v3": ArchitectureSpec(
-        ("DeepseekV3Attention",), num_heads_attribute="num_heads", head_dim_attribute="qk_head_dim"
-    ),
+    "deepseek_v2": ArchitectureSpec(("DeepseekV2Attention",), num_heads_attribute="num_heads", head_dim_attribute=_QK),
+    "deepseek_v3": ArchitectureSpec(("DeepseekV3Attention",), num_heads_attribute="num_heads", head_dim_attribute=_QK),
     # Before 5.24 their attention did not go through AttentionInterface.
     "gptj": ArchitectureSpec(("GPTJAttention",), num_heads_attribute="num_attention_heads", since="5.24.0"),
     "codegen": ArchitectureSpec(("CodeGenAttention",), num_heads_attribute="num_attention_heads", since="5.24.0"),
