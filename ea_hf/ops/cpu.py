@@ -105,6 +105,11 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
+def _load(compiler: str, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
+    """The kernel built with ``flags`` (cached), loaded and its entry points declared."""
+    return _declare(ctypes.CDLL(str(_build(compiler, flags))))
+
+
 def cpu_kernel() -> ctypes.CDLL | None:
     """The loaded kernel library, building it the first time; ``None`` where it cannot be built or is off.
 
@@ -121,7 +126,7 @@ def cpu_kernel() -> ctypes.CDLL | None:
                 logger.info("ea_hf: no C++ compiler found; evolving attention uses torch operations on CPU")
             else:
                 try:
-                    library = _declare(ctypes.CDLL(str(_build(compiler))))
+                    library = _load(compiler)
                 except (OSError, subprocess.SubprocessError) as error:
                     detail = getattr(error, "stderr", "") or error
                     logger.warning("ea_hf: building the CPU kernel failed, using torch operations: %s", detail)
@@ -145,7 +150,7 @@ def build_library(*extra_flags: str) -> ctypes.CDLL:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler: the fused CPU kernel cannot be built on this machine")
-    return _declare(ctypes.CDLL(str(_build(compiler, (*FLAGS, *extra_flags)))))
+    return _load(compiler, (*FLAGS, *extra_flags))
 
 
 @contextlib.contextmanager

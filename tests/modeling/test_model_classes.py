@@ -29,7 +29,7 @@ from testing import (
 
 import ea_hf
 from ea_hf.modeling.architectures import ARCHITECTURES, ArchitectureSpec, installed_release_supports
-from ea_hf.modeling.model_classes import auto_class_names
+from ea_hf.modeling.model_classes import auto_class_names, register_auto_classes
 
 SETTINGS = {"alpha": 0.4, "beta": 0.3, "kernel_size": 3, "layers": [0, 2], "init": "xavier_uniform"}
 
@@ -162,12 +162,10 @@ def test_plain_checkpoint_loads_into_an_ea_class_with_fresh_evolution(tmp_path):
 def test_registration_passes_over_architectures_newer_than_the_installed_transformers(monkeypatch):
     """The table may name architectures that an older supported transformers lacks (their ``since``): importing
     ea_hf registers the Auto classes of the others instead of failing."""
-    from ea_hf.modeling import model_classes
-
     newer = ArchitectureSpec(("NotYetReleasedAttention",), since="99.0.0")
     monkeypatch.setitem(ARCHITECTURES, "not_yet_released", newer)
     assert "not_yet_released" not in transformers.CONFIG_MAPPING
-    model_classes.register_auto_classes()
+    register_auto_classes()
     assert transformers.AutoConfig.for_model("ea-bert").model_type == "ea-bert"
 
 
