@@ -16,7 +16,7 @@ one QK^T matmul and one softmax per layer and step.
 Where the maps are small, S and P are kept instead (:func:`keeps_small_maps`): when a map is no larger than
 the layer's keys and values, which the core keeps anyway (N <= 2 * head_dim for self-attention: N <= 128 with
 64-dimensional heads), two more maps cost at most twice as much memory as those. Backward then saves the matmul
-and the softmax. On BERT-Base at N = 128, batch 8 (Intel Xeon, profiler), keeping S saved about 30 ms of a
+and the softmax. On BERT-Base at N = 128, batch 8 (Intel Xeon, profiler), keeping S saves about 30 ms of a
 1.8 s training step and keeping P about 10 ms more.
 
 While ``torch.compile`` traces, :func:`compiled_core` runs the layer's operators instead, inside a selective
@@ -190,10 +190,8 @@ def softmax_probabilities(
 
     On CPU, outside autograd and compilation, a mask is applied as it is written into P's map (``out``, else a
     new one) and the softmax then runs in place there: one map and one pass less than masking into a map of its
-    own, which ``masked_fill`` writes slowly with a mask broadcast over the heads. Measured on AMD EPYC, 2
-    threads, the same bits: 7.4 -> 4.5 ms at [2, 12, 512, 512] with a padding mask; BERT-Base at N = 512 with a
-    padded batch of 2, a training step 2 % and inference 4.6 % faster; a ~125M Llama's prefill (a causal mask,
-    always given) at N = 512, 3.5 % faster.
+    own, which ``masked_fill`` writes slowly with a mask broadcast over the heads. The same bits, and on AMD EPYC
+    (2 threads) about 40 % less time for a [2, 12, 512, 512] map with a padding mask.
 
     Example:
         >>> logits, allowed = torch.randn(1, 2, 3, 4), torch.rand(1, 1, 3, 4) > 0.3
@@ -670,9 +668,9 @@ def compiled_core(
     if keeps_small_maps(query, key, position_bias, softcap):
         # S computed before the checkpoint, which keeps its inputs: S is kept, as the core keeps it, and P is
         # recomputed. The core keeps P too, but compiled the map weighs more: inductor fuses away much of the
-        # rest of a step (BERT-Base, N = 128, batch 8, AMD EPYC, one paired process each: keeping both maps
-        # took 1.05x compiled eager's time and 1.11x its step memory, recomputing P 1.05x and 1.07x,
-        # recomputing S as well 1.07x and 1.03x).
+        # rest of a step (BERT-Base, N = 128, batch 8, AMD EPYC, against compiled eager attention: keeping both
+        # maps takes 1.05x its time and 1.11x its step memory, recomputing P 1.05x and 1.07x, recomputing S as
+        # well 1.07x and 1.03x).
         scores = scores_of(query, key, position_bias)
         return checkpoint(after_scores, scores, value, previous, weight, bias, use_reentrant=False, context_fn=policy)
     return checkpoint(core, *tensors, use_reentrant=False, context_fn=policy)

@@ -48,7 +48,7 @@ class AttentionMapEvolution(nn.Module):
 
     Args:
         num_heads: number of attention heads H (the convolution's channels).
-        alpha, beta, kernel_size, init: see :class:`~ea_hf.configuration.EvolvingAttentionSettings`.
+        alpha, beta, kernel_size, init: see :class:`~.settings.EvolvingAttentionSettings`.
         role: what attention this layer is: ``"encoder"`` (self-attention), ``"decoder"`` (causal
             self-attention) or ``"cross"`` (encoder-decoder attention). The last two convolve causally.
         position: this layer's index in its stack.
@@ -178,7 +178,8 @@ class AttentionMapEvolution(nn.Module):
         and the columns after its first ``columns_before`` (keys that a sliding window's cache has dropped).
 
         ``conv_input`` must already have its masked entries zeroed; outside the map the convolution sees zeros.
-        This is the plain formulation; :meth:`forward` computes the same through :class:`EvolveConvolution`.
+        This is the plain formulation; :meth:`forward` computes the same through
+        :func:`~.convolution.evolve_convolution`.
         """
         c = self.context_rows
         if not self.causal:
@@ -335,9 +336,10 @@ class AttentionMapEvolution(nn.Module):
     ) -> torch.Tensor:
         """Return A_logit for this layer and record it in ``chain`` for the next layer.
 
-        Computes :meth:`reference` with fewer passes over the [B, H, Q, K] maps: the residual mix is done
-        in place on ``scores`` (which this function then owns), and the convolution, ReLU and blend run in
-        :class:`EvolveConvolution`, which keeps only its input and the ReLU output for backward.
+        Computes :meth:`reference` with fewer passes over the [B, H, Q, K] maps: the residual mix, convolution,
+        ReLU and blend run as one step (:func:`~.convolution.evolve_convolution`; beta = 0: the residual mix alone),
+        which may write over ``scores`` (this function then owns it); where autograd records the step, it runs in
+        :class:`~.convolution.EvolveConvolution`, which keeps only S, A_prev and the ReLU gate for backward.
 
         Args:
             scores: S, the layer's logits [B, H, Q, K] (positional bias included, no padding or causal mask).

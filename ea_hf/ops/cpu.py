@@ -361,8 +361,8 @@ def forward_correlation(skip_masked_tails: bool):
     every layer of its chain masks them in its softmax (see :attr:`AttentionMapEvolution.skip_masked_tails
     <ea_hf.modeling.evolution.AttentionMapEvolution.skip_masked_tails>`): each layer's logits then differ from
     the reference formulation's only in entries every layer's softmax masks, and no output or gradient depends
-    on them. AMD EPYC: a causal [1, 12, 2048, 2048] map 55.5 -> 35.1 ms; a ~125M Llama's prefill of 2048 tokens
-    0.85x to 0.93x as long."""
+    on them. On AMD EPYC, the correlation of a causal [1, 12, 2048, 2048] map then takes about a third less time,
+    and a ~125M Llama's prefill of 2048 tokens 7 to 15 % less."""
     return functools.partial(correlate, skip_masked_tails=True) if skip_masked_tails else correlate
 
 
@@ -452,7 +452,7 @@ def _backward(
     ``shared_map``: the gradient of A_in, G_in, is written once. With ``previous`` and alpha != 0 that map is
     A_prev's gradient, alpha * G_in, and S's is returned as ``ScaledMap(it, (1 - alpha) / alpha)``; with alpha
     = 0 it is S's, ``ScaledMap(G_in, 1.0)``, and A_prev's is ``None`` (none flows). Writing a second map costs
-    as much as a tenth of the pass (measured on AMD EPYC, N = 512: 23 -> 20.5 ms) and a map of memory.
+    about a tenth of the pass (AMD EPYC, N = 512) and a map of memory.
     ``scores_map``: G_in is written once too, as S's gradient (see :func:`split_map_gradient`), and A_prev's is
     returned as ``None``.
     ``skip_masked_tails`` (with ``keep``): each row stops at its masked tail, as :func:`forward_correlation`'s
@@ -653,11 +653,10 @@ def _(x, weight, bias, row_shift):
     return x.new_empty(x.shape)
 
 
-# One map out instead of the gradients of S and A_prev apart (``ea_hf::evolve_backward`` before, which wrote
-# both). BERT-Base dimensions, N = 512, batch 2, AMD EPYC: the operator alone 33 -> 18 ms (glibc returned two
-# fresh maps to the system after every call, and each call faulted all their pages in again); inside compiled
-# training steps 24.8 -> 20.9 ms a layer (profiler, three steps each), the step itself within its noise.
-# Named anew for torch.compile's caches (see above).
+# One map out instead of the gradients of S and A_prev apart: glibc returns two fresh maps to the system after
+# every call, and the next call faults all their pages in again, which at BERT-Base dimensions (N = 512, batch 2,
+# AMD EPYC) takes the operator alone nearly twice as long. Named anew for torch.compile's caches (see above): the
+# operator that wrote both gradients was ``ea_hf::evolve_backward``.
 @torch.library.custom_op(
     "ea_hf::evolve_backward_one_map", mutates_args=(), device_types="cpu", schema=EVOLVE_BACKWARD_SCHEMA
 )

@@ -91,10 +91,10 @@ WEIGHT_GRAD_PROGRAMS = 2048
 IN_PLACE_PROGRAMS = 16384
 #: What maps on a GPU use instead, by dtype: tiles timed on a GPU (bench/bench_triton_kernels.py --sweep, BERT-Base
 #: maps, N = 512, batch 8). Half-precision maps take half the bytes a value, so larger weight-gradient tiles fit in
-#: shared memory (float32 maps with those need more than an H100's 227 KiB). Half: swept on an H100. float32: on
-#: an H200 in TF32 (November 2026), 8-row tiles with 16-tap blocks took forward 7.6 -> 3.2 ms and forward plus
-#: backward 15.2 -> 10.7 ms, and the weight gradient's 8 x 32 tiles with 16 taps 15.2 -> 13.1 ms, each alone;
-#: both together (on another H200): forward 3.3 ms, forward plus backward 8.7 ms (torch operations: 1.2 and 5.1).
+#: shared memory (float32 maps with those need more than an H100's 227 KiB). Half: swept on an H100. float32: swept
+#: on an H200 in TF32, where 8-row tiles with 16-tap blocks take less than half the module tiles' forward time,
+#: and the weight gradient's 8 x 32 tiles with 16 taps a seventh less than its own; even so, forward and backward
+#: take longer than the torch operations' (hence opt-in, see above).
 GPU_TILES = {
     "float32": {"BLOCK_ROWS": 8, "TAP_BLOCK": 16, "WEIGHT_BLOCK_ROWS": 8, "WEIGHT_TAP_BLOCK": 16},
     "half": {

@@ -24,10 +24,9 @@
 // gy = grad * gate. Neither materialises A_in, the gated gradient or the masked input.
 //
 // The gate is bit-packed: row (b, h, i) has ceil(cols / 16) 16-bit little-endian words, bit j % 16 of word j / 16
-// for column j (bits past the last column are 0). A byte a value read a quarter of the bytes of a float map, and
-// selecting by it cost a pass of its own (measured on AMD EPYC at N = 512, B = 2: forward 7.55 -> 7.11 ms, backward
-// 19.2 -> 18.2 ms without the gate at all); a bit a value is an eighth of that memory, and one 16-bit word
-// selects a whole vector (a byte, where vectors hold 8 floats). The packed gate took as long as the bytes.
+// for column j (bits past the last column are 0). A byte a value would read a quarter of the bytes of a float map,
+// and selecting by it takes time of its own; a bit a value is an eighth of that memory, and one 16-bit word
+// selects a whole vector (a byte, where vectors hold 8 floats). The packed gate takes as long as bytes would.
 //
 // No torch headers: a plain shared library called through ctypes, which compiles in about a second. Threads
 // come from OpenMP, the runtime torch itself uses.
@@ -47,9 +46,8 @@
 namespace {
 
 // Floats a vector: one 512-bit register with AVX-512, one 256-bit register with AVX (two 128-bit halves on SSE
-// or NEON targets). With 16 lanes on AVX2 every vector took two of its 16 registers, which left the weight
-// gradient one output head a block: measured built without AVX-512 on AMD EPYC at N = 512, B = 2, backward took
-// 145 ms with 16 lanes (forward 37.5).
+// or NEON targets). With 16 lanes on AVX2 every vector would take two of its 16 registers, which leaves the weight
+// gradient one output head a block: backward then takes about six times as long (AMD EPYC built without AVX-512).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 #else
@@ -157,24 +155,20 @@ struct Input {  // where rows of `a` come from
 
 // Requested cache lines go to L2, not L1 (__builtin_prefetch's locality 2: prefetcht1). At N = 512 the requests
 // of one output row for the next come to about 100 KB in backward (S, A_prev, the gradient and the addend of 12
-// heads), twice an L1 data cache: requested into L1 they evicted the rings the blocks compute from, before their
-// own use. Measured on AMD EPYC (maps out of cache, builds alternating in one process, medians): backward 22.5 ->
-// 20.0 ms at N = 512, B = 2 and 9.3 -> 8.5 ms at N = 128, B = 8; forward 14.2 -> 12.1 and 2.9 -> 2.65 ms (in a
-// slower spell of the host). Into L1, the backward's requests had cost more than they saved (27.0 ms against 25.0
-// with none, 24.0 into L2). On Intel Xeon (a lent H200's host) L1 and L2 gave the same kernel: 22.6 against 22.4
-// ms backward, 10.84 against 10.80 forward. -DEA_HF_PREFETCH_LOCALITY=3 builds the requests into L1, for
-// bench_attention.py --kernel-build to compare.
+// heads), twice an L1 data cache: requested into L1 they would evict the rings the blocks compute from before
+// their own use, and on AMD EPYC backward's requests then cost more than they save; into L2, forward and backward
+// take about a tenth less time there than into L1 (maps out of cache). On Intel Xeon the two are as fast.
+// -DEA_HF_PREFETCH_LOCALITY=3 builds the requests into L1, for bench_attention.py --kernel-build to compare.
 #ifndef EA_HF_PREFETCH_LOCALITY
 #define EA_HF_PREFETCH_LOCALITY 2
 #endif
 inline void prefetch_line(const void* p) { __builtin_prefetch(p, 0, EA_HF_PREFETCH_LOCALITY); }
 
 // Cache lines of the input rows the next output row will prepare, to be requested a few at a time while the
-// current row computes (the forward pass). Measured on Intel Xeon (AVX-512, H = 12, maps out of cache, builds
-// alternating in one process): forward 8.8 -> 7.7 ms at N = 512, B = 2 against requesting a head's lines as its
-// current row is prepared; the same at N = 128, B = 8. Backward is better off with the latter: deferred there,
-// it took 1.4x as long at N = 128 (its two rings request their lines at once after each preparation), and
-// spread over its blocks no faster at N = 512.
+// current row computes (the forward pass): on Intel Xeon (AVX-512, maps out of cache) an eighth faster at N = 512
+// than requesting a head's lines as its current row is prepared, as fast at N = 128. Backward is better off with
+// the latter: deferred there, it takes 1.4x as long at N = 128 (its two rings request their lines at once after
+// each preparation), and spread over its blocks is no faster at N = 512.
 struct PrefetchQueue {
     static constexpr int kMaxStreams = 4 * kMaxHeads;
     const char* starts[kMaxStreams];
@@ -313,9 +307,10 @@ inline void prefetch_line_by_line(const void* p, size_t bytes) {
 // columns). Each prepared row is split once into its even and odd columns (E, O); a block forms t from them
 // with two shifted loads, d0 = O[p - 1] and d3 = E[p + 1], and four adds (which do not compete with the
 // multiply-adds for their ports), and interleaves its outputs once per vector. Storing the four transformed
-// rows instead made the ring twice as large: in backward the weight gradient, computed in the same pass, then
-// lost to the cache what the input gradient gained (measured on AMD EPYC, N = 512: 20.3 ms either way, against
-// 19.3 ms with the split rows). The rounding differs from the direct form's by a few units in the last place.
+// rows instead would make the ring twice as large: in backward the weight gradient, computed in the same pass,
+// then loses to the cache what the input gradient gains (on AMD EPYC at N = 512, backward is then no faster than
+// in the direct form, and with the split rows 5 % faster). The rounding differs from the direct form's by a few
+// units in the last place.
 #if defined(__AVX512F__)  // (16 lanes; the form runs only there, see winograd())
 inline vfloat evens(vfloat a, vfloat b) {
     return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -428,8 +423,8 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
             if (r + 1 < in.rows) {
                 // The next row of each head's maps, which the next output row prepares. The rows of all heads of
                 // S, A_prev, the gradient and the gate are more streams at once than the hardware prefetchers
-                // follow: measured on Intel Xeon with the maps out of cache (as in a training step), backward
-                // 3.65 -> 3.38 ms at N = 128, B = 8 and 15.4 -> 13.7 ms at N = 512, B = 2; forward unchanged.
+                // follow: requested here, backward takes 7 to 11 % less time on Intel Xeon with the maps out of
+                // cache (as in a training step); forward as much as without.
                 const size_t bytes = sizeof(float) * next_extent;
                 auto request = [&](const void* p, size_t count) {
                     if (defer_prefetch) ring.deferred.add(p, count);
@@ -535,8 +530,8 @@ __attribute__((noinline, cold)) void finish_partial(const Input& in, const Outpu
 
 // The epilogue of output head h's vector `y` at column j of output row (b, i) (`out_keep`: the mask's row; the
 // blend read from the ring where `blend_in_ring`): finish, or finish_partial for a row's last, partial vector.
-// Always inlined into the blocks' column loops, as the code it replaced was: left to the compiler, the forward
-// pass took 1 to 15 % longer in 7 of 9 comparisons (AMD EPYC, builds alternating in one process); inlined, as long.
+// Always inlined into the blocks' column loops: left to the compiler, the forward pass mostly takes longer (up to
+// 15 % on AMD EPYC).
 __attribute__((always_inline)) inline void finish_vector(const Input& in, const Output& o, vfloat y, int b, int h,
                                                          int i, int j, const RowRing& ring, const float* out_keep,
                                                          bool blend_in_ring) {
@@ -573,11 +568,9 @@ constexpr int output_group() {
 // Column vectors per output head that output_row computes together: as many (up to 4) as keep the group's
 // accumulators and the loaded input vectors in registers. Each loaded input vector then serves `group` heads and
 // each broadcast weight V vectors: with one vector (7 loads, 6 of them broadcasts, per 6 multiply-adds) the
-// loop waits on loads where a core has full-width 512-bit multiply-adds. Measured on Intel Xeon (AVX-512,
-// H = 12, 6 heads x 4 vectors against 6 x 1, calls alternating in one process): forward 1.60 -> 1.41 ms at
-// N = 128, B = 8 and 6.84 -> 6.52 ms at N = 512, B = 2; backward 3.62 -> 3.40 ms and 14.3 -> 13.9 ms; the same
-// bits (each output sums its taps in the same order). One vector on AVX2 targets, whose 16 registers hold 6
-// accumulators of 2 halves each.
+// loop waits on loads where a core has full-width 512-bit multiply-adds: on Intel Xeon (AVX-512, H = 12), 6 heads
+// x 4 vectors take 3 to 12 % less time forward and backward than 6 x 1, with the same bits (each output sums its
+// taps in the same order). One vector on AVX2 targets, whose 16 registers hold 6 accumulators of 2 halves each.
 template <int Heads>
 constexpr int output_vectors() {
     constexpr int group = output_group<Heads>();
@@ -725,10 +718,10 @@ struct RowPlan {
 
     // The row's work for thread_rows: the columns it correlates, plus a share for preparing its input rows and
     // its epilogue; a bias-only row's, a quarter of its columns. What such a row does is bound by memory: on AMD
-    // EPYC (N = 512, H = 12, 2 threads) a map of bias-only rows took 0.45 of a correlated map's time forward and
-    // 0.22 backward. Two examples of 256 and 512 tokens padded to 512, in that order: 9.3 ms forward and 17.7 ms
-    // backward with a quarter, against 11.0 and 24.5 with a sixteenth (the share of a correlated row's
-    // preparation) and 15.0 and 22.7 with a half; in the other order all three within 1 ms of each other.
+    // EPYC (N = 512, H = 12, 2 threads) a map of bias-only rows takes 0.45 of a correlated map's time forward and
+    // 0.22 backward. A quarter balances the threads best: with examples of 256 and 512 tokens padded to 512, a
+    // sixteenth (the share of a correlated row's preparation) or a half makes forward or backward 18 to 60 % longer
+    // (with the examples the other way round, the three shares are as fast).
     long work(long t, int cols) const {
         if (!bias_only.empty() && bias_only[t]) return cols / 4 + 1;
         return (columns.empty() ? cols : columns[t]) + cols / 16 + 1;
@@ -800,13 +793,12 @@ inline void bias_row(const Input& in, const Output& o, int b, int i, int columns
 // Winograd's form (see split_columns) where winograd<Heads, Cols>() allows it, else the direct one.
 //
 // The correlations of ea_correlate and of backward's input gradient take Winograd's form where it applies;
-// the weight gradient keeps the direct form. Measured on AMD EPYC (Zen 4), H = 12, builds alternating in one
-// process: forward in place 9.7 -> 7.4 ms at N = 512, B = 2 and 2.2 -> 1.8 ms at N = 128, B = 8; the whole
-// backward pass 20.1 -> 19.3 ms and 5.0 -> 4.8 ms. The weight gradient in Winograd's form was slower (20.3 ->
-// 25 ms): its products are elementwise per transformed component, so each gradient vector serves one product
-// instead of three and the pass waits on loads. Written later as the transpose of forward's form (four sums a
-// kernel row, transforms made once a row, 3 output heads x 2 input rows x 4 sums a block) it still lost, by 10 to
-// 45 % of the backward pass over four blockings: the transformed rows, twice as large, stream from L2.
+// the weight gradient keeps the direct form. On AMD EPYC (Zen 4, H = 12) Winograd's form takes about a fifth off
+// the forward pass and 4 % off the whole backward pass. The weight gradient in Winograd's form is slower: its
+// products are elementwise per transformed component, so each gradient vector serves one product instead of
+// three and the pass waits on loads (backward about a fifth slower). As the transpose of forward's form (four
+// sums a kernel row, transforms made once a row, 3 output heads x 2 input rows x 4 sums a block) it loses too,
+// by 10 to 45 % of the backward pass over four blockings: the transformed rows, twice as large, stream from L2.
 template <int Heads, int Cols>
 void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, const Halo* halo = nullptr,
                 bool spread_prefetch = false) {
@@ -817,8 +809,8 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
     // The blend is this row of the input as prepared before the gate and the mask (A_in in forward, the
     // incoming gradient in backward): read from the ring rather than from the maps again. The maps' rows of
     // different heads lie 1 MiB apart at N = 512 (and S, A_prev and the output often at equal offsets modulo
-    // that), so they share cache sets, and rows read one row earlier were mostly evicted again: measured on
-    // AMD EPYC, the forward pass took 12.1 to 25 ms instead of 9.3 with the maps at such offsets.
+    // that), so they share cache sets, and rows read one row earlier are mostly evicted again: read from the
+    // maps, the forward pass takes 1.3 to 2.7x as long with the maps at such offsets (AMD EPYC).
     const int own = -in.row_shift, kr = in.kernel_rows;
     const bool blend_in_ring = o.blend == in.x && own >= 0 && own < kr;
     constexpr bool kWinograd = winograd<Heads, Cols>();
@@ -1140,9 +1132,9 @@ int ea_backward(const float* scores, const float* previous, float alpha, const f
 // gradient (scale 1, fill 0) or its masked logits (scale 1, fill the float minimum). `keep` is bytes (torch.bool),
 // contiguous along the keys, read with these element strides per batch, head and query (0 where it is
 // broadcast). One pass, where torch's native_dropout_backward (grad * mask * scale) takes two, each with a map of
-// its own, and torch's elementwise operators take a slow path for a bool operand: measured on AMD EPYC,
-// [2, 12, 512, 512], 2 threads, dropout's gradient 2.1 ms into a map and 0.6 ms in place against 7 to 35 ms,
-// torch.where in place with a padding mask 0.6 against 3.6 ms.
+// its own, and torch's elementwise operators take a slow path for a bool operand: on AMD EPYC ([2, 12, 512, 512],
+// 2 threads) dropout's gradient takes 2.1 ms into a map and 0.6 ms in place, torch's at least 7 ms; a padding
+// mask's zeros in place 0.6 ms, torch.where's 3.6 ms.
 int ea_select_kept(const float* x, const unsigned char* keep, long keep_batch, long keep_head, long keep_row,
                    float scale, float fill, float* out, int batch, int heads, int rows, int cols, int threads) {
     const long tasks = static_cast<long>(batch) * heads * rows;

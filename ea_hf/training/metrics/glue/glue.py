@@ -1,8 +1,9 @@
 """GLUE metrics as an ``evaluate`` module, loaded from this folder so that nothing is fetched from the Hub.
 
-``evaluate.load("glue", task)`` downloads its script and fails offline; ``ea_hf.glue.load_glue_metric(task)``
-loads this file instead. The metrics are the ones GLUE defines: Matthews correlation (CoLA), F1 and accuracy
-(MRPC, QQP), Pearson and Spearman correlation (STS-B), accuracy (the others).
+``evaluate.load("glue", task)`` downloads its script and fails offline;
+``ea_hf.training.kinds.glue.load_glue_metric(task)`` loads this file instead. The metrics are the ones GLUE
+defines: Matthews correlation (CoLA), F1 and accuracy (MRPC, QQP), Pearson and Spearman correlation (STS-B),
+accuracy (the others).
 """
 
 import datasets
