@@ -10,36 +10,28 @@ import torch
 import transformers
 
 import ea_hf
+from ea_hf.modeling.architectures import model_types_of_kind
 from ea_hf.modeling.echo import EchoAttention
 from ea_hf.training.kinds.glue import GLUE_TASKS
 
-TEXT_ARCHITECTURES = ["bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "modernbert"]
-TEXT_ARCHITECTURES += ["roberta-prelayernorm", "xlm-roberta-xl", "data2vec-text", "ernie", "nomic_bert", "albert"]
-TEXT_ARCHITECTURES += ["esm", "eurobert", "roc_bert", "layoutlm", "gte"]
+# The architecture lists come from the table, by kind: adding a family there adds it to every test of its kind.
+TEXT_ARCHITECTURES = model_types_of_kind("text encoder")
 #: One attention module serves every layer (ALBERT): it evolves all its layers or none.
-SHARED_LAYER_ARCHITECTURES = ["albert"]
-IMAGE_ARCHITECTURES = ["vit", "deit", "dinov2", "vit_msn", "dinov3_vit", "clip_vision_model"]
-IMAGE_ARCHITECTURES += ["dinov2_with_registers", "ijepa"]
-#: Speech encoders: a convolutional stem turns the waveform (``input_values``) into frames.
-AUDIO_ARCHITECTURES = ["wav2vec2", "hubert"]
+SHARED_LAYER_ARCHITECTURES = [model_type for model_type, spec in ea_hf.ARCHITECTURES.items() if spec.shared_layers]
+IMAGE_ARCHITECTURES = model_types_of_kind("vision encoder")
 #: Spectrogram classifiers: a ViT over patches of a fixed-length spectrogram (``input_values``), no padding mask.
 SPECTROGRAM_ARCHITECTURES = ["audio-spectrogram-transformer"]
+#: Speech encoders: a convolutional stem turns the waveform (``input_values``) into frames.
+AUDIO_ARCHITECTURES = [t for t in model_types_of_kind("audio encoder") if t not in SPECTROGRAM_ARCHITECTURES]
 ARCHITECTURES = TEXT_ARCHITECTURES + IMAGE_ARCHITECTURES + AUDIO_ARCHITECTURES + SPECTROGRAM_ARCHITECTURES
 #: Speech-to-text: the encoder reads audio features (``input_features``), without a padding mask.
 SPEECH_ARCHITECTURES = ["whisper"]
-SEQ2SEQ_ARCHITECTURES = ["t5", "bart", "mbart", "marian", "mt5", "umt5", "pegasus", "m2m_100"] + SPEECH_ARCHITECTURES
-SEQ2SEQ_ARCHITECTURES += ["blenderbot", "blenderbot-small", "plbart"]
-DECODER_ONLY_ARCHITECTURES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
-DECODER_ONLY_ARCHITECTURES += ["gemma", "phi", "gpt_neox", "olmo2", "granite", "smollm3", "starcoder2", "opt"]
-DECODER_ONLY_ARCHITECTURES += ["cohere", "cohere2", "olmo", "glm4", "gpt_bigcode", "gptj", "codegen"]
-DECODER_ONLY_ARCHITECTURES += ["exaone4", "helium", "olmo3", "ministral", "biogpt", "ernie4_5", "seed_oss", "apertus"]
-DECODER_ONLY_ARCHITECTURES += ["persimmon", "arcee", "glm", "vaultgemma", "hunyuan_v1_dense", "bitnet", "ministral3"]
-DECODER_ONLY_ARCHITECTURES += ["jais2", "nanochat", "hyperclovax"]
+SEQ2SEQ_ARCHITECTURES = model_types_of_kind("seq2seq")
+DECODER_ONLY_ARCHITECTURES = model_types_of_kind("decoder-only")
 #: Mixtures of experts: each expert's product runs over the tokens routed to it, so the model's own outputs at a
 #: position move by fp32 rounding (about 1e-7) when other tokens change.
 MIXTURE_OF_EXPERTS_ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe", "phimoe", "deepseek_v3", "olmoe", "granitemoe"]
 MIXTURE_OF_EXPERTS_ARCHITECTURES += ["glm4_moe", "ernie4_5_moe", "deepseek_v2", "granitemoeshared"]
-DECODER_ONLY_ARCHITECTURES += MIXTURE_OF_EXPERTS_ARCHITECTURES
 ALL_ARCHITECTURES = ARCHITECTURES + SEQ2SEQ_ARCHITECTURES + DECODER_ONLY_ARCHITECTURES
 #: Decoder-only language models, by test id: (model_type, config overrides). The BERT family and the BART family
 #: have decoder-only forms too (``is_decoder=True``; ``BartForCausalLM`` and kin).

@@ -37,6 +37,8 @@ class ArchitectureSpec:
         shared_layers: whether one attention module serves several layers (ALBERT calls one layer's weights at
             every depth). Each call is then the next layer of the chain: it mixes in the logits of the call before
             it, and the evolution module is shared like every other weight of the layer.
+        kind: what the architecture is (one of :data:`KINDS`), which decides the guarantees its tests check and
+            where the docs list it; set by the section of :data:`ARCHITECTURES` the entry is in.
     """
 
     attention: tuple[str, ...]
@@ -45,14 +47,24 @@ class ArchitectureSpec:
     head_dim_attribute: str = "head_dim"
     since: str | None = None
     shared_layers: bool = False
+    kind: str = ""
+
+
+#: The kinds of architecture, in the order the docs list them.
+KINDS = ("text encoder", "vision encoder", "audio encoder", "seq2seq", "decoder-only")
+
+
+def _of_kind(kind: str, entries: dict[str, ArchitectureSpec]) -> dict[str, ArchitectureSpec]:
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}, expected one of {KINDS}")
+    return {model_type: dataclasses.replace(spec, kind=kind) for model_type, spec in entries.items()}
 
 
 _FROM_CONFIG = "config.num_attention_heads"
 _QK = "qk_head_dim"  # multi-head latent attention's query/key head size (its values have another)
 _BART_FAMILY: dict[str, Any] = {"num_heads_attribute": "num_heads", "cross_attention": ("encoder_attn",)}
 
-#: Supported architectures, by transformers ``model_type``. All share the attention-interface path.
-ARCHITECTURES: dict[str, ArchitectureSpec] = {
+_TEXT_ENCODERS: dict[str, ArchitectureSpec] = {
     "bert": ArchitectureSpec(("BertSelfAttention",)),
     "roberta": ArchitectureSpec(("RobertaSelfAttention",)),
     "xlm-roberta": ArchitectureSpec(("XLMRobertaSelfAttention",)),
@@ -76,6 +88,9 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     # Local (sliding-window) and global layers form one chain; a local layer's mask removes the entries outside
     # its window, so its convolution never reads them (see masks.py).
     "modernbert": ArchitectureSpec(("ModernBertAttention",), num_heads_attribute=_FROM_CONFIG),
+}
+
+_VISION_ENCODERS: dict[str, ArchitectureSpec] = {
     "vit": ArchitectureSpec(("ViTAttention",)),
     "deit": ArchitectureSpec(("DeiTAttention",)),
     "vit_msn": ArchitectureSpec(("ViTMSNAttention",)),
@@ -89,8 +104,20 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "dinov2": ArchitectureSpec(("Dinov2Attention",), since="5.18.0"),
     "dinov2_with_registers": ArchitectureSpec(("Dinov2WithRegistersAttention",), since="5.18.0"),  # (as DINOv2)
     "ijepa": ArchitectureSpec(("IJepaAttention",)),
+}
+
+_AUDIO_ENCODERS: dict[str, ArchitectureSpec] = {
     # Audio Spectrogram Transformer: a ViT over patches of a fixed-length spectrogram (no padding mask).
     "audio-spectrogram-transformer": ArchitectureSpec(("ASTAttention",)),
+    # Speech encoders (wav2vec 2.0, HuBERT): a convolutional stem turns the waveform into frames, and a padding
+    # mask over the samples becomes one over the frames. Before 5.16 their encoders took no keyword arguments.
+    **{
+        model_type: ArchitectureSpec((f"{name}Attention",), num_heads_attribute="num_heads", since="5.16.0")
+        for model_type, name in {"wav2vec2": "Wav2Vec2", "hubert": "Hubert"}.items()
+    },
+}
+
+_SEQ2SEQ: dict[str, ArchitectureSpec] = {
     "t5": ArchitectureSpec(("T5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
     "mt5": ArchitectureSpec(("MT5Attention",), num_heads_attribute="n_heads", cross_attention=("EncDecAttention",)),
     # Before 5.16 its decoder's self-attention did not say it was causal (is_causal).
@@ -106,14 +133,11 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "blenderbot": ArchitectureSpec(("BlenderbotAttention",), **_BART_FAMILY),
     "blenderbot-small": ArchitectureSpec(("BlenderbotSmallAttention",), **_BART_FAMILY),
     "plbart": ArchitectureSpec(("PLBartAttention",), **_BART_FAMILY),
-    # Speech encoders (wav2vec 2.0, HuBERT): a convolutional stem turns the waveform into frames, and a padding
-    # mask over the samples becomes one over the frames. Before 5.16 their encoders took no keyword arguments.
-    **{
-        model_type: ArchitectureSpec((f"{name}Attention",), num_heads_attribute="num_heads", since="5.16.0")
-        for model_type, name in {"wav2vec2": "Wav2Vec2", "hubert": "Hubert"}.items()
-    },
     # Speech: the encoder reads audio features, which have no padding mask (Whisper pads audio with silence).
     "whisper": ArchitectureSpec(("WhisperAttention",), **_BART_FAMILY),
+}
+
+_DECODER_ONLY: dict[str, ArchitectureSpec] = {
     # Decoder-only language models: one causal chain. Grouped-query attention still has a map per query head,
     # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma 2/3,
     # Phi-3, StarCoder2, Cohere 2, VaultGemma) mask the entries outside their window, which the convolution then
@@ -186,6 +210,15 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     ),
 }
 
+#: Supported architectures, by transformers ``model_type``. All share the attention-interface path.
+ARCHITECTURES: dict[str, ArchitectureSpec] = {
+    **_of_kind("text encoder", _TEXT_ENCODERS),
+    **_of_kind("vision encoder", _VISION_ENCODERS),
+    **_of_kind("audio encoder", _AUDIO_ENCODERS),
+    **_of_kind("seq2seq", _SEQ2SEQ),
+    **_of_kind("decoder-only", _DECODER_ONLY),
+}
+
 
 def base_model_type(config) -> str:
     """The transformers model_type of a config, seen through an EA config class (``ea-bert`` -> ``bert``)."""
@@ -195,6 +228,18 @@ def base_model_type(config) -> str:
 def supported_model_types() -> list[str]:
     """The transformers ``model_type``s that evolving attention supports."""
     return sorted(ARCHITECTURES)
+
+
+def model_types_of_kind(kind: str) -> list[str]:
+    """The supported ``model_type``s of one kind (see :data:`KINDS`), in table order.
+
+    Example:
+        >>> model_types_of_kind("seq2seq")[:2]
+        ['t5', 'mt5']
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}, expected one of {KINDS}")
+    return [model_type for model_type, spec in ARCHITECTURES.items() if spec.kind == kind]
 
 
 def release(version: str) -> tuple[int, ...]:
