@@ -7,12 +7,13 @@ transformers and sibling files (single-dot relative imports).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from typing import Any
 
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from .attach import (
@@ -150,6 +151,7 @@ def patch(
     config_class = evolving_attention_config_class(type(model.config))
 
     original_attention = model.config._attn_implementation
+    _own_configs(model)
     attach_evolution(model, settings, plan)
     config = model.config
     config.__class__ = config_class
@@ -159,6 +161,21 @@ def patch(
     _register_output_capture(model)
     model._ea_original_attn_implementation = original_attention
     return model
+
+
+def _own_configs(model: nn.Module) -> None:
+    """Give the model copies of its config objects, so that patching changes nothing the caller holds.
+
+    Models built from one config share that object (and its sub-configs) with the caller and with each other:
+    patching it in place would make the next model built from it look patched. Every module that holds one of
+    the configs (the model, its base model, attention modules, rotary embeddings...) gets the same copy.
+    """
+    copies: dict[int, Any] = {}
+    copy.deepcopy(model.config, copies)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PreTrainedConfig) and id(value) in copies:
+                module.__dict__[name] = copies[id(value)]
 
 
 def unpatch(model: PreTrainedModel) -> PreTrainedModel:

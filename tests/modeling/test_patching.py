@@ -349,9 +349,15 @@ def test_unpatch_restores_the_original_model(model_type):
     inputs = tiny_inputs(model_type)
     original_type, keys, config_before = type(model), set(model.state_dict()), model.config.to_dict()
     implementation = model.config._attn_implementation  # sdpa, or eager where the model has no sdpa (Gemma 2)
+    callers_config, config_class = model.config, type(model.config)
     with torch.no_grad():
         reference = first_output(model(**inputs))
-    ea_hf.unpatch(ea_hf.patch(model, alpha=0.5, beta=0.5))
+    ea_hf.patch(model, alpha=0.5, beta=0.5)
+    # The model got a config of its own, shared by all its modules; the one the caller built it from is untouched.
+    assert model.config is not callers_config and callers_config.to_dict() == config_before
+    assert type(callers_config) is config_class and not hasattr(callers_config, "evolving_attention")
+    assert not [m for m in model.modules() if getattr(m, "config", model.config) is callers_config]
+    ea_hf.unpatch(model)
     assert type(model) is original_type and type(model.config) is type(tiny_model(model_type).config)
     assert set(model.state_dict()) == keys
     assert model.config.to_dict() == config_before
@@ -361,6 +367,23 @@ def test_unpatch_restores_the_original_model(model_type):
         assert torch.equal(first_output(model(**inputs)), reference)
     with pytest.raises(ValueError, match="not patched"):
         ea_hf.unpatch(model)
+
+
+def test_two_models_of_one_config_patch_and_unpatch_independently():
+    config = tiny_config("bert")
+    before = config.to_dict()
+    patched = ea_hf.patch(transformers.BertModel(config), alpha=0.2, beta=0.2)
+    plain = transformers.BertModel(config)  # built from the same config after the first was patched
+    assert type(config) is transformers.BertConfig and config.to_dict() == before
+    assert not ea_hf.is_patched(plain) and not hasattr(plain.config, "evolving_attention")
+    ea_hf.patch(plain, alpha=0.4, beta=0.1)  # not "already patched"
+    assert patched.config.evolving_attention["encoder"]["alpha"] == 0.2
+    assert plain.config.evolving_attention["encoder"]["alpha"] == 0.4
+    ea_hf.unpatch(patched)
+    assert ea_hf.is_patched(plain) and plain.config.evolving_attention["encoder"]["alpha"] == 0.4
+    assert patched.config.to_dict() == before and type(patched.config) is transformers.BertConfig
+    ea_hf.unpatch(plain)
+    assert plain.config.to_dict() == before == config.to_dict()
 
 
 def test_summary_counts_added_parameters(minilm):
