@@ -5,6 +5,7 @@ tasks comes from the recipe's task kind (``task_kind.py``).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -167,11 +168,19 @@ def run_recipe(
         raise FileExistsError(
             f"{run_dir} already holds a run; continue it with --resume (resume=True) or choose another output_dir"
         )
+    existed = run_dir.exists()
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RECIPE_FILE).write_text(recipe.to_yaml())
-    recipe = recipe.task_kind.before_training(recipe, run_dir, args)
-    trainer, eval_splits = prepare(recipe, run_dir, callbacks, args=args)
+    try:
+        recipe = recipe.task_kind.before_training(recipe, run_dir, args)
+        trainer, eval_splits = prepare(recipe, run_dir, callbacks, args=args)
+    except BaseException:
+        # Bad data or a model that does not load: a run that never started leaves no directory that a rerun
+        # would take for a run to --resume.
+        if is_main and not occupied:
+            _remove_run(run_dir, keep_folder=existed)
+        raise
     last = transformers.trainer_utils.get_last_checkpoint(str(run_dir / CHECKPOINTS)) if resume else None
     trainer.train(resume_from_checkpoint=last)
     if recipe.peft.merge:
@@ -182,6 +191,14 @@ def run_recipe(
         return results
     trainer.save_model(str(run_dir))  # the full model, or the adapter for a PEFT run
     return evaluate_splits(trainer, eval_splits, run_dir)
+
+
+def _remove_run(run_dir: Path, keep_folder: bool) -> None:
+    if not keep_folder:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for entry in run_dir.iterdir():
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
 def evaluate_run(run_dir: str | Path) -> dict[str, dict]:

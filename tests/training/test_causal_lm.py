@@ -3,6 +3,7 @@ pretrained checkpoint, two processes)."""
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -99,6 +100,51 @@ def test_perplexity_is_over_every_predicted_token():
 def test_bad_recipes_are_refused_before_anything_loads(overrides, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe("causal_lm/quickstart", overrides)
+
+
+#: Bad local corpora: (file name, bytes, what the one-line error says). Each names the file, and the line where
+#: there is one.
+BAD_TEXT_FILES = {
+    "empty": ("train.txt", b"", "the file is empty"),
+    "blank": ("train.txt", b"\n  \n\t\n", "the file is empty"),
+    "binary": ("train.txt", b"text\n\x7fELF\x02\x01\x00\x00", "line 2: a NUL byte: this looks like a binary file"),
+    "latin-1": ("train.txt", "caf\u00e9\nna\u00efve\n".encode("latin-1"), "line 1: not UTF-8 text"),
+    "malformed-jsonl": ("train.jsonl", b'{"text": "a"}\n{"text": "b"}\n{"text": "c"\n', "line 3: not JSON"),
+    "number-text": ("train.jsonl", b'{"text": "a"}\n{"text": 42}\n', "line 2: \"text\" holds int '42', expected a str"),
+    "null-text": ("train.jsonl", b'{"text": null}\n', "line 1: \"text\" holds NoneType"),
+    "missing-field": ("train.jsonl", b'{"body": "a"}\n', "line 1: no 'text' field \\(fields: body\\)"),
+    "not-an-object": ("train.jsonl", b'["a", "b"]\n', "line 1: a list, expected a JSON object"),
+    "empty-json-list": ("train.json", b"[]", "an empty list"),
+    "json-row": ("train.json", b'[{"text": "a"}, {"text": 1.5}]', "row 1: \"text\" holds float"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_TEXT_FILES)
+def test_bad_local_text_files_get_one_error_naming_the_file_and_line(name, tmp_path):
+    file_name, content, message = BAD_TEXT_FILES[name]
+    path = tmp_path / file_name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}(, (line|row) \\d+)?: .*") as error:
+        load_text_data(CausalLMData(source="local", files={"train": str(path)}))
+    assert re.search(message, str(error.value)) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["number-text", "binary"])
+def test_a_run_on_a_bad_file_exits_2_with_one_line_and_leaves_no_run_directory(name, tmp_path, capsys):
+    file_name, content, message = BAD_TEXT_FILES[name]
+    (tmp_path / file_name).write_bytes(content)
+    run_dir = tmp_path / "run"
+    files = f"data.files={{train: {tmp_path / file_name}}}"
+    assert main(["run", "causal_lm/quickstart", *TINY, "data.source=local", files, f"output_dir={run_dir}"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("ea-hf run: error: ") and str(tmp_path / file_name) in error
+    assert re.search(message, error) and len(error.splitlines()) == 1 and "Traceback" not in error
+    assert not run_dir.exists()  # nothing half-written that a rerun would take for a run to --resume
+    # With good data the same command runs into the same directory.
+    lines = [f"line {i} of some text to train on" for i in range(200)]
+    lines = [json.dumps({"text": line}) for line in lines] if file_name.endswith(".jsonl") else lines
+    (tmp_path / file_name).write_text("\n".join(lines) + "\n")
+    assert main(["run", "causal_lm/quickstart", *TINY, "data.source=local", files, f"output_dir={run_dir}"]) == 0
 
 
 # --------------------------------------------------------------------------------------------------
