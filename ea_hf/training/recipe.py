@@ -163,6 +163,18 @@ class DataSection:
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
 
+    def file_names(self) -> str:
+        """The local files (``files``), as a model card names them without publishing local paths: relative to
+        the folder that holds them all (``train.tsv, validation.tsv``)."""
+        paths = [Path(path) for path in self.files.values()]
+        parents = [path.parent.parts for path in paths]
+        common = 0
+        while parents and all(len(parts) > common for parts in parents):
+            if len({parts[common] for parts in parents}) > 1:
+                break
+            common += 1
+        return ", ".join(Path(*path.parts[common:]).as_posix() for path in paths)
+
 
 @dataclasses.dataclass
 class TrainSection:

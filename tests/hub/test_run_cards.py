@@ -35,8 +35,14 @@ QUICK = ["train.max_steps=2", "train.eval_strategy=no", "train.save_strategy=no"
 TINY_SERIES_MODEL = ["model.config.hidden_size=16", "model.config.num_layers=1", "model.config.num_attention_heads=2"]
 #: Per kind of run: pipeline tag, model-index task type, dataset name, the metrics and the Hub datasets.
 EXPECTED = {
-    "glue": ("text-classification", "text-classification", "GLUE SST-2", ("accuracy",), None),
-    "image": ("image-classification", "image-classification", "imagefolder", ("accuracy", "top5_accuracy"), None),
+    "glue": ("text-classification", "text-classification", "SST-2-format local files", ("accuracy",), None),
+    "image": (
+        "image-classification",
+        "image-classification",
+        "local image folders",
+        ("accuracy", "top5_accuracy"),
+        None,
+    ),  # fmt: skip
     "timeseries-classification": (
         None,
         "time-series-classification",
@@ -52,6 +58,15 @@ EXPECTED = {
         ("perplexity", "token_loss"),
         None,
     ),  # fmt: skip
+}
+#: Per kind of run: the card's base model (a Hub id read from the checkpoint; none for a local checkpoint of
+#: unknown origin or a model built from its config) and how the text names the training data.
+BASE_AND_DATA = {
+    "glue": ("sentence-transformers/all-MiniLM-L6-v2", "SST-2-format sentences in local files: train.tsv, "),
+    "image": (None, "images in local folders, one sub-folder per class: train, validation."),
+    "timeseries-classification": (None, "on the UEA/UCR archive's JapaneseVowels."),
+    "timeseries-regression": (None, "on series in local .ts files: train.ts, test.ts."),
+    "causal_lm": (None, "on the topic texts of the Python documentation (pydoc_data)."),
 }
 
 
@@ -113,11 +128,15 @@ def runs(tmp_path_factory, digits_folders) -> dict[str, Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
 def test_every_kind_of_run_gets_its_card_and_is_pushed_with_it(kind, runs, hub, monkeypatch, tmp_path):
-    pipeline_tag, task_type, dataset, metric_names, _ = EXPECTED[kind]
+    pipeline_tag, task_type, dataset, metric_names, hub_datasets = EXPECTED[kind]
     run_dir = runs[kind]
     metrics = read_metrics(run_dir)
     card = ModelCard(str(run_card(run_dir, f"test-user/{kind}")))  # as the Hub's parser reads it
-    assert card.data.pipeline_tag == pipeline_tag
+    assert card.data.pipeline_tag == pipeline_tag and card.data.datasets == hub_datasets
+    base_model, data_text = BASE_AND_DATA[kind]
+    assert card.data.base_model == base_model and data_text in card.text
+    assert getattr(card.data, "base_model_relation", None) == ("finetune" if base_model else None)
+    assert "package:" not in str(card) and str(run_dir.parent / "vit") not in card.text.split("```yaml")[0]
     results = {(r.dataset_split, r.metric_type): r for r in card.data.eval_results}
     assert set(results) == {(split, name) for split in metrics for name in metric_names}
     for (split, name), result in results.items():

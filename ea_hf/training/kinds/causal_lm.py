@@ -194,18 +194,22 @@ class CausalLMKind(TaskKind):
         data = recipe.data
         if data.source == "hub":
             name, kind, hub = data.hub_id, data.hub_id, (data.hub_id,)
+            text = f"{name} ({data.hub_config})" if data.hub_config else name
         elif data.source == PYTHON_DOCS:
             name, kind, hub = "Python documentation topics (pydoc_data)", PYTHON_DOCS, ()
+            text = "the topic texts of the Python documentation (pydoc_data)"
         else:
             name, kind, hub = "local text files", "local", ()
+            text = f"text in local files: {data.file_names()}"
         return CardInfo(
             pipeline_tag="text-generation",
             task_type="text-generation",
-            task_text=f"causal language modelling on {name}",
+            task_text="causal language modelling",
             dataset_name=name,
             dataset_type=kind,
             dataset_config=data.hub_config if data.source == "hub" else None,
             hub_datasets=hub,
+            data_text=text,
         )
 
     def load_data(self, recipe: Recipe):

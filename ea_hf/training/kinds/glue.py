@@ -223,14 +223,26 @@ class GlueKind(TaskKind):
     def card_info(self, recipe: Recipe) -> CardInfo:
         spec = GLUE_TASKS[recipe.data.task]
         hub_id = recipe.data.hub_id or DEFAULT_HUB_ID
+        if recipe.data.source == "hub":
+            return CardInfo(
+                pipeline_tag="text-classification",
+                task_type="text-classification",
+                task_text=f"GLUE {spec.title}",
+                dataset_name=f"GLUE {spec.title}",
+                dataset_type=hub_id,
+                dataset_config=spec.name,
+                hub_datasets=(hub_id,),
+            )
+        # Local files in a GLUE task's format: not GLUE's data, so named as what they are.
+        names = [column.rstrip("12") for column in spec.text_columns]
+        rows = f"{names[0]}s" if len(names) == 1 else f"{'-'.join(dict.fromkeys(names))} pairs"
         return CardInfo(
             pipeline_tag="text-classification",
             task_type="text-classification",
-            task_text=f"GLUE {spec.title}",
-            dataset_name=f"GLUE {spec.title}",
-            dataset_type=hub_id if recipe.data.source == "hub" else "local",
-            dataset_config=spec.name,
-            hub_datasets=(hub_id,) if recipe.data.source == "hub" else (),
+            task_text="text regression" if spec.is_regression else "text classification",
+            dataset_name=f"{spec.title}-format local files",
+            dataset_type="local",
+            data_text=f"{spec.title}-format {rows} in local files: {recipe.data.file_names()}",
         )
 
     def load_data(self, recipe: Recipe):

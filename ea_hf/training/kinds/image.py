@@ -207,15 +207,24 @@ class ImageKind(TaskKind):
         return ("accuracy", "top5_accuracy")
 
     def card_info(self, recipe: Recipe) -> CardInfo:
-        from_hub = recipe.data.source == "hub"
-        dataset = recipe.data.hub_id if from_hub else "imagefolder"  # a hub_id left in a local recipe is unused
+        if recipe.data.source == "hub":  # a hub_id left in a local recipe is unused
+            hub_id = recipe.data.hub_id
+            return CardInfo(
+                pipeline_tag="image-classification",
+                task_type="image-classification",
+                task_text="image classification",
+                dataset_name=hub_id,
+                dataset_type=hub_id,
+                hub_datasets=(hub_id,),
+                data_text=hub_id,
+            )
         return CardInfo(
             pipeline_tag="image-classification",
             task_type="image-classification",
             task_text="image classification",
-            dataset_name=dataset,
-            dataset_type=dataset,
-            hub_datasets=(recipe.data.hub_id,) if from_hub else (),
+            dataset_name="local image folders",
+            dataset_type="imagefolder",
+            data_text=f"images in local folders, one sub-folder per class: {recipe.data.file_names()}",
         )
 
     def load_data(self, recipe: Recipe):

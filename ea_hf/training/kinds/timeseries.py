@@ -289,6 +289,8 @@ class TimeSeriesKind(TaskKind):
         task = series_task(data)
         archive = "Monash TSER" if task == "regression" else "UEA/UCR"
         name = f"{archive} {data.archive}" if data.source == "uea" else "local .ts files"
+        # Neither the archives (aeon's copies) nor local files are Hub datasets: no ``datasets`` metadata.
+        text = f"the {archive} archive's {data.archive}" if data.source == "uea" else f"series in {name}"
         # The Hub has no pipeline for time-series classification or regression (only forecasting).
         return CardInfo(
             pipeline_tag=None,
@@ -296,6 +298,7 @@ class TimeSeriesKind(TaskKind):
             task_text=f"time-series {task}",
             dataset_name=name,
             dataset_type=data.archive if data.source == "uea" else "local",
+            data_text=text if data.source == "uea" else f"{text}: {data.file_names()}",
         )
 
     def model_details(self, config: dict[str, Any], recipe: Recipe) -> tuple[tuple[str, str], ...]:
