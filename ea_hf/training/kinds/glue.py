@@ -20,11 +20,14 @@ import numpy as np
 import transformers
 
 from ..recipe import DataSection, Recipe
+from ..rotten_tomatoes import rotten_tomatoes
 from ..task_kind import CardInfo, Preprocessed, TaskKind
 
 METRIC_DIR = Path(__file__).resolve().parents[1] / "metrics" / "glue"
 LABEL_COLUMN = "label"
 DEFAULT_HUB_ID = "nyu-mll/glue"
+#: ``data.source`` of the offline Rotten Tomatoes corpus (see :mod:`ea_hf.training.rotten_tomatoes`).
+ROTTEN_TOMATOES = "rotten-tomatoes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +91,12 @@ def load_glue_data(task: str, source: str = "hub", hub_id: str = DEFAULT_HUB_ID,
     if source == "hub":
         loaded = datasets.load_dataset(hub_id, task)
         splits = {split: loaded[split] for split in ("train", *spec.eval_splits) if split in loaded}
+    elif source == ROTTEN_TOMATOES:
+        if task != "sst2":
+            raise ValueError(f"data.source {ROTTEN_TOMATOES} holds SST-2-format sentences: data.task must be sst2")
+        corpus = rotten_tomatoes()
+        columns = ("sentence", LABEL_COLUMN)
+        splits = {split: datasets.Dataset.from_dict({c: rows[c] for c in columns}) for split, rows in corpus.items()}
     elif source == "local":
         splits = {}
         for split, path in dict(files).items():
@@ -100,7 +109,7 @@ def load_glue_data(task: str, source: str = "hub", hub_id: str = DEFAULT_HUB_ID,
             options = {"delimiter": "\t", "quoting": 3} if path.suffix.lower() == ".tsv" else {}
             splits[split] = datasets.load_dataset(builder, data_files={split: str(path)}, split=split, **options)
     else:
-        raise ValueError(f"unknown data source {source!r}; expected 'hub' or 'local'")
+        raise ValueError(f"unknown data source {source!r}; expected 'hub', 'local' or {ROTTEN_TOMATOES!r}")
     return datasets.DatasetDict({split: cast_labels(dataset, spec, split) for split, dataset in splits.items()})
 
 
@@ -178,10 +187,11 @@ def compute_metrics_fn(task: str):
 class GlueData(DataSection):
     """Kind ``glue``: the task names the columns and metric, not the source. ``source: hub`` reads ``hub_id``
     (default ``nyu-mll/glue``); ``source: local`` reads csv, tsv, json, jsonl or parquet files with the GLUE
-    column names."""
+    column names; ``source: rotten-tomatoes`` (task ``sst2``) is the offline corpus of
+    :mod:`ea_hf.training.rotten_tomatoes`: train, validation and test splits by film."""
 
     task: str = ""
-    source: Literal["hub", "local"] = "hub"
+    source: Literal["hub", "local", "rotten-tomatoes"] = "hub"
     max_length: int = 128
 
 
@@ -213,6 +223,8 @@ class GlueKind(TaskKind):
                 )
         if recipe.data.max_length <= 0:
             problems.append(("data.max_length", "must be positive"))
+        if recipe.data.source == ROTTEN_TOMATOES and task != "sst2":
+            problems.append(("data.task", f"must be sst2 with data.source: {ROTTEN_TOMATOES} (SST-2's sentences)"))
 
     def task_label(self, recipe: Recipe) -> str:
         return recipe.data.task
@@ -232,6 +244,15 @@ class GlueKind(TaskKind):
                 dataset_type=hub_id,
                 dataset_config=spec.name,
                 hub_datasets=(hub_id,),
+            )
+        if recipe.data.source == ROTTEN_TOMATOES:
+            return CardInfo(
+                pipeline_tag="text-classification",
+                task_type="text-classification",
+                task_text="sentiment classification",
+                dataset_name="Rotten Tomatoes review snippets (Pang and Lee)",
+                dataset_type="local",
+                data_text="Rotten Tomatoes review snippets (Pang and Lee; fresh = 1, rotten = 0), split by film",
             )
         # Local files in a GLUE task's format: not GLUE's data, so named as what they are.
         names = [column.rstrip("12") for column in spec.text_columns]
