@@ -50,27 +50,33 @@ def _base_model_text(name_or_path: str | None, architecture: str) -> str:
 
 
 def _recipe_yaml(recipe: Recipe) -> tuple[str, str | None]:
-    """The recipe as the card shows it: ``package:NAME`` checkpoints (the model, a tokenizer) named by their
-    Hub id where their files tell it; and the note that says so."""
-    replaced = []
+    """The recipe as the card shows it, and the note that says what was changed: ``package:NAME`` checkpoints
+    (the model, a tokenizer) named by their Hub id where their files tell it, and absolute local paths (data
+    files, the run directory, a local checkpoint) by their last component: a published card says what the
+    files were, not where they sat on the machine that trained it."""
+    replaced, shortened = [], []
 
-    def hub_ids(value: Any) -> Any:
+    def public(value: Any) -> Any:
         if isinstance(value, dict):
-            return {key: hub_ids(item) for key, item in value.items()}
+            return {key: public(item) for key, item in value.items()}
         if isinstance(value, list):
-            return [hub_ids(item) for item in value]
+            return [public(item) for item in value]
         if isinstance(value, str) and value.startswith("package:"):
             hub_id = _origin(value).hub_id
             if hub_id is not None:
                 replaced.append(hub_id)
                 return hub_id
+        if isinstance(value, str) and (Path(value).is_absolute() or value.startswith("~")):
+            shortened.append(value)
+            return Path(value).name
         return value
 
-    data = hub_ids(recipe.to_dict())
-    if not replaced:
+    data = public(recipe.to_dict())
+    notes = ["the checkpoints it read from a Python package are named by their Hub id"] if replaced else []
+    notes += ["local paths are shown by their file or folder name"] if shortened else []
+    if not notes:
         return recipe.to_yaml(), None
-    note = "the checkpoints it read from a Python package are named by their Hub id"
-    return yaml.safe_dump(data, sort_keys=False), note
+    return yaml.safe_dump(data, sort_keys=False), "; ".join(notes)
 
 
 def run_card(run_dir: str | Path, repo_id: str | None = None, license: Mapping[str, str] | None = None) -> ModelCard:

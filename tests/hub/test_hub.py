@@ -100,6 +100,10 @@ def test_the_card_names_the_base_model_by_its_hub_id_and_the_local_data_as_local
     assert "text classification on SST-2-format sentences in local files: train.tsv, validation.tsv." in card.text
     assert "name_or_path: sentence-transformers/all-MiniLM-L6-v2" in card.text  # the recipe, by Hub id
     assert "named by their Hub id" in card.text
+    # Where the run's files sat on the machine that trained it is nobody's business: paths by their names.
+    assert str(run_dir.parent) not in text and "sst2-sample" not in text and "/recipes/" not in text
+    assert "train: train.tsv" in card.text and "output_dir: quickstart" in card.text
+    assert "local paths are shown by their file or folder name" in card.text
 
 
 def hub_cache(root, repo_id, files):
