@@ -990,7 +990,11 @@ def main_parent(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(BENCH_DIR / "results"), help="output folder (default bench/results)")
+    parser.add_argument(
+        "--out",
+        default=str(BENCH_DIR / "results"),
+        help="output folder (default bench/results; a run to keep goes to bench/results/<machine>)",
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512], help="sequence lengths N")
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per process (default 5)")
     parser.add_argument(

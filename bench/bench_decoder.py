@@ -786,7 +786,11 @@ def collect(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--tiny`` replaces the lengths and repeats unless they are given explicitly."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(BENCH_DIR / "results"), help="output folder (default bench/results)")
+    parser.add_argument(
+        "--out",
+        default=str(BENCH_DIR / "results"),
+        help="output folder (default bench/results; a run to keep goes to bench/results/<machine>)",
+    )
     parser.add_argument("--lengths", type=int, nargs="+", help="context lengths N (default 512 2048; tiny 32 64)")
     parser.add_argument("--repeats", type=int, help="timed prefills per case (default 3; tiny 2)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed prefills before them (default 1)")

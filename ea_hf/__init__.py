@@ -8,7 +8,7 @@
 >>> ea_hf.summary(model).added_parameters
 296
 
-The package is layered (see the README, "Architecture"): ``modeling`` (the core, copied beside checkpoints),
+The package is layered (see docs/how-it-works.md): ``modeling`` (the core, copied beside checkpoints),
 ``ops`` and ``integrations``, ``training``, ``hub``, ``cli``; each imports only from the layers below it. The
 registrations that connect them run here, once: the EA Auto classes, the fused kernels
 and ``push_to_hub`` with model cards.
@@ -40,7 +40,7 @@ from .modeling import (
 from .modeling.dc_transformer import register as register_dc_transformer
 from .visualization import plot_attention
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 register_auto_classes()
 register_dc_transformer()

