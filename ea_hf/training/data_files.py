@@ -38,7 +38,8 @@ def _text_of(row: Any, column: str, where: str) -> None:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a {type(row).__name__}, expected a JSON object with a {column!r} field")
     if column not in row:
-        raise ValueError(f"{where}: no {column!r} field (fields: {', '.join(map(str, row)) or 'none'})")
+        fields = ", ".join(map(str, row)) or "none"
+        raise ValueError(f"{where}: no text column {column!r} (fields: {fields}); set data.text_column")
     if not isinstance(row[column], str):
         value = row[column]
         raise ValueError(f'{where}: "{column}" holds {type(value).__name__} {str(value)[:40]!r}, expected a string')

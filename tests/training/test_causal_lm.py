@@ -112,7 +112,7 @@ BAD_TEXT_FILES = {
     "malformed-jsonl": ("train.jsonl", b'{"text": "a"}\n{"text": "b"}\n{"text": "c"\n', "line 3: not JSON"),
     "number-text": ("train.jsonl", b'{"text": "a"}\n{"text": 42}\n', "line 2: \"text\" holds int '42', expected a str"),
     "null-text": ("train.jsonl", b'{"text": null}\n', "line 1: \"text\" holds NoneType"),
-    "missing-field": ("train.jsonl", b'{"body": "a"}\n', "line 1: no 'text' field \\(fields: body\\)"),
+    "missing-field": ("train.jsonl", b'{"body": "a"}\n', "line 1: no text column 'text' \\(fields: body\\)"),
     "not-an-object": ("train.jsonl", b'["a", "b"]\n', "line 1: a list, expected a JSON object"),
     "empty-json-list": ("train.json", b"[]", "an empty list"),
     "json-row": ("train.json", b'[{"text": "a"}, {"text": 1.5}]', "row 1: \"text\" holds float"),
