@@ -44,7 +44,7 @@ def test_every_problem_is_listed_at_once_with_its_path_and_a_suggestion():
     assert problems == {
         "nme": "unknown key (did you mean 'name'?)",
         "model.dropuot": "unknown key (did you mean 'dropout'?)",
-        "data.source": "must be one of hub, local; got 'locl' (did you mean 'local'?)",
+        "data.source": "must be one of hub, local, rotten-tomatoes; got 'locl' (did you mean 'local'?)",
         "ea.kernel_size": "expected an integer, got '3'",
         "train.batch_size": "expected an integer, got 8.5",
         "train.eval_strategy": "must be one of no, steps, epoch; got 'epochs' (did you mean 'epoch'?)",

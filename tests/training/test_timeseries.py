@@ -176,7 +176,7 @@ def test_timeseries_recipes_are_checked():
         recipe_from_dict(
             {"name": "t", "model": {"name_or_path": "m"}, "data": {"task": "rte"}}, ["data.validation_fraction=0.1"]
         )
-    with pytest.raises(RecipeError, match="data.source: must be one of hub, local; got 'uea'"):
+    with pytest.raises(RecipeError, match="data.source: must be one of hub, local, rotten-tomatoes; got 'uea'"):
         recipe_from_dict({"name": "t", "model": {"name_or_path": "m"}, "data": {"task": "rte", "source": "uea"}})
     with pytest.raises(RecipeError, match="expected a UEA/UCR .ts file"):
         recipe_from_dict({**base, "data": {"task": "regression", "source": "local", "files": {"train": "x.csv"}}})
