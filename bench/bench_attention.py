@@ -457,9 +457,11 @@ def run_kernel(
     the same maps (``builds`` in the result, by flags)."""
     import torch
 
+    from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps
     from ea_hf.ops import cpu
 
     torch.set_num_threads(threads)
+    step = EvolutionStep(EA_ALPHA, EA_BETA, context_rows=1)
     if not cpu.kernel_available():
         raise RuntimeError("no C++ compiler: the fused CPU kernel cannot be built on this machine")
     generator = torch.Generator().manual_seed(0)
@@ -478,17 +480,13 @@ def run_kernel(
             maps = sets[call % KERNEL_MAP_SETS]
             call += 1
             with cpu.using_library(library):
+                inputs = StepMaps(maps["scores"], maps["previous"], None)
+                incoming = GradientIn(maps["grad"], maps["addend"], spent=True)  # written over the incoming one
                 start = time.perf_counter()
-                _, gate = cpu.evolve(
-                    maps["scores"], maps["previous"], None, weight, bias, EA_ALPHA, 1.0 - EA_BETA, 1,
-                    in_place=True, gate=True,
-                )  # fmt: skip
+                _, gate = cpu.evolve(step, inputs, weight, bias, in_place=True, gate=True)
                 forward = time.perf_counter() - start
                 start = time.perf_counter()
-                cpu.backward(
-                    maps["scores"], maps["previous"], EA_ALPHA, None, maps["grad"], gate, weight, 1, EA_BETA,
-                    into=(maps["grad"], None), addend=maps["addend"], shared_map=True,
-                )  # fmt: skip
+                cpu.backward(step, inputs, incoming, gate, weight, shared_map=True)
                 backward = time.perf_counter() - start
             if repeat:  # (the first round warms up)
                 times[flags]["forward"].append(forward)

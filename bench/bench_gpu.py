@@ -199,21 +199,24 @@ def kernel_settings(variant: str, device_type: str) -> Iterator[dict[str, int]]:
     on the fused kernels' entry points (yielded); everything is put back afterwards, so that cases run in one
     process (and the tests beside them) do not inherit each other's settings.
 
-    ea_hf calls the kernels through their modules (``kernel.correlate(...)``), so replacing the module attributes
-    sees every call.
+    ea_hf calls the kernels through their modules (``kernel.correlate(...)``; the CPU kernel's correlation through
+    ``cpu_binding``), so replacing the module attributes sees every call.
     """
-    from ea_hf.ops import cpu, triton_kernels
+    from ea_hf.ops import cpu, cpu_binding, triton_kernels
 
     counts = {"triton_correlate": 0, "triton_backward": 0, "cpu_correlate": 0, "cpu_backward": 0}
     tiles = DRY_RUN_TILES if variant == "ea-triton" and device_type == "cpu" else {}
+    entry_points = {
+        "triton": ((triton_kernels, "correlate"), (triton_kernels, "backward")),
+        "cpu": ((cpu_binding, "correlate"), (cpu, "backward")),
+    }
     with contextlib.ExitStack() as stack:
         stack.enter_context(environment(variant_environment(variant, device_type)))
         stack.enter_context(attributes(triton_kernels, tiles))
-        for module, prefix in ((triton_kernels, "triton"), (cpu, "cpu")):
-            counted = {
-                name: counting(getattr(module, name), counts, f"{prefix}_{name}") for name in ("correlate", "backward")
-            }
-            stack.enter_context(attributes(module, counted))
+        for prefix, points in entry_points.items():
+            for module, name in points:
+                counted = {name: counting(getattr(module, name), counts, f"{prefix}_{name}")}
+                stack.enter_context(attributes(module, counted))
         yield counts
 
 

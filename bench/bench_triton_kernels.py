@@ -95,15 +95,15 @@ def evolve(inputs: dict[str, Any], mode: str, cast: Callable[[Any], Any] | None 
     import torch
 
     from ea_hf.modeling import convolution
+    from ea_hf.modeling.step import EvolutionStep, StepMaps
 
     given = {name: cast(value) if cast and torch.is_tensor(value) else value for name, value in inputs.items()}
     grad = mode != "in_place"
     scores = given["scores"].detach().requires_grad_() if grad else given["scores"].clone()
     previous, weight, bias = (given[name].detach().requires_grad_(grad) for name in ("previous", "weight", "bias"))
+    step = EvolutionStep(ALPHA, BETA, context_rows=1, causal=given["causal"])
     with torch.set_grad_enabled(grad):
-        output = convolution.evolve_convolution(
-            scores, given["keep"], weight, bias, BETA, given["causal"], None, 1, previous=previous, alpha=ALPHA
-        )
+        output = convolution.evolve_convolution(step, StepMaps(scores, previous, given["keep"]), weight, bias)
     if mode != "backward":
         return output, []
     output.backward(given["upstream"])

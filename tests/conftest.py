@@ -31,7 +31,7 @@ from testing import IMAGE_SIZE  # noqa: E402
 import ea_hf  # noqa: E402,F401  (registers the EA Auto classes)
 from ea_hf.modeling import convolution  # noqa: E402
 from ea_hf.modeling.architectures import ARCHITECTURES, installed_release_supports  # noqa: E402
-from ea_hf.ops import cpu  # noqa: E402
+from ea_hf.ops import cpu, cpu_binding  # noqa: E402
 
 _real_connect = socket.socket.connect
 
@@ -156,5 +156,5 @@ def evolution_path(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(convolution, "FUSED_KERNELS", [])
     else:  # the tests' small maps take the kernel's masked passes too (select_kept), as large ones do
-        monkeypatch.setattr(cpu, "SELECT_KEPT_MIN_ENTRIES", 0)
+        monkeypatch.setattr(cpu_binding, "SELECT_KEPT_MIN_ENTRIES", 0)
     return request.param

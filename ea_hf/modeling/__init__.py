@@ -5,12 +5,13 @@ otherwise only torch, transformers and huggingface_hub: transformers copies them
 checkpoint, so ``trust_remote_code=True`` loads it where ea_hf is not installed. This ``__init__`` is not
 copied; it only gathers the public names.
 
-Bottom to top: ``settings`` (the one definition of every setting), ``chain`` (the per-call state),
-``history`` (decoding), ``masks``, ``convolution`` (the evolution step and its autograd node, fused kernels
-plug in here), ``evolution`` and ``echo`` (the per-layer modules) with the ``methods`` registry, ``attention``
-(the transformers attention function), ``architectures`` (the table), ``attach`` (sites, plans, hooks),
-``config_classes`` and ``model_classes`` (the EA classes), ``patching`` (patch, unpatch, summary) and
-``dc_transformer`` (EA-DC-Transformer).
+Bottom to top: ``settings`` (the one definition of every setting), ``versions`` (release numbers), ``chain``
+(the per-call state), ``history`` (decoding), ``masks``, ``step`` (the evolution step's settings and maps, the
+protocol of fused kernels and the CPU kernel's gate format), ``convolution`` (the evolution step and its autograd
+node, fused kernels plug in here), ``evolution`` and ``echo`` (the per-layer modules) with the ``methods``
+registry, ``attention`` (the transformers attention function), ``architectures`` (the table), ``attach`` (sites,
+plans, hooks), ``config_classes`` and ``model_classes`` (the EA classes), ``patching`` (patch, unpatch, summary)
+and ``dc_transformer`` (EA-DC-Transformer).
 """
 
 from .architectures import ARCHITECTURES, ArchitectureSpec, supported_model_types

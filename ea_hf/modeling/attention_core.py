@@ -40,14 +40,8 @@ import math
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .convolution import (
-    evolve_backward,
-    evolve_convolution,
-    evolve_for_backward,
-    fused_kernel,
-    scale_kernel,
-    select_kept,
-)
+from .convolution import evolve_backward, evolve_convolution, evolve_step, fused_kernel, scale_kernel, select_kept
+from .step import EvolutionStep, GradientIn, StepMaps
 
 
 def exact_scaling(scaling: float) -> bool:
@@ -344,7 +338,7 @@ def scores_backward(
     """The gradients of Q and K (where ``needs`` says) of :func:`attention_scores` without bias or soft-capping,
     as autograd computes them through its operations. ``prescaled``: ``query`` is Q * scaling already (an
     :func:`exact_scaling`, see :func:`contiguous_query`). ``gradient_scale``: the gradient of S is
-    ``gradient_scale * grad_scores`` (a :class:`~.convolution.ScaledMap`), applied to the [B, H, N, D] results.
+    ``gradient_scale * grad_scores`` (a :class:`~.step.ScaledMap`), applied to the [B, H, N, D] results.
 
     Example:
         >>> q, k = torch.randn(1, 2, 3, 4, requires_grad=True), torch.randn(1, 2, 5, 4, requires_grad=True)
@@ -410,40 +404,21 @@ class EvolvingAttentionCore(torch.autograd.Function):
     """(output [B, H, Q, D], A_logit, attention weights) of one evolving attention layer, keeping A_logit, the
     ReLU gate and the dropout mask for backward (see the module docstring).
 
-    Inputs: ``query`` [B, H, Q, D], ``key`` and ``value`` [B, H_kv, K, D] (grouped-query attention: each of
-    the H_kv key/value heads serves H / H_kv query heads, see :func:`grouped_product`), ``previous`` (A_prev or
-    ``None``), ``position_bias`` (or ``None``), the convolution's ``weight`` and ``bias``, ``conv_mask`` (bool,
-    where entries may enter the convolution, or ``None``), ``allowed`` / ``additive`` (the attention mask, see
-    :func:`~.masks.split_attention_mask`), then the constants ``scaling``, ``softcap``, ``alpha``, ``beta``,
-    ``causal``, ``context_rows``, ``dropout`` (the probability; 0 outside training) and ``skip_masked_tails``
-    (see :class:`~.convolution.FusedKernel`), and ``spare_maps`` (the call's dict of maps that backward passes
-    down the layers, see :func:`leave_spare_map`; or ``None``). Half-precision queries give fp32 maps, as the
-    unfused path does.
+    Inputs: the layer's :class:`~.step.EvolutionStep`, ``query`` [B, H, Q, D], ``key`` and ``value``
+    [B, H_kv, K, D] (grouped-query attention: each of the H_kv key/value heads serves H / H_kv query heads, see
+    :func:`grouped_product`), ``previous`` (A_prev or ``None``), ``position_bias`` (or ``None``), the
+    convolution's ``weight`` and ``bias``, ``conv_mask`` (bool, where entries may enter the convolution, or
+    ``None``), ``allowed`` / ``additive`` (the attention mask, see :func:`~.masks.split_attention_mask`), then
+    the constants ``scaling``, ``softcap`` and ``dropout`` (the probability; 0 outside training), and
+    ``spare_maps`` (the call's dict of maps that backward passes down the layers, see :func:`leave_spare_map`;
+    or ``None``). Half-precision queries give fp32 maps, as the unfused path does.
     """
 
     @staticmethod
     def forward(
-        ctx,
-        query,
-        key,
-        value,
-        previous,
-        position_bias,
-        weight,
-        bias,
-        conv_mask,
-        allowed,
-        additive,
-        scaling,
-        softcap,
-        alpha,
-        beta,
-        causal,
-        context_rows,
-        dropout,
-        skip_masked_tails=False,
-        spare_maps=None,
-    ):
+        ctx, step, query, key, value, previous, position_bias, weight, bias, conv_mask, allowed, additive, scaling,
+        softcap, dropout, spare_maps=None,
+    ):  # fmt: skip
         # Keys and values as contiguous [B, H, K, D] (they arrive as views of the projections' [B, K, H * D]
         # outputs): every product with them, here and in backward, then reads them in place instead of copying
         # them first, and the copies saved for backward free the projections' outputs, so memory is unchanged.
@@ -459,10 +434,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
         else:
             scores = full_precision(attention_scores(query, key, scaling, position_bias, softcap))
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
-        logits, gate, _ = evolve_for_backward(
-            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, spend_scores=not small,
-            skip_masked_tails=skip_masked_tails,
-        )  # fmt: skip
+        maps = StepMaps(scores, previous, keep)
+        logits, gate, _ = evolve_step(step, maps, weight, bias, for_backward=True, spend_scores=not small)
         output, probabilities, full, dropout_mask = attend_values(logits, allowed, additive, value, dropout)
         # Kept: S and P (A_logit is kept by the next layer, as its A_prev). Else A_logit, to recompute P from.
         kept = (scores, full, None) if small else (None, None, logits)
@@ -474,8 +447,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         device = query.device.type
         # S is recomputed under the autocast state it was computed under (a matmul may run in half precision).
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.constants = (scaling, softcap, alpha, beta, context_rows, dropout)
-        ctx.skip_masked_tails, ctx.spare_maps = skip_masked_tails, spare_maps
+        ctx.step, ctx.constants, ctx.spare_maps = step, (scaling, softcap, dropout), spare_maps
         ctx.set_materialize_grads(False)
         return output, logits, probabilities
 
@@ -486,7 +458,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         saved = ctx.saved_tensors  # unpacked once: non-reentrant checkpointing refuses a second unpack
         query, key, value, previous, position_bias, weight, bias, gate, conv_mask, allowed, additive, mask = saved[:12]
         kept_scores, kept_probabilities, logits = saved[12:]  # S and P where forward kept them, else A_logit
-        scaling, softcap, alpha, beta, context_rows, dropout = ctx.constants
+        step, (scaling, softcap, dropout) = ctx.step, ctx.constants
         # P again (bit-identical to forward's) where it was not kept; then the gradients of dropout(P) @ V and of
         # the softmax.
         if kept_probabilities is not None:
@@ -541,30 +513,24 @@ class EvolvingAttentionCore(torch.autograd.Function):
             # Which of them need a gradient comes from the inputs (the saved keys are a contiguous copy of them).
             leaves = [
                 None if t is None else t.detach().requires_grad_(ctx.needs_input_grad[index])
-                for t, index in ((query, 0), (key, 1), (position_bias, 4))
+                for t, index in ((query, 1), (key, 2), (position_bias, 5))
             ]
             device, autocast, autocast_dtype = ctx.autocast
             with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
                 scores = full_precision(attention_scores(leaves[0], leaves[1], scaling, leaves[2], softcap))
-        scaled_weight, _ = scale_kernel(weight, bias, beta, scores.dtype)
+        scaled_weight, _ = scale_kernel(weight, bias, step.beta, scores.dtype)
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
         grad_scores, grad_previous, grad_weight, grad_bias = evolve_backward(
-            scores.detach(),
-            previous,
-            keep,
+            step,
+            StepMaps(scores.detach(), previous, keep),
+            # G is spent here: the gradients may go over it. The next layer's gradient, through its A_prev, is
+            # added as the kernel reads.
+            GradientIn(grad_evolved, grad_logits, spent=True),
             gate,
             scaled_weight,
-            grad_evolved,
-            alpha,
-            beta,
-            context_rows,
-            needs_input=any(ctx.needs_input_grad[i] for i in (0, 1, 3, 4)),
-            needs_kernel=ctx.needs_input_grad[5] or ctx.needs_input_grad[6],
-            # Gradients over maps spent here: G, and a recomputed P (a kept one may be the caller's weights).
-            spent=(grad_evolved, recomputed),
-            grad_addend=grad_logits,  # the next layer's, through its A_prev: added as the kernel reads
+            needs_input=any(ctx.needs_input_grad[i] for i in (1, 2, 4, 5)),
+            needs_kernel=ctx.needs_input_grad[6] or ctx.needs_input_grad[7],
             scaled_scores=True,  # S's gradient may share A_prev's map (see ScaledMap)
-            skip_masked_tails=ctx.skip_masked_tails,
         )
         del grad_evolved, full
         if spent_scores is not None and previous is not None:  # a layer below, whose backward comes next
@@ -572,7 +538,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         if ctx.plain:
             grad_query, grad_key, grad_positions = None, None, None
             if grad_scores is not None:
-                needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+                needs = (ctx.needs_input_grad[1], ctx.needs_input_grad[2])
                 prescaled = ctx.product_scaling != scaling
                 grad_query, grad_key = scores_backward(
                     grad_scores.map, query, key, scaling, needs, prescaled, gradient_scale=grad_scores.scale
@@ -590,7 +556,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
             grad_query, grad_key, grad_positions = (None if t is None else grads.get(id(t)) for t in leaves)
         if grad_weight is not None:
             grad_weight, grad_bias = grad_weight.to(weight.dtype), grad_bias.to(bias.dtype)
-        return (grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias, *[None] * 12)
+        grads = (grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias)
+        return None, *grads, *[None] * 7
 
 
 #: Operators whose outputs :func:`compiled_core` keeps for backward: the fused kernel's A_logit and gate, and
@@ -607,6 +574,7 @@ def _keep_logits_and_gate(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def compiled_core(
+    step: EvolutionStep,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -619,27 +587,23 @@ def compiled_core(
     additive: torch.Tensor | None,
     scaling: float,
     softcap: float | None,
-    alpha: float,
-    beta: float,
-    causal: bool,
-    context_rows: int,
     dropout: float,
-    skip_masked_tails: bool = False,
     spare_maps: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What :class:`EvolvingAttentionCore` computes, with the arguments of its ``apply``, in a form ``torch.compile``
-    traces (whose kernel operators correlate the masked tails too: ``skip_masked_tails`` changes nothing here, nor
-    ``spare_maps``: a compiled graph plans its own buffers): the layer's operators inside a selective activation
-    checkpoint that keeps A_logit and the gate of the fused CPU kernel (and dropout's mask) and recomputes S and P in
-    backward, as the core does. Without it, a compiled training step keeps S, A_logit and P per layer (1.5x a compiled
-    eager step's memory at N = 512). Where the maps are small (:func:`keeps_small_maps`), S is kept (computed before the
-    checkpoint) and only P is recomputed. Where no fused kernel applies (the torch-operation path: recomputing would
-    repeat its convolution), the operators run without a checkpoint.
+    traces (whose kernel operators correlate the masked tails too: the step's ``skip_masked_tails`` is left out here,
+    and ``spare_maps`` unused: a compiled graph plans its own buffers): the layer's operators inside a selective
+    activation checkpoint that keeps A_logit and the gate of the fused CPU kernel (and dropout's mask) and recomputes
+    S and P in backward, as the core does. Without it, a compiled training step keeps S, A_logit and P per layer
+    (1.5x a compiled eager step's memory at N = 512). Where the maps are small (:func:`keeps_small_maps`), S is kept
+    (computed before the checkpoint) and only P is recomputed. Where no fused kernel applies (the torch-operation
+    path: recomputing would repeat its convolution), the operators run without a checkpoint.
 
     Example:
         >>> q, k, v = (torch.randn(1, 2, 20, 4) for _ in range(3))
         >>> weight, bias = torch.randn(2, 2, 3, 3), torch.zeros(2)
-        >>> arguments = (q, k, v, None, None, weight, bias, None, None, None, 0.5, None, 0.0, 0.3, False, 1, 0.0)
+        >>> step = EvolutionStep(alpha=0.0, beta=0.3, context_rows=1)
+        >>> arguments = (step, q, k, v, None, None, weight, bias, None, None, None, 0.5, None, 0.0)
         >>> got, expected = compiled_core(*arguments), EvolvingAttentionCore.apply(*arguments)
         >>> all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
         True
@@ -648,11 +612,12 @@ def compiled_core(
     def scores_of(query, key, position_bias):
         return full_precision(attention_scores(query, key, scaling, position_bias, softcap))
 
+    # The masked tails correlated as the operators correlate them, also where this runs uncompiled.
+    whole_rows = EvolutionStep(step.alpha, step.beta, step.context_rows, step.causal)
+
     def after_scores(scores, value, previous, weight, bias):
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
-        logits = evolve_convolution(
-            scores, keep, weight, bias, beta, causal, None, context_rows, previous=previous, alpha=alpha
-        )
+        logits = evolve_convolution(whole_rows, StepMaps(scores, previous, keep), weight, bias)
         output, probabilities, _, _ = attend_values(logits, allowed, additive, value, dropout)
         return output, logits, probabilities
 

@@ -11,73 +11,11 @@ transformers and sibling files (single-dot relative imports).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
-
 import torch
 import torch.nn.functional as F
 
 from .history import ConvolutionHistory
-
-
-class FusedKernel(Protocol):
-    """What a fused implementation of the evolution step provides (see ``ea_hf.ops.cpu`` for one).
-
-    ``evolve`` is the forward step with beta-scaled weights: (A_logit, the ReLU gate in the form its ``backward``
-    reads: a bool map, or the CPU kernel's :func:`packed_gate`), or with ``in_place``
-    A_logit written over ``scores`` and no gate unless ``gate``; ``convolve`` a plain correlation plus bias whose
-    output row i reads input rows ``i + row_shift ..``; ``backward`` the step's gradients (see
-    ``ea_hf.ops.cpu.backward``; with ``shared_map=True`` it may return S's gradient as a :class:`ScaledMap` of
-    A_prev's); ``select_kept`` the attention core's masked passes, ``keep ? scale * x : fill`` (into ``out`` where
-    given), or ``None`` where the kernel does not take them (see :func:`select_kept`). ``skip_masked_tails``: the
-    caller's softmax masks, in every layer of the chain, the entries right of
-    each row's last kept column, so a kernel may leave them out (the CPU kernel does, see
-    ``ea_hf.ops.cpu.forward_correlation``).
-    """
-
-    def applicable(
-        self, *tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor
-    ) -> bool: ...
-
-    def evolve(
-        self,
-        scores: torch.Tensor,
-        previous: torch.Tensor | None,
-        keep: torch.Tensor | None,
-        weight: torch.Tensor,
-        bias: torch.Tensor,
-        alpha: float,
-        blend: float,
-        context_rows: int,
-        *,
-        in_place: bool,
-        gate: bool | None = None,
-        skip_masked_tails: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-    def convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> Any: ...
-
-    def backward(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]: ...
-
-    def select_kept(
-        self, x: torch.Tensor, keep: torch.Tensor, scale: float, fill: float, out: torch.Tensor | None
-    ) -> torch.Tensor | None: ...
-
-
-class ScaledMap(NamedTuple):
-    """``scale * map``, not multiplied out: a fused backward writes the gradient of A_in once, as A_prev's
-    gradient alpha * G_in, and gives S's, (1 - alpha) * G_in, as that map times (1 - alpha) / alpha. The
-    attention core folds the factor into the products that consume S's gradient (the gradients of Q and K):
-    one [B, H, Q, K] map less to write and to allocate in every layer's backward.
-
-    Example:
-        >>> gradient = ScaledMap(torch.ones(2), 0.5)
-        >>> gradient.scale * gradient.map
-        tensor([0.5000, 0.5000])
-    """
-
-    map: torch.Tensor
-    scale: float
-
+from .step import EvolutionStep, FusedKernel, GradientIn, ScaledMap, StepMaps, unpacked_gate
 
 #: Fused kernels, tried in order; registered by ``ea_hf.ops`` (remote-code copies of this file have none).
 FUSED_KERNELS: list[FusedKernel] = []
@@ -139,18 +77,15 @@ class EvolveConvolution(torch.autograd.Function):
     materialising A_in, the gated gradient or the masked input. Elsewhere (GPU, float64, no compiler) the
     same steps run as torch operations.
 
-    ``previous`` is A_prev (``None``: A_in = S); ``keep`` is a float 0/1 mask broadcastable to S (``None``:
-    every entry enters the convolution); ``causal`` marks a kernel that has only the rows at and above its
-    centre.
+    The maps are those of :class:`~.step.StepMaps`, one argument each (autograd differentiates arguments).
     """
 
     @staticmethod
-    def forward(ctx, scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, skip_masked_tails=False):
-        logits, gate, scaled_weight = evolve_for_backward(
-            scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, skip_masked_tails=skip_masked_tails
-        )
+    def forward(ctx, step: EvolutionStep, scores, previous, keep, weight, bias):
+        maps = StepMaps(scores, previous, keep)
+        logits, gate, scaled_weight = evolve_step(step, maps, weight, bias, for_backward=True)
         ctx.save_for_backward(scores, previous, gate, scaled_weight, keep)
-        ctx.alpha, ctx.beta, ctx.context_rows, ctx.skip_masked_tails = alpha, beta, context_rows, skip_masked_tails
+        ctx.step = step
         return logits
 
     @staticmethod
@@ -159,125 +94,65 @@ class EvolveConvolution(torch.autograd.Function):
     def backward(ctx, grad_logits):
         scores, previous, gate, scaled_weight, keep = ctx.saved_tensors
         grad_scores, grad_previous, grad_weight, grad_bias = evolve_backward(
-            scores,
-            previous,
-            keep,
+            ctx.step,
+            StepMaps(scores, previous, keep),
+            GradientIn(grad_logits),
             gate,
             scaled_weight,
-            grad_logits,
-            ctx.alpha,
-            ctx.beta,
-            ctx.context_rows,
-            needs_input=ctx.needs_input_grad[0] or ctx.needs_input_grad[1],
-            needs_kernel=ctx.needs_input_grad[3] or ctx.needs_input_grad[4],
-            skip_masked_tails=ctx.skip_masked_tails,
+            needs_input=ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
+            needs_kernel=ctx.needs_input_grad[4] or ctx.needs_input_grad[5],
         )
-        return grad_scores, grad_previous, None, grad_weight, grad_bias, None, None, None, None, None
-
-
-def evolve_for_backward(
-    scores: torch.Tensor,
-    previous: torch.Tensor | None,
-    keep: torch.Tensor | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    alpha: float,
-    beta: float,
-    causal: bool,
-    context_rows: int,
-    *,
-    spend_scores: bool = False,
-    skip_masked_tails: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(A_logit, the ReLU gate, the beta-scaled weight) of a step that :func:`evolve_backward` will
-    differentiate. S is left as it is (backward needs it), or with ``spend_scores`` (backward recomputes it)
-    the fused kernel may write A_logit over it."""
-    options = {"for_backward": True, "spend_scores": spend_scores, "skip_masked_tails": skip_masked_tails}
-    return scaled_step(
-        scores, keep, weight, bias, beta, causal, None, context_rows, previous=previous, alpha=alpha, **options
-    )
-
-
-def scaled_step(
-    scores: torch.Tensor,
-    keep: torch.Tensor | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    beta: float,
-    *args: Any,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(A_logit, the ReLU gate or None, the beta-scaled weight): :func:`evolve_step`, with its arguments, after
-    scaling the kernel by beta (see :func:`scale_kernel`)."""
-    scaled_weight, scaled_bias = scale_kernel(weight, bias, beta, scores.dtype)
-    return *evolve_step(scores, keep, scaled_weight, scaled_bias, beta, *args, **kwargs), scaled_weight
+        return None, grad_scores, grad_previous, None, grad_weight, grad_bias
 
 
 def evolve_backward(
-    scores: torch.Tensor,
-    previous: torch.Tensor | None,
-    keep: torch.Tensor | None,
+    step: EvolutionStep,
+    maps: StepMaps,
+    grad: GradientIn,
     gate: torch.Tensor,
     scaled_weight: torch.Tensor,
-    grad_logits: torch.Tensor,
-    alpha: float,
-    beta: float,
-    context_rows: int,
     *,
     needs_input: bool = True,
     needs_kernel: bool = True,
-    spent: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-    grad_addend: torch.Tensor | None = None,
     scaled_scores: bool = False,
-    skip_masked_tails: bool = False,
 ) -> tuple[torch.Tensor | ScaledMap | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of S, A_prev, the weight and the bias (of the parameters, not the beta-scaled kernel) of
     A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha), given the
-    ReLU gate of the forward step and the gradient of A_logit.
+    ReLU gate of the forward step, its beta-scaled kernel weight and the gradient of A_logit.
 
     On a fused kernel one pass gives all four (it applies the ReLU gate and the residual mix as it reads;
-    nothing is materialised but the gradients); elsewhere torch operations compute what is asked for.
-    ``spent`` names maps the caller no longer needs (``grad_logits`` itself may be the first): the kernel may
-    write the gradients of S and of A_prev over them instead of allocating maps. ``grad_addend`` is a second
-    gradient of A_logit, added to ``grad_logits`` (by the kernel as it reads them, where one runs).
+    nothing is materialised but the gradients); elsewhere torch operations compute what is asked for. With
+    ``grad.spent``, the gradients of S and of A_prev may be written over ``grad.grad``; ``grad.addend`` is added
+    to it (by the kernel as it reads them, where one runs).
     ``scaled_scores``: S's gradient is returned as a :class:`ScaledMap`, which a fused kernel may share with
     A_prev's (one map written instead of two); A_prev's is then ``None`` where alpha is 0 (no gradient flows).
     """
+    scores, previous, keep = maps
     kernel_rows, kernel_columns = scaled_weight.shape[-2:]
     grad_scores = grad_previous = grad_weight = grad_bias = None
-    kernel = fused_kernel(scores, previous, grad_logits, keep=keep, weight=scaled_weight)
+    kernel = fused_kernel(scores, previous, grad.grad, keep=keep, weight=scaled_weight)
     if kernel is not None:
         grad_scores, grad_previous, grad_weight, grad_bias = kernel.backward(
-            scores,
-            previous,
-            alpha,
-            keep,
-            grad_logits,
-            gate,
-            scaled_weight,
-            context_rows,
-            beta,
-            spent,
-            grad_addend,
-            shared_map=scaled_scores,
-            skip_masked_tails=skip_masked_tails,
+            step, maps, grad, gate, scaled_weight, shared_map=scaled_scores
         )
     else:
-        grad_logits = plus_addend(grad_logits, grad_addend, owned=spent[0] is grad_logits)
+        grad_logits = plus_addend(grad.grad, grad.addend, owned=grad.spent)
         # Gradients of A_in go to S and A_prev in the proportions of the residual mix.
-        scales = (1.0, None) if previous is None else (1.0 - alpha, alpha)
+        scales = (1.0, None) if previous is None else (1.0 - step.alpha, step.alpha)
         grad_convolved = relu_gate(grad_logits, gate)
         if needs_input:
             grad_scores, grad_previous = convolution_input_grad(
-                grad_convolved, scaled_weight, keep, grad_logits, beta, context_rows, scales=scales
+                step, grad_convolved, scaled_weight, keep, grad_logits, scales=scales
             )
         if needs_kernel:
-            attention_in = scores if previous is None else torch.lerp(scores, previous, alpha)
+            attention_in = scores if previous is None else torch.lerp(scores, previous, step.alpha)
             conv_input = attention_in if keep is None else attention_in * keep
-            grad_weight = convolution_weight_grad(conv_input, grad_convolved, kernel_rows, kernel_columns, context_rows)
+            grad_weight = convolution_weight_grad(
+                conv_input, grad_convolved, kernel_rows, kernel_columns, step.context_rows
+            )
             grad_bias = grad_convolved.sum((0, 2, 3))
     if grad_weight is not None:  # gradients of the beta-scaled kernel, brought back to the parameters
-        grad_weight, grad_bias = beta * grad_weight, beta * grad_bias
+        grad_weight, grad_bias = step.beta * grad_weight, step.beta * grad_bias
     if scaled_scores and isinstance(grad_scores, torch.Tensor):
         grad_scores = ScaledMap(grad_scores, 1.0)
     return grad_scores, grad_previous, grad_weight, grad_bias
@@ -307,113 +182,104 @@ def scale_kernel(
 
 
 def evolve_step(
-    scores: torch.Tensor,
-    keep: torch.Tensor | None,
-    scaled_weight: torch.Tensor,
-    scaled_bias: torch.Tensor,
-    beta: float,
-    causal: bool,
-    history: ConvolutionHistory | None,
-    context_rows: int,
+    step: EvolutionStep,
+    maps: StepMaps,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    history: ConvolutionHistory | None = None,
     *,
-    previous: torch.Tensor | None = None,
-    alpha: float = 0.0,
     for_backward: bool = False,
     spend_scores: bool = False,
-    skip_masked_tails: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(A_logit, the ReLU gate for backward if ``for_backward``) for the rows of S, with beta-scaled kernel
-    weights (``skip_masked_tails``: see :class:`FusedKernel`).
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(A_logit, the ReLU gate for backward if ``for_backward``, the beta-scaled weight) for the rows of S: the
+    kernel is scaled by beta first (see :func:`scale_kernel`).
 
-    A_in is S, or with ``previous`` the residual mix lerp(S, previous, alpha): the CPU kernel mixes as it
-    reads; elsewhere it is computed in S's storage, or in a new tensor ``for_backward`` (which keeps S; the
-    fused kernel writes A_logit over S all the same with ``spend_scores``). The gate says where the ReLU output
-    is positive: a bool map (a quarter of a float map's memory), or on the CPU kernel :func:`packed_gate`'s form
-    (an eighth of that). Row i of a causal convolution reads input
-    rows i - c .. i (c = ``context_rows``); ``history`` supplies the earlier rows of step-by-step decoding.
+    A_in is S, or with A_prev the residual mix lerp(S, A_prev, alpha): the CPU kernel mixes as it reads;
+    elsewhere it is computed in S's storage, or in a new tensor ``for_backward`` (which keeps S; the fused kernel
+    writes A_logit over S all the same with ``spend_scores``: backward recomputes it). The gate says where the
+    ReLU output is positive: a bool map (a quarter of a float map's memory), or on the CPU kernel
+    :func:`~.step.packed_gate`'s form (an eighth of that). Row i of a causal convolution reads input rows
+    i - c .. i (c = ``step.context_rows``); ``history`` supplies the earlier rows of step-by-step decoding.
     """
-    blend = 1.0 - beta
+    scores, previous, keep = maps
+    scaled_weight, scaled_bias = scale_kernel(weight, bias, step.beta, scores.dtype)
     if history is not None and history.rows is None:
         # The first step of cached decoding (a prefill) has no earlier rows: it only needs to leave its last
         # rows behind, and can otherwise run like an uncached forward, on the fused kernel.
-        begin_history(history, scores, previous, alpha, keep, context_rows)
+        begin_history(step, maps, history)
         history = None
     kernel = None if history is not None else fused_kernel(scores, previous, keep=keep, weight=scaled_weight)
     if kernel is not None:
         # Without autograd, or with spend_scores (backward recomputes it), S is not needed afterwards: the
         # kernel writes A_logit over it.
-        step = (scores, previous, keep, scaled_weight, scaled_bias, alpha, blend, context_rows)
         in_place = spend_scores or not for_backward
-        return kernel.evolve(*step, in_place=in_place, gate=for_backward, skip_masked_tails=skip_masked_tails)
+        logits, gate = kernel.evolve(step, maps, scaled_weight, scaled_bias, in_place=in_place, gate=for_backward)
+        return logits, gate, scaled_weight
     attention_in = scores
     if previous is not None:
-        attention_in = torch.lerp(scores, previous, alpha) if for_backward else scores.lerp_(previous, alpha)
+        attention_in = torch.lerp(scores, previous, step.alpha) if for_backward else scores.lerp_(previous, step.alpha)
     conv_input = attention_in if keep is None else attention_in * keep
     rows_before = columns_before = 0
     kernel = None
     if history is not None:
-        conv_input, rows_before, columns_before = history.extend(conv_input, context_rows)
+        conv_input, rows_before, columns_before = history.extend(conv_input, step.context_rows)
         # A decoding step with earlier rows: the fused kernel convolves the extended map (earlier rows + this
         # step's, already mixed and masked) like the padded convolution below; only this step's rows are kept,
         # and the ReLU below runs on them alone.
-        kernel = fused_kernel(conv_input, weight=scaled_weight) if causal else None
+        kernel = fused_kernel(conv_input, weight=scaled_weight) if step.causal else None
     if kernel is not None:
-        convolved = kernel.convolve(conv_input, scaled_weight, scaled_bias, row_shift=-context_rows)
+        convolved = kernel.convolve(conv_input, scaled_weight, scaled_bias, row_shift=-step.context_rows)
     else:
         # Padding `context_rows` on both sides: a causal kernel (its last row at the centre) then produces
         # `context_rows` extra rows at the bottom, and output row i reads input rows i - c .. i. Autocast off:
         # it would convolve in half precision.
         with torch.autocast(conv_input.device.type, enabled=False):
-            padding = (context_rows, scaled_weight.shape[-1] // 2)
+            padding = (step.context_rows, scaled_weight.shape[-1] // 2)
             convolved = F.conv2d(conv_input, scaled_weight, scaled_bias, padding=padding)
-    if causal:
+    if step.causal:
         rows, columns = scores.shape[-2:]
         convolved = convolved[..., rows_before : rows_before + rows, columns_before : columns_before + columns]
     convolved = convolved.relu_()
     if for_backward:
-        return torch.add(convolved, attention_in, alpha=blend), convolved > 0
-    return convolved.add_(attention_in, alpha=blend), None
+        return torch.add(convolved, attention_in, alpha=1.0 - step.beta), convolved > 0, scaled_weight
+    return convolved.add_(attention_in, alpha=1.0 - step.beta), None, scaled_weight
 
 
 def begin_history(
-    history: ConvolutionHistory,
-    scores: torch.Tensor,
-    previous: torch.Tensor | None,
-    alpha: float,
-    keep: torch.Tensor | None,
-    context_rows: int,
-    query_length: int | None = None,
+    step: EvolutionStep, maps: StepMaps, history: ConvolutionHistory, query_length: int | None = None
 ) -> None:
-    """Record the last ``context_rows`` rows of the convolution input (A_in, masked) of a first decoding step.
+    """Record the last ``step.context_rows`` rows of the convolution input (A_in, masked) of a first decoding
+    step.
 
-    ``scores``, ``previous`` and ``keep`` may hold only the step's last rows when ``query_length`` gives how
-    many it has (``keep`` may also have a single, broadcast row)."""
-    rows = slice(scores.shape[-2] - min(context_rows, scores.shape[-2]), None)
+    The maps may hold only the step's last rows when ``query_length`` gives how many it has (``keep`` may also
+    have a single, broadcast row)."""
+    scores, previous, keep = maps
+    rows = slice(scores.shape[-2] - min(step.context_rows, scores.shape[-2]), None)
     last = scores[..., rows, :]
     if previous is not None:
-        last = torch.lerp(last, previous[..., rows, :], alpha)
+        last = torch.lerp(last, previous[..., rows, :], step.alpha)
     if keep is not None:
         last = last * keep[..., rows, :] if keep.shape[-2] > 1 else last * keep
     history.begin(last, scores.shape[-2] if query_length is None else query_length)
 
 
 def convolution_input_grad(
+    step: EvolutionStep,
     grad_convolved: torch.Tensor,
     scaled_weight: torch.Tensor,
     keep: torch.Tensor | None,
     grad_logits: torch.Tensor,
-    beta: float,
-    context_rows: int,
     scales: tuple[float, float | None] = (1.0, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradient of A_logit with respect to A_in: the transposed convolution of the ReLU-gated gradient
     ``grad_convolved``, masked like the forward input, plus (1 - beta) times the incoming gradient; returned
     times each of ``scales`` (the second ``None``: not needed). The CPU kernel computes the same in
-    ``ea_hf.ops.cpu.backward``.
+    ``ea_hf.ops.cpu_binding.backward_pass``.
 
     The transposed convolution is a convolution with the kernel flipped in both directions and its channels
     swapped; a causal kernel then reads rows i .. i + c (the rows whose outputs read row i).
     """
+    context_rows = step.context_rows
     transposed = scaled_weight.flip(-2, -1).transpose(0, 1)
     shift = scaled_weight.shape[-2] - 1 - context_rows  # c for a centred kernel, 0 for a causal one
     grad_in = F.conv2d(grad_convolved, transposed, padding=(context_rows, scaled_weight.shape[-1] // 2))
@@ -421,111 +287,47 @@ def convolution_input_grad(
     grad_in = grad_in[..., offset : offset + grad_logits.shape[-2], :]
     if keep is not None:
         grad_in = grad_in.mul_(keep)
-    grad_in = grad_in.add_(grad_logits, alpha=1.0 - beta)
+    grad_in = grad_in.add_(grad_logits, alpha=1.0 - step.beta)
     second = None if scales[1] is None else grad_in * scales[1]
     return (grad_in if scales[0] == 1.0 else grad_in.mul_(scales[0])), second
 
 
 def relu_gate(grad: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The gradient through the ReLU, given where its output is positive (a bool map, or :func:`packed_gate`'s
-    form)."""
+    """The gradient through the ReLU, given where its output is positive (a bool map, or
+    :func:`~.step.packed_gate`'s form)."""
     return grad * unpacked_gate(gate, grad.shape[-1])
 
 
-def packed_gate(scores: torch.Tensor) -> torch.Tensor:
-    """A bit-packed ReLU gate for maps like ``scores`` [B, H, Q, K], the form the CPU kernel writes and reads:
-    per row, ceil(K / 16) little-endian 16-bit words (as bytes), bit j % 16 of word j // 16 for column j, and
-    zeros past the last column. An eighth of a bool map's memory. Zeros until written (a kernel with 8-column
-    vectors writes a byte a vector and leaves a row's last byte alone where its vectors are odd in number).
-
-    Example:
-        >>> packed_gate(torch.zeros(2, 3, 5, 40)).shape
-        torch.Size([2, 3, 5, 6])
-    """
-    return scores.new_zeros(packed_gate_shape(scores.shape), dtype=torch.uint8)
-
-
-def packed_gate_shape(shape: torch.Size) -> torch.Size:
-    """The shape of a :func:`packed_gate` for maps of ``shape``: two bytes a 16 columns (or fewer, at the end).
-
-    Example:
-        >>> tuple(packed_gate_shape(torch.Size([2, 3, 5, 33])))
-        (2, 3, 5, 6)
-    """
-    return torch.Size((*shape[:-1], 2 * -(-shape[-1] // 16)))
-
-
-def pack_gate(gate: torch.Tensor) -> torch.Tensor:
-    """A bool ReLU gate in :func:`packed_gate`'s form (a packed one as it is).
-
-    Example:
-        >>> gate = torch.rand(2, 3, 4, 21) > 0.5
-        >>> torch.equal(unpacked_gate(pack_gate(gate), 21), gate)
-        True
-    """
-    if gate.dtype != torch.bool:
-        return gate
-    padded = gate.new_zeros((*gate.shape[:-1], 8 * packed_gate_shape(gate.shape)[-1]))
-    padded[..., : gate.shape[-1]] = gate
-    bits = padded.unflatten(-1, (-1, 8)).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=gate.device)
-    return bits.sum(-1, dtype=torch.uint8)
-
-
-def unpacked_gate(gate: torch.Tensor, cols: int) -> torch.Tensor:
-    """A ReLU gate as a bool map of ``cols`` columns: ``gate`` itself where it is one, else unpacked from
-    :func:`packed_gate`'s form.
-
-    Example:
-        >>> packed = torch.tensor([[0b00000101, 0b10000000]], dtype=torch.uint8)
-        >>> unpacked_gate(packed, 16).nonzero()[:, -1].tolist()
-        [0, 2, 15]
-    """
-    if gate.dtype == torch.bool:
-        return gate
-    bits = gate.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=gate.device)
-    return (bits & 1).flatten(-2)[..., :cols].bool()
-
-
 def evolve_convolution(
-    scores: torch.Tensor,
-    keep: torch.Tensor | None,
+    step: EvolutionStep,
+    maps: StepMaps,
     weight: torch.Tensor,
     bias: torch.Tensor,
-    beta: float,
-    causal: bool = False,
     history: ConvolutionHistory | None = None,
-    context_rows: int | None = None,
-    *,
-    previous: torch.Tensor | None = None,
-    alpha: float = 0.0,
-    skip_masked_tails: bool = False,
 ) -> torch.Tensor:
-    """beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in (see :class:`EvolveConvolution`; ``skip_masked_tails``:
-    see :class:`FusedKernel`).
+    """beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in (see :class:`EvolveConvolution`).
 
-    A_in is ``scores``, or with ``previous`` (the previous layer's A_logit) the residual mix
+    A_in is ``maps.scores``, or with ``maps.previous`` (the previous layer's A_logit) the residual mix
     (1 - alpha) * scores + alpha * previous; where it is materialised without autograd, it overwrites
     ``scores``. Without autograd (inference, ``generate``) nothing is kept for backward; with it, the step
-    runs through :class:`EvolveConvolution`. ``context_rows`` defaults to the kernel's half width.
+    runs through :class:`EvolveConvolution`.
 
     Example:
         >>> a_in, weight, bias = torch.randn(1, 2, 4, 4), torch.randn(2, 2, 3, 3), torch.zeros(2)
         >>> plain = 0.5 * torch.relu(F.conv2d(a_in, weight, bias, padding=1)) + 0.5 * a_in
-        >>> torch.allclose(evolve_convolution(a_in.clone(), None, weight, bias, 0.5), plain, atol=1e-6)
+        >>> step = EvolutionStep(alpha=0.0, beta=0.5, context_rows=1)
+        >>> torch.allclose(evolve_convolution(step, StepMaps(a_in.clone(), None, None), weight, bias), plain, atol=1e-6)
         True
     """
-    if context_rows is None:
-        context_rows = weight.shape[-1] // 2
+    scores, previous, _ = maps
     tensors = (scores, weight, bias, previous)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         if history is not None:  # a first decoding step with autograd on: record its rows for the next steps
             if history.rows is not None:
                 raise ValueError("evolve_convolution back-propagates only through a first decoding step")
-            begin_history(history, scores, previous, alpha, keep, context_rows)
-        step = (scores, previous, keep, weight, bias, alpha, beta, causal, context_rows, skip_masked_tails)
-        return EvolveConvolution.apply(*step)
-    options = {"previous": previous, "alpha": alpha, "skip_masked_tails": skip_masked_tails}
-    return scaled_step(scores, keep, weight, bias, beta, causal, history, context_rows, **options)[0]
+            begin_history(step, maps, history)
+        return EvolveConvolution.apply(step, *maps, weight, bias)
+    return evolve_step(step, maps, weight, bias, history)[0]
 
 
 def convolution_weight_grad(

@@ -36,6 +36,7 @@ from .chain import BACKWARD_SPARES_KEY, REPLAYS_KEY, SHARED_LAYERS, SPARE_KEY
 from .convolution import begin_history, evolve_convolution
 from .history import ConvolutionHistory
 from .settings import ATTENTION_ROLES, CAUSAL_ROLES, EvolvingAttentionSettings
+from .step import EvolutionStep, StepMaps
 
 
 class AttentionMapEvolution(nn.Module):
@@ -130,6 +131,12 @@ class AttentionMapEvolution(nn.Module):
     def context_rows(self) -> int:
         """How many earlier rows of its input the convolution reads for one output row."""
         return self.kernel_size // 2
+
+    @property
+    def step(self) -> EvolutionStep:
+        """This layer's evolution step, as the step's paths take it (built anew: alpha, beta and
+        :attr:`skip_masked_tails` are plain attributes that may change)."""
+        return EvolutionStep(self.alpha, self.beta, self.context_rows, self.causal, self.skip_masked_tails)
 
     def extra_repr(self) -> str:
         return (
@@ -278,6 +285,7 @@ class AttentionMapEvolution(nn.Module):
             self.begin_history(history, query, key, previous, conv_mask, scaling, position_bias, softcap)
         core = compiled_core if torch.compiler.is_compiling() else EvolvingAttentionCore.apply
         output, logits, probabilities = core(
+            self.step,
             query,
             key,
             value,
@@ -290,12 +298,7 @@ class AttentionMapEvolution(nn.Module):
             additive,
             scaling,
             softcap,
-            self.alpha,
-            self.beta,
-            self.causal,
-            self.context_rows,
             dropout,
-            self.skip_masked_tails,
             chain.setdefault(BACKWARD_SPARES_KEY, {}),
         )
         chain[self.key] = logits
@@ -323,7 +326,7 @@ class AttentionMapEvolution(nn.Module):
         if keep is not None and keep.shape[-2] > 1:
             keep = keep[..., last, :]
         previous = None if previous is None else previous[..., last, :]
-        begin_history(history, scores, previous, self.alpha, keep, self.context_rows, query.shape[-2])
+        begin_history(self.step, StepMaps(scores, previous, keep), history, query.shape[-2])
 
     def forward(
         self,
@@ -359,19 +362,7 @@ class AttentionMapEvolution(nn.Module):
             logits = scores if previous is None else scores.lerp_(previous, self.alpha)
         else:
             keep = None if conv_mask is None else conv_mask.to(scores.dtype)
-            logits = evolve_convolution(
-                scores,
-                keep,
-                self.weight,
-                self.bias,
-                self.beta,
-                self.causal,
-                history,
-                self.context_rows,
-                previous=previous,
-                alpha=self.alpha,
-                skip_masked_tails=self.skip_masked_tails,
-            )
+            logits = evolve_convolution(self.step, StepMaps(scores, previous, keep), self.weight, self.bias, history)
         if previous is not None and not torch.is_grad_enabled():
             chain[SPARE_KEY] = previous
         chain[self.key] = logits

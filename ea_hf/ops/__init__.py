@@ -1,16 +1,19 @@
 """Optional fused kernels of the evolution step, apart from the modeling core.
 
 Each kernel module provides ``applicable``, ``evolve``, ``convolve``, ``backward`` and ``select_kept`` (see
-``ea_hf.modeling.convolution.FusedKernel``) and is registered with the core by ``ea_hf``'s ``__init__``; where
+``ea_hf.modeling.step.FusedKernel``) and is registered with the core by ``ea_hf``'s ``__init__``; where
 none applies, the core runs the same steps as torch operations.
 
 - :mod:`ea_hf.ops.cpu`: a C++/OpenMP kernel compiled on first use (``EA_HF_KERNELS=0`` turns it off), called as
   the torch operators ``torch.ops.ea_hf.evolve_with_gate_bits`` (differentiable), ``evolve_``, ``convolve`` and
   ``evolve_backward_one_map``, so that ``torch.compile`` and ``torch.export`` keep it in their graphs (outside
-  them, inference calls the operators' bodies directly).
+  them, inference calls the operators' bodies directly). By concern: :mod:`~ea_hf.ops.native_build` builds and
+  caches the library, :mod:`~ea_hf.ops.cpu_binding` calls it through ctypes, :mod:`~ea_hf.ops.cpu_operators`
+  declares the torch operators, and :mod:`~ea_hf.ops.cpu` dispatches between them.
 - :mod:`ea_hf.ops.triton_kernels`: Triton kernels for GPUs (the ``gpu`` extra), opt-in with ``EA_HF_TRITON=1``:
   their tests pass on an H100 and in Triton's CPU interpreter, but whole EA models ran slower on them than on
   torch operations in the one GPU benchmark so far, so they are not the default.
+- :mod:`ea_hf.ops.fused_step`: the step's forward as one pass of a kernel's correlation, shared by both.
 """
 
 from . import cpu, triton_kernels

@@ -1,6 +1,6 @@
 """Triton kernels of the evolution's convolution step: the fused-kernel protocol of ``ea_hf.ops.cpu`` for GPUs.
 
-The module provides the three functions of ``ea_hf.modeling.convolution.FusedKernel`` with the semantics of
+The module provides the three functions of ``ea_hf.modeling.step.FusedKernel`` with the semantics of
 :mod:`ea_hf.ops.cpu` (see ``csrc/evolve_cpu.cpp`` for the reference definition of every option):
 
 - :func:`correlate`: one Triton program per (batch element, tile of pixels) computes every output head of its
@@ -43,9 +43,11 @@ import warnings
 from types import FunctionType, SimpleNamespace
 
 import torch
+from torch import Tensor
 
-from ..modeling.architectures import release
 from ..modeling.convolution import plus_addend
+from ..modeling.step import EvolutionStep, GradientIn, StepMaps
+from ..modeling.versions import release
 from .fused_step import evolve_by_correlation
 
 #: The oldest triton the kernels compile with (the ``gpu`` extra's floor). An older one, such as the triton 3.2
@@ -206,7 +208,7 @@ def correlate(
     blend_coef: float = 0.0,
     in_place: bool = False,
 ) -> torch.Tensor:
-    """One fused correlation pass, as :func:`ea_hf.ops.cpu.correlate`; callers check :func:`applicable` first.
+    """One fused correlation pass, as :func:`ea_hf.ops.cpu_binding.correlate`; callers check :func:`applicable` first.
 
     Output row i reads rows ``i + row_shift .. i + row_shift + kh - 1`` of ``x`` (zeros outside) and columns
     ``j - kw // 2 .. j + kw // 2``. With ``lerp_end``, ``x`` and ``blend`` are first mixed with it:
@@ -283,38 +285,28 @@ def correlate(
 
 
 def backward(
-    scores: torch.Tensor,
-    previous: torch.Tensor | None,
-    alpha: float,
-    keep: torch.Tensor | None,
-    grad: torch.Tensor,
-    gate: torch.Tensor,
-    scaled_weight: torch.Tensor,
-    context_rows: int,
-    beta: float,
-    into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-    addend: torch.Tensor | None = None,
-    *,
-    shared_map: bool = False,
-    skip_masked_tails: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    step: EvolutionStep, maps: StepMaps, grad: GradientIn, gate: Tensor, weight: Tensor, *, shared_map: bool = False
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
     """The evolution step's backward, as :func:`ea_hf.ops.cpu.backward`; callers check :func:`applicable`.
-    (``into``, the spent maps the CPU kernel may write to, is not used: the gradients get new maps; ``addend``
-    is added to ``grad`` first, over it where ``into`` names it as spent; ``shared_map`` is not used either:
-    S's and A_prev's gradients are two maps, which callers take as a ScaledMap of scale 1 and a map.)
+    (A spent ``grad.grad`` is not written over: the gradients get new maps; ``grad.addend`` is added to it first,
+    over it where it is spent; ``shared_map`` is not used either: S's and A_prev's gradients are two maps, which
+    callers take as a ScaledMap of scale 1 and a map. Every row is differentiated whole:
+    ``step.skip_masked_tails``, which the CPU kernel takes, is not implemented here.)
 
-    Returns the gradients of S, of A_prev (``None`` without ``previous``), and of the beta-scaled kernel's
-    weight and bias (float32), for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with
-    A_in = lerp(S, A_prev, alpha), the bool ReLU gate ``gate`` and the output gradient ``grad``. Output row i
-    of the forward step read input rows ``i - context_rows .. i - context_rows + kh - 1``.
+    Returns the gradients of S, of A_prev (``None`` without it), and of the beta-scaled kernel's weight and bias
+    (float32), for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with A_in = lerp(S, A_prev, alpha), the
+    bool ReLU gate ``gate``, the beta-scaled ``weight`` and the incoming gradient. Output row i of the forward
+    step read input rows ``i - context_rows .. i - context_rows + kh - 1``.
     """
     kernels = _kernels()
+    alpha, context_rows = step.alpha, step.context_rows
+    scores, previous, keep = maps
     batch, heads, rows, cols = scores.shape
-    kernel_rows, kernel_cols = scaled_weight.shape[-2:]
+    kernel_rows, kernel_cols = weight.shape[-2:]
     device = scores.device
-    weight = _float32(scaled_weight, device)
-    grad = plus_addend(grad, addend, owned=into[0] is grad)
-    scores, grad, gate = scores.contiguous(), grad.contiguous(), gate.contiguous()
+    weight = _float32(weight, device)
+    incoming = plus_addend(grad.grad, grad.addend, owned=grad.spent)
+    scores, incoming, gate = scores.contiguous(), incoming.contiguous(), gate.contiguous()
     previous = None if previous is None else previous.contiguous()
     keep, *keep_strides = _keep_view(keep, batch, rows, cols)
     grad_scores = torch.empty_like(scores)
@@ -322,7 +314,7 @@ def backward(
     tiles = _tiles(scores.dtype)
     grid = (batch, triton.cdiv(rows, tiles.BLOCK_ROWS), triton.cdiv(cols, tiles.BLOCK_COLS))
     kernels.input_grad[grid](
-        grad,
+        incoming,
         gate,
         weight,
         keep,
@@ -331,7 +323,7 @@ def backward(
         grad_previous,
         1.0 if previous is None else 1.0 - float(alpha),
         float(alpha),
-        1.0 - float(beta),
+        1.0 - float(step.beta),
         heads,
         rows,
         cols,
@@ -368,7 +360,7 @@ def backward(
         float(alpha),
         keep,
         *keep_strides,
-        grad,
+        incoming,
         gate,
         partial,
         heads,
@@ -769,24 +761,11 @@ if tl is not None:
 
 
 def evolve(
-    scores: torch.Tensor,
-    previous: torch.Tensor | None,
-    keep: torch.Tensor | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    alpha: float,
-    blend: float,
-    context_rows: int,
-    *,
-    in_place: bool,
-    gate: bool | None = None,
-    skip_masked_tails: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The evolution step's forward pass (see ``ea_hf.modeling.convolution.FusedKernel``) in one launch. Every
-    row is correlated whole (``skip_masked_tails``, which the CPU kernel takes, is not implemented here)."""
-    return evolve_by_correlation(
-        correlate, scores, previous, keep, weight, bias, alpha, blend, context_rows, in_place=in_place, gate=gate
-    )
+    step: EvolutionStep, maps: StepMaps, weight: Tensor, bias: Tensor, *, in_place: bool, gate: bool | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """The evolution step's forward pass (see ``ea_hf.modeling.step.FusedKernel``) in one launch. Every row is
+    correlated whole (``step.skip_masked_tails``, which the CPU kernel takes, is not implemented here)."""
+    return evolve_by_correlation(correlate, step, maps, weight, bias, in_place=in_place, gate=gate)
 
 
 def convolve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from ea_hf.modeling.attention_core import (
     scores_backward,
 )
 from ea_hf.modeling.evolution import AttentionMapEvolution
-from ea_hf.ops import cpu
+from ea_hf.ops import cpu, cpu_binding
 
 B, H, D = 2, 3, 5
 
@@ -73,8 +73,8 @@ def scores_path(request, monkeypatch):
 
 def run_core(evolution, q, k, v, previous, position_bias, allowed, additive, conv_mask, softcap, dropout=0.0):
     return EvolvingAttentionCore.apply(
-        q, k, v, previous, position_bias, evolution.weight, evolution.bias, conv_mask, allowed, additive,
-        D**-0.5, softcap, evolution.alpha, evolution.beta, evolution.causal, evolution.context_rows, dropout,
+        evolution.step, q, k, v, previous, position_bias, evolution.weight, evolution.bias, conv_mask, allowed,
+        additive, D**-0.5, softcap, dropout,
     )  # fmt: skip
 
 
@@ -218,7 +218,7 @@ def test_dropout_outside_autograd_is_native_dropout_bit_for_bit(threads, kernel,
     """The core's forward draws dropout's mask itself and applies it in one pass (dropout_with_mask): the mask and
     the bits of ``torch.native_dropout`` with the same seed, through the kernel's pass and through torch's."""
     if kernel:
-        monkeypatch.setattr(cpu, "SELECT_KEPT_MIN_ENTRIES", 0)
+        monkeypatch.setattr(cpu_binding, "SELECT_KEPT_MIN_ENTRIES", 0)
     else:
         monkeypatch.setattr(convolution, "FUSED_KERNELS", [])
     previous_threads = torch.get_num_threads()
@@ -300,8 +300,8 @@ def compile_core(evolution, allowed, conv_mask, dropout=0.0):
 
     def layer(q, k, v, previous):
         return compiled_core(
-            q, k, v, previous, None, evolution.weight, evolution.bias, conv_mask, allowed, None,
-            D**-0.5, None, evolution.alpha, evolution.beta, evolution.causal, evolution.context_rows, dropout,
+            evolution.step, q, k, v, previous, None, evolution.weight, evolution.bias, conv_mask, allowed, None,
+            D**-0.5, None, dropout,
         )  # fmt: skip
 
     torch._dynamo.reset()
@@ -419,8 +419,8 @@ def test_core_passes_gradcheck(role, softcap):
         bias_or_none = parameters[0] if softcap is not None else None
         weight, bias = parameters[-2:]
         return EvolvingAttentionCore.apply(
-            q, k, v, previous, bias_or_none, weight, bias, conv_mask, allowed, None,
-            D**-0.5, softcap, 0.3, 0.4, evolution.causal, evolution.context_rows, 0.0,
+            evolution.step, q, k, v, previous, bias_or_none, weight, bias, conv_mask, allowed, None,
+            D**-0.5, softcap, 0.0,
         )  # fmt: skip
 
     assert torch.autograd.gradcheck(core, (*leaves, evolution.weight, evolution.bias))

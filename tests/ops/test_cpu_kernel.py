@@ -10,17 +10,18 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import ea_hf
 from ea_hf.modeling import convolution
-from ea_hf.modeling.convolution import pack_gate, packed_gate, unpacked_gate
 from ea_hf.modeling.evolution import AttentionMapEvolution
+from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps, pack_gate, packed_gate, unpacked_gate
 from ea_hf.ops import cpu as kernels
+from ea_hf.ops import cpu_binding, native_build
 
-needs_compiler = pytest.mark.skipif(kernels._compiler() is None, reason="no C++ compiler on this machine")
+needs_compiler = pytest.mark.skipif(native_build.find_compiler() is None, reason="no C++ compiler on this machine")
 
 
 def correlate_with_torch(
     x, weight, bias, row_shift, *, lerp_end=None, lerp_weight=0.0, in_keep=None, relu=False, blend=None, blend_coef=0.0
 ):
-    """What `kernels.correlate` computes, step by step: output row i reads rows i + row_shift + dy."""
+    """What `cpu_binding.correlate` computes, step by step: output row i reads rows i + row_shift + dy."""
     a = x if lerp_end is None else torch.lerp(x, lerp_end, lerp_weight)
     if in_keep is not None:
         a = a * in_keep
@@ -39,12 +40,12 @@ def correlate_with_torch(
 @needs_compiler
 def test_the_kernel_builds_and_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("EA_HF_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_binding, "_loaded", {})
     assert kernels.cpu_kernel() is not None
     built = list((tmp_path / "kernels").glob("evolve_cpu-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_binding, "_loaded", {})
     assert kernels.cpu_kernel() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded again, not rebuilt
 
@@ -65,7 +66,7 @@ def test_correlate_matches_torch(heads, kernel_rows, kernel_cols, row_shift, ble
     blend = x if blend_is_input else other
     options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=blend, blend_coef=0.6)
     saved = packed_gate(x)
-    out = kernels.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
+    out = cpu_binding.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
     expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)
     assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert torch.equal(saved, pack_gate(expected_saved))  # one bit a value, zeros past the last column
@@ -104,7 +105,7 @@ def every_row_library(tmp_path_factory):
 
 
 def has_avx512() -> bool:
-    return "avx512f" in kernels._cpu_signature()
+    return "avx512f" in native_build.cpu_signature()
 
 
 @needs_compiler
@@ -121,13 +122,14 @@ def test_the_winograd_form_matches_the_direct_form(heads, cols, kernel_rows, row
     weight, bias = torch.randn(heads, heads, kernel_rows, 3), torch.randn(heads)
     keep = (torch.rand(2, 1, 6, cols) > 0.2).float()
     options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=x, blend_coef=0.6)
-    backward = (x, end, 0.3, keep, grad, torch.rand(2, heads, 6, cols) > 0.4, weight, -row_shift, 0.4)
+    step = EvolutionStep(0.3, 0.4, -row_shift)
+    backward = (StepMaps(x, end, keep), GradientIn(grad), torch.rand(2, heads, 6, cols) > 0.4, weight)
     saved = packed_gate(x)
-    winograd = kernels.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
-    winograd_grads = kernels.backward(*backward)
+    winograd = cpu_binding.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
+    winograd_grads = kernels.backward(step, *backward)
     with kernels.using_library(direct_form_library):
-        direct = kernels.correlate(x, weight, bias, row_shift=row_shift, **options)
-        direct_grads = kernels.backward(*backward)
+        direct = cpu_binding.correlate(x, weight, bias, row_shift=row_shift, **options)
+        direct_grads = kernels.backward(step, *backward)
     expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)
     for form in (winograd, direct):
         assert (form - expected).abs().max() <= 1e-5 * expected.abs().max()
@@ -152,8 +154,10 @@ def test_a_build_requesting_lines_into_l1_gives_the_same_bits(l1_prefetch_librar
 
     def step():
         saved = packed_gate(x)
-        out = kernels.correlate(x, weight, bias, row_shift=-1, saved=saved, lerp_end=end, lerp_weight=0.3, relu=True)
-        grads = kernels.backward(x, end, 0.3, None, grad, saved, weight, 1, 0.4, addend=addend)
+        options = dict(row_shift=-1, saved=saved, lerp_end=end, lerp_weight=0.3, relu=True)
+        out = cpu_binding.correlate(x, weight, bias, **options)
+        incoming = GradientIn(grad, addend)
+        grads = kernels.backward(EvolutionStep(0.3, 0.4, 1), StepMaps(x, end, None), incoming, saved, weight)
         return out, saved, *grads
 
     expected = step()
@@ -178,12 +182,13 @@ def test_a_build_without_avx512_matches_the_default_build(heads, cols, avx2_libr
     weight, bias = torch.randn(heads, heads, 3, 3), torch.randn(heads)
     keep = (torch.rand(2, 1, 6, cols) > 0.2).float()
     options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=x, blend_coef=0.6)
-    backward = (x, end, 0.3, keep, grad, pack_gate(torch.rand(2, heads, 6, cols) > 0.4), weight, 1, 0.4)
+    gate = pack_gate(torch.rand(2, heads, 6, cols) > 0.4)
+    backward = (EvolutionStep(0.3, 0.4, 1), StepMaps(x, end, keep), GradientIn(grad), gate, weight)
     results = []
     for library in (kernels.cpu_kernel(), avx2_library):
         saved = packed_gate(x)
         with kernels.using_library(library):
-            results.append((kernels.correlate(x, weight, bias, row_shift=-1, saved=saved, **options), saved))
+            results.append((cpu_binding.correlate(x, weight, bias, row_shift=-1, saved=saved, **options), saved))
             results[-1] += kernels.backward(*backward)
     (out, saved, *grads), (avx2_out, avx2_saved, *avx2_grads) = results
     assert torch.equal(avx2_saved, saved)
@@ -212,17 +217,9 @@ def test_backward_matches_autograd(heads, kernel_size, causal, with_previous):
     a_in = torch.lerp(s, p, alpha) if with_previous else s
     convolved, gate = correlate_with_torch(a_in, w, b, -context, in_keep=keep, relu=True)
     ((convolved + (1 - beta) * a_in) * upstream).sum().backward()
-    grads = kernels.backward(
-        scores.float(),
-        previous.float() if with_previous else None,
-        alpha,
-        keep.float(),
-        upstream.float(),
-        gate,
-        weight.float(),
-        context,
-        beta,
-    )
+    maps = StepMaps(scores.float(), previous.float() if with_previous else None, keep.float())
+    incoming = GradientIn(upstream.float())
+    grads = kernels.backward(EvolutionStep(alpha, beta, context), maps, incoming, gate, weight.float())
     expected = [s.grad, p.grad if with_previous else None, w.grad, b.grad]
     for got, want in zip(grads, expected, strict=True):
         if want is None:
@@ -243,17 +240,17 @@ def test_without_a_compiler_evolution_falls_back_to_torch(tmp_path, monkeypatch,
         with_kernel = model(**inputs).last_hidden_state
     monkeypatch.setenv("EA_HF_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(kernels.shutil, "which", lambda name: str(tmp_path / "broken-c++") if name else None)
+    monkeypatch.setattr(native_build.shutil, "which", lambda name: str(tmp_path / "broken-c++") if name else None)
     (tmp_path / "broken-c++").write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 1\n")
     (tmp_path / "broken-c++").chmod(0o755)
-    monkeypatch.setattr(kernels, "_loaded", {})
-    with caplog.at_level(logging.WARNING, logger="ea_hf.ops.cpu"):
+    monkeypatch.setattr(cpu_binding, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger="ea_hf.ops.cpu_binding"):
         assert kernels.cpu_kernel() is None
     assert "building the CPU kernel failed" in caplog.text and "broken compiler" in caplog.text
     with torch.no_grad():
         without = model(**inputs).last_hidden_state
     assert (with_kernel - without).abs().max() <= 1e-5
-    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_binding, "_loaded", {})
     monkeypatch.setenv("EA_HF_KERNELS", "0")
     assert kernels.cpu_kernel() is None  # switched off: not even a build is tried
 
@@ -286,7 +283,7 @@ def test_select_kept_gives_torch_where_bit_for_bit(keep_shape, scale, fill, in_p
     if fill == 0.0 and keep_shape == x.shape:  # the same values (its zeros keep x's sign)
         assert torch.equal(expected, torch.ops.aten.native_dropout_backward(x, keep, scale))
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    monkeypatch.setattr(kernels, "SELECT_KEPT_MIN_ENTRIES", 0)  # these small maps too
+    monkeypatch.setattr(cpu_binding, "SELECT_KEPT_MIN_ENTRIES", 0)  # these small maps too
     out = x.clone() if in_place else None
     result = kernels.select_kept(x if out is None else out, keep, scale, fill, out)
     assert result is not None and (result is out or out is None)
@@ -296,7 +293,7 @@ def test_select_kept_gives_torch_where_bit_for_bit(keep_shape, scale, fill, in_p
 def test_select_kept_declines_what_the_kernel_does_not_take(monkeypatch):
     x, keep = torch.randn(2, 3, 5, 8), torch.rand(2, 1, 5, 8) > 0.5
     assert kernels.select_kept(x, keep) is None  # smaller than SELECT_KEPT_MIN_ENTRIES: torch's operators
-    monkeypatch.setattr(kernels, "SELECT_KEPT_MIN_ENTRIES", x.numel())
+    monkeypatch.setattr(cpu_binding, "SELECT_KEPT_MIN_ENTRIES", x.numel())
     assert torch.equal(kernels.select_kept(x, keep), torch.where(keep, x, 0.0))  # from there on, the kernel
     assert kernels.select_kept(x.double(), keep) is None  # float32 only
     assert kernels.select_kept(x.transpose(-1, -2), keep.transpose(-1, -2)) is None  # contiguous maps only
@@ -312,7 +309,7 @@ def test_select_kept_falls_back_to_torch_with_the_same_numbers(monkeypatch):
     torch operations: the same numbers."""
     torch.manual_seed(0)
     x, keep = torch.randn(2, 3, 5, 8), torch.rand(2, 3, 5, 8) > 0.3
-    monkeypatch.setattr(kernels, "SELECT_KEPT_MIN_ENTRIES", 0)
+    monkeypatch.setattr(cpu_binding, "SELECT_KEPT_MIN_ENTRIES", 0)
     fused = convolution.select_kept(x, keep, 1 / 0.9)
     monkeypatch.setattr(convolution, "FUSED_KERNELS", [])
     for scale, fill in ((1 / 0.9, 0.0), (1.0, 0.0), (1.0, -5.0)):
@@ -339,9 +336,9 @@ def test_in_place_output_equals_a_separate_one(batch, heads, rows, kernel_rows, 
         weight, bias = torch.randn(heads, heads, kernel_rows, 3), torch.randn(heads)
         keep = (torch.rand(batch, 1, rows, 37) > 0.2).float()
         options = dict(row_shift=row_shift, lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend_coef=0.6)
-        separate = kernels.correlate(x, weight, bias, blend=x, **options)
+        separate = cpu_binding.correlate(x, weight, bias, blend=x, **options)
         overwritten = x.clone()
-        result = kernels.correlate(overwritten, weight, bias, blend=overwritten, in_place=True, **options)
+        result = cpu_binding.correlate(overwritten, weight, bias, blend=overwritten, in_place=True, **options)
     finally:
         torch.set_num_threads(before)
     assert result.data_ptr() == overwritten.data_ptr()
@@ -363,17 +360,18 @@ def test_spent_maps_take_the_results_bit_identically(batch, heads, rows, kernel_
     scores, previous, grad, spent = (torch.randn(batch, heads, rows, 37) for _ in range(4))
     keep = (torch.rand(batch, 1, rows, 37) > 0.2).float()
     weight, bias = torch.randn(heads, heads, kernel_rows, 3) * 0.3, torch.randn(heads) * 0.1
-    step = (previous, keep, weight, bias, 0.3, 0.6, context_rows)
+    step = EvolutionStep(0.3, 0.4, context_rows)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        logits, gate = kernels.evolve(scores, *step, in_place=False)
+        logits, gate = kernels.evolve(step, StepMaps(scores, previous, keep), weight, bias, in_place=False)
         overwritten = scores.clone()
-        logits_over, gate_over = kernels.evolve(overwritten, *step, in_place=True, gate=True)
-        backward = (scores, previous, 0.3, keep)
-        expected = kernels.backward(*backward, grad, gate, weight, context_rows, 0.4)
+        maps = StepMaps(overwritten, previous, keep)
+        logits_over, gate_over = kernels.evolve(step, maps, weight, bias, in_place=True, gate=True)
+        maps = StepMaps(scores, previous, keep)
+        expected = kernels.backward(step, maps, GradientIn(grad), gate, weight)
         consumed = grad.clone()
-        got = kernels.backward(*backward, consumed, gate, weight, context_rows, 0.4, into=(consumed, spent))
+        got = cpu_binding.backward_pass(step, maps, GradientIn(consumed), gate, weight, into=(consumed, spent))
     finally:
         torch.set_num_threads(before)
     assert logits_over.data_ptr() == overwritten.data_ptr()
@@ -395,16 +393,15 @@ def test_a_second_incoming_gradient_is_added_as_rows_are_read(batch, heads, rows
     keep = (torch.rand(batch, 1, rows, 37) > 0.2).float()
     weight = torch.randn(heads, heads, kernel_rows, 3) * 0.3
     gate = torch.rand(batch, heads, rows, 37) > 0.4
-    backward = (scores, previous, 0.3, keep)
+    step, maps = EvolutionStep(0.3, 0.4, context_rows), StepMaps(scores, previous, keep)
     kept_second = second.clone()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        expected = kernels.backward(*backward, grad + second, gate, weight, context_rows, 0.4)
+        expected = kernels.backward(step, maps, GradientIn(grad + second), gate, weight)
         consumed = grad.clone()
-        got = kernels.backward(
-            *backward, consumed, gate, weight, context_rows, 0.4, into=(consumed, spent), addend=second
-        )
+        incoming = GradientIn(consumed, second)
+        got = cpu_binding.backward_pass(step, maps, incoming, gate, weight, into=(consumed, spent))
     finally:
         torch.set_num_threads(before)
     assert got[0].data_ptr() == consumed.data_ptr() and torch.equal(second, kept_second)
@@ -419,9 +416,10 @@ def test_maps_that_backward_reads_are_never_written():
     scores, previous, grad = (torch.randn(1, 4, 6, 8) for _ in range(3))
     weight = torch.randn(4, 4, 3, 3)
     gate = torch.rand(1, 4, 6, 8) > 0.5
-    expected = kernels.backward(scores, previous, 0.3, None, grad, gate, weight, 1, 0.4)
+    step, maps = EvolutionStep(0.3, 0.4, 1), StepMaps(scores, previous, None)
+    expected = kernels.backward(step, maps, GradientIn(grad), gate, weight)
     kept = scores.clone(), previous.clone()
-    got = kernels.backward(scores, previous, 0.3, None, grad, gate, weight, 1, 0.4, into=(scores, previous))
+    got = cpu_binding.backward_pass(step, maps, GradientIn(grad), gate, weight, into=(scores, previous))
     assert torch.equal(scores, kept[0]) and torch.equal(previous, kept[1])
     assert got[0].data_ptr() != scores.data_ptr() and got[1].data_ptr() != previous.data_ptr()
     for got_one, expected_one in zip(got, expected, strict=True):
@@ -437,12 +435,12 @@ def test_a_shared_map_holds_both_gradients(alpha, with_previous):
     scores, previous, grad = (torch.randn(2, 12, 9, 37) for _ in range(3))
     keep = (torch.rand(2, 1, 9, 37) > 0.2).float()
     weight, gate = torch.randn(12, 12, 3, 3) * 0.3, torch.rand(2, 12, 9, 37) > 0.4
-    step = (scores, previous if with_previous else None, alpha, keep, grad, gate, weight, 1, 0.4)
-    expected = kernels.backward(*step)
+    step, maps = EvolutionStep(alpha, 0.4, 1), StepMaps(scores, previous if with_previous else None, keep)
+    expected = kernels.backward(step, maps, GradientIn(grad), gate, weight)
     consumed = grad.clone()
-    got = kernels.backward(*step[:4], consumed, *step[5:], into=(consumed, None), shared_map=True)
+    got = kernels.backward(step, maps, GradientIn(consumed, spent=True), gate, weight, shared_map=True)
     scores_gradient, previous_gradient = got[0], got[1]
-    assert isinstance(scores_gradient, ea_hf.modeling.convolution.ScaledMap)
+    assert isinstance(scores_gradient, ea_hf.modeling.step.ScaledMap)
     assert scores_gradient.map.data_ptr() == consumed.data_ptr()  # written over the spent incoming gradient
     scale_expected = (1.0 - alpha) / alpha if with_previous and alpha else 1.0
     assert scores_gradient.scale == pytest.approx(scale_expected)
@@ -492,13 +490,13 @@ def test_outside_compilation_the_operator_bodies_run_directly():
     operators, whose Python dispatch cost a decoding step as much as the correlation itself: the same bits as the
     operators, also where S is not contiguous (written back over it)."""
     for scores, end, keep, weight, bias, alpha, blend, rows in operator_samples(False):
-        step = (end, keep, weight, bias, alpha, blend, rows)
+        step = EvolutionStep(alpha, 1.0 - blend, rows)
         for given in (scores, scores.transpose(-1, -2).contiguous().transpose(-1, -2)):
             expected = given.clone()
-            torch.ops.ea_hf.evolve_(expected, *step)
+            torch.ops.ea_hf.evolve_(expected, end, keep, weight, bias, alpha, blend, rows)
             direct = given.clone()
             with torch.profiler.profile() as profile:
-                logits, gate = kernels.evolve(direct, *step, in_place=True)
+                logits, gate = kernels.evolve(step, StepMaps(direct, end, keep), weight, bias, in_place=True)
                 convolved = kernels.convolve(scores, weight, bias, row_shift=-rows)
             assert logits is direct and gate is None and torch.equal(direct, expected)
             assert torch.equal(convolved, torch.ops.ea_hf.convolve(scores, weight, bias, -rows))
@@ -562,10 +560,10 @@ def with_threads(threads: int, function, *args, **kwargs):
 
 
 def record_skipped_tails(monkeypatch) -> list[int]:
-    """Spies on ``kernels.correlate``: for each call asked to skip masked tails (with a mask), the number of rows
-    that have a tail to skip, appended to the returned list."""
+    """Spies on ``cpu_binding.correlate``: for each call asked to skip masked tails (with a mask), the number of
+    rows that have a tail to skip, appended to the returned list."""
     calls: list[int] = []
-    correlate = kernels.correlate
+    correlate = cpu_binding.correlate
 
     def spying_correlate(*args, skip_masked_tails=False, **kwargs):
         keep = kwargs.get("in_keep")
@@ -574,7 +572,7 @@ def record_skipped_tails(monkeypatch) -> list[int]:
             calls.append(int((tail_starts(keep.float().expand(shape)) < keep.shape[-1]).sum()))
         return correlate(*args, skip_masked_tails=skip_masked_tails, **kwargs)
 
-    monkeypatch.setattr(kernels, "correlate", spying_correlate)
+    monkeypatch.setattr(cpu_binding, "correlate", spying_correlate)
     return calls
 
 
@@ -593,10 +591,10 @@ def test_skipped_masked_tails_leave_every_other_output_bit_identical(kind, heads
     weight, bias = torch.randn(heads, heads, 2 if kind == "causal" else 3, 3), torch.randn(heads)
     options = dict(row_shift=-1, lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend_coef=0.6)
     full_gate, skipped_gate = packed_gate(x), packed_gate(x)
-    full = with_threads(threads, kernels.correlate, x, weight, bias, blend=x, saved=full_gate, **options)
+    full = with_threads(threads, cpu_binding.correlate, x, weight, bias, blend=x, saved=full_gate, **options)
     target = x.clone() if in_place else x
     skipped = with_threads(
-        threads, kernels.correlate, target, weight, bias, blend=target, saved=skipped_gate, in_place=in_place,
+        threads, cpu_binding.correlate, target, weight, bias, blend=target, saved=skipped_gate, in_place=in_place,
         skip_masked_tails=True, **options,
     )  # fmt: skip
     computed = (torch.arange(x.shape[-1]) < tail_starts(keep)).expand_as(x)
@@ -632,17 +630,15 @@ def test_backward_with_masked_tails_is_the_gradient_where_the_softmax_masks_them
     a_in = torch.lerp(s, p, alpha)
     convolved, _ = correlate_with_torch(a_in, w, b, -context, in_keep=keep, relu=True)
     ((convolved + (1 - beta) * a_in) * upstream).sum().backward()
-    float_args = (scores.float().clone(), previous.float(), keep, weight.float(), bias.float(), alpha, 1 - beta)
-    _, gate = kernels.evolve(*float_args, context, in_place=True, gate=True, skip_masked_tails=True)
-    grads = with_threads(
-        threads, kernels.backward, scores.float(), previous.float(), alpha, keep, upstream.float(), gate,
-        weight.float(), context, beta, skip_masked_tails=True,
-    )  # fmt: skip
+    step = EvolutionStep(alpha, beta, context, skip_masked_tails=True)
+    maps = StepMaps(scores.float().clone(), previous.float(), keep)
+    _, gate = kernels.evolve(step, maps, weight.float(), bias.float(), in_place=True, gate=True)
+    maps = StepMaps(scores.float(), previous.float(), keep)
+    grads = with_threads(threads, kernels.backward, step, maps, GradientIn(upstream.float()), gate, weight.float())
     for got, want in zip(grads, [s.grad, p.grad, w.grad, b.grad], strict=True):
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     noisy = upstream.float().masked_fill(past_last_kept, 1.0)
-    grad_scores = kernels.backward(scores.float(), previous.float(), alpha, keep, noisy, gate, weight.float(),
-                                   context, beta, skip_masked_tails=True)[0]  # fmt: skip
+    grad_scores = kernels.backward(step, maps, GradientIn(noisy), gate, weight.float())[0]
     assert not grad_scores.masked_select(columns >= tail_starts(keep)).any()
 
 
@@ -668,17 +664,16 @@ def test_rows_that_read_only_padding_rows_give_the_bits_of_their_correlation(
     scores, previous, upstream = (torch.randn(shape) for _ in range(3))
     weight, bias = torch.randn(heads, heads, kernel_rows, 3) * 0.3, torch.randn(heads) * 0.3
 
+    evolution = EvolutionStep(0.3, 0.4, context_rows, skip_masked_tails=skip_masked_tails)
+
     def step(library):
-        options = {"skip_masked_tails": skip_masked_tails}
         with kernels.using_library(library):
             logits, gate = with_threads(
-                threads, kernels.evolve, scores.clone(), previous, keep, weight, bias, 0.3, 0.6, context_rows,
-                in_place=True, gate=True, **options,
+                threads, kernels.evolve, evolution, StepMaps(scores.clone(), previous, keep), weight, bias,
+                in_place=True, gate=True,
             )  # fmt: skip
-            grads = with_threads(
-                threads, kernels.backward, scores, previous, 0.3, keep, upstream, gate, weight, context_rows, 0.4,
-                **options,
-            )  # fmt: skip
+            maps = StepMaps(scores, previous, keep)
+            grads = with_threads(threads, kernels.backward, evolution, maps, GradientIn(upstream), gate, weight)
         return logits, gate, grads
 
     (logits, gate, grads), (every_logits, every_gate, every_grads) = step(kernels.cpu_kernel()), step(every_row_library)
@@ -712,9 +707,8 @@ def test_exactly_the_rows_that_read_only_padding_rows_skip_their_products(
     rows_with_bias = []
     for library in (kernels.cpu_kernel(), every_row_library):
         with kernels.using_library(library):
-            logits, _ = kernels.evolve(
-                scores.clone(), previous, keep, weight, bias, 0.3, 0.6, context_rows, in_place=True
-            )
+            maps = StepMaps(scores.clone(), previous, keep)
+            logits, _ = kernels.evolve(EvolutionStep(0.3, 0.4, context_rows), maps, weight, bias, in_place=True)
         correlation = logits[:, 0] - blend
         with_bias = ((correlation - 1).abs() < 1e-5).all(-1)
         assert (with_bias | (correlation.abs() < 1e-5).all(-1)).all()  # every row one or the other
@@ -760,21 +754,21 @@ def test_skipping_masked_tails_changes_no_output_or_gradient_of_a_model(family, 
         return values.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     backward_asked: list[bool] = []
-    correlate, backward = kernels.correlate, kernels._backward
+    correlate, backward = cpu_binding.correlate, cpu_binding.backward_pass
 
-    def spying_backward(*args, skip_masked_tails=False, **kwargs):
-        backward_asked.append(skip_masked_tails)
-        return backward(*args, skip_masked_tails=skip_masked_tails, **kwargs)
+    def spying_backward(step, *args, **kwargs):
+        backward_asked.append(step.skip_masked_tails)
+        return backward(step, *args, **kwargs)
 
     rows_with_tails = record_skipped_tails(monkeypatch)
-    monkeypatch.setattr(kernels, "_backward", spying_backward)
+    monkeypatch.setattr(cpu_binding, "backward_pass", spying_backward)
     skipped = [run(False), run(True)]
     # Every evolved layer, in inference and training, had tails to skip, forward and backward (or none was asked).
     asked = [rows > 0 for rows in rows_with_tails]
     assert (asked and all(asked) and backward_asked and all(backward_asked)) if skips else not any(backward_asked)
     assert skips or not asked
-    monkeypatch.setattr(kernels, "correlate", correlate)
-    monkeypatch.setattr(kernels, "_backward", backward)
+    monkeypatch.setattr(cpu_binding, "correlate", correlate)
+    monkeypatch.setattr(cpu_binding, "backward_pass", backward)
     for evolution in evolutions:
         monkeypatch.setattr(evolution, "skip_masked_tails", False)
     whole = [run(False), run(True)]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from testing import compile_for_cuda, recorded_triton_launches
 
+from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps
 from ea_hf.ops import triton_kernels as kernels
 
 triton = pytest.importorskip(
@@ -35,10 +36,11 @@ def launches_of_one_step(monkeypatch, dtype: torch.dtype) -> list[tuple[str, tup
     gate = torch.ones(scores.shape, dtype=torch.bool)
 
     def step():
-        kernels.evolve(scores, previous, keep, weight, bias, 0.3, 0.8, 1, in_place=False, gate=True)
-        kernels.evolve(scores, None, None, weight, bias, 0.0, 0.8, 1, in_place=False, gate=True)
-        kernels.backward(scores, previous, 0.3, keep, scores.clone(), gate, weight, 1, 0.2)
-        kernels.backward(scores, None, 0.0, None, scores.clone(), gate, weight, 1, 0.2)
+        mixed, alone = EvolutionStep(0.3, 0.2, 1), EvolutionStep(0.0, 0.2, 1)
+        kernels.evolve(mixed, StepMaps(scores, previous, keep), weight, bias, in_place=False, gate=True)
+        kernels.evolve(alone, StepMaps(scores, None, None), weight, bias, in_place=False, gate=True)
+        kernels.backward(mixed, StepMaps(scores, previous, keep), GradientIn(scores.clone()), gate, weight)
+        kernels.backward(alone, StepMaps(scores, None, None), GradientIn(scores.clone()), gate, weight)
         kernels.convolve(scores, weight[..., 1:, :], bias, row_shift=-1)
 
     return recorded_triton_launches(monkeypatch, kernels, step)

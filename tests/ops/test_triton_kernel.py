@@ -20,10 +20,10 @@ import torch.nn.functional as F  # noqa: E402
 from testing import INTERPRETER_TRITON, METHODS, patched_model, spy_on, tiny_inputs  # noqa: E402
 
 from ea_hf.modeling import convolution  # noqa: E402
-from ea_hf.modeling.architectures import release  # noqa: E402
-from ea_hf.modeling.convolution import pack_gate, packed_gate  # noqa: E402
 from ea_hf.modeling.history import ConvolutionHistory  # noqa: E402
-from ea_hf.ops import cpu  # noqa: E402
+from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps, pack_gate, packed_gate  # noqa: E402
+from ea_hf.modeling.versions import release  # noqa: E402
+from ea_hf.ops import cpu, cpu_binding  # noqa: E402
 from ea_hf.ops import triton_kernels as kernels  # noqa: E402
 
 # Compiled on a GPU the kernels need the release ea_hf uses them from; the interpreter, INTERPRETER_TRITON.
@@ -158,7 +158,8 @@ def evolution(
     s = scores.detach().clone().requires_grad_()
     p = None if previous is None else previous.detach().clone().requires_grad_()
     w, b = weight.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
-    out = convolution.evolve_convolution(s, keep, w, b, beta, causal, None, context, previous=p, alpha=alpha)
+    step = EvolutionStep(alpha, beta, context, causal)
+    out = convolution.evolve_convolution(step, StepMaps(s, p, keep), w, b)
     out.backward(upstream)
     return out.detach(), [s.grad, None if p is None else p.grad, w.grad, b.grad]
 
@@ -263,15 +264,10 @@ def test_half_precision_maps(monkeypatch, calls, device, dtype, kernel_size, cau
     options = dict(alpha=alpha, beta=beta, causal=causal, context=context)
     monkeypatch.setattr(convolution, "FUSED_KERNELS", [kernels])
     with torch.no_grad():
-        inference = convolution.evolve_convolution(
-            *to(device, scores.clone(), keep, weight, bias),
-            beta,
-            causal,
-            None,
-            context,
-            alpha=alpha,
-            previous=previous.to(device),
-        )
+        on_scores, on_keep, on_weight, on_bias = to(device, scores.clone(), keep, weight, bias)
+        maps = StepMaps(on_scores, previous.to(device), on_keep)
+        step = EvolutionStep(alpha, beta, context, causal)
+        inference = convolution.evolve_convolution(step, maps, on_weight, on_bias)
     got, got_grads = evolution(
         monkeypatch, [kernels], scores, previous, keep, weight, bias, upstream, **options, device=device
     )
@@ -321,7 +317,7 @@ def test_correlate_options_match_torch(device, options, kernel_rows, kernel_cols
     saved = saved_on_device.cpu()
     if cpu.applicable(x, keep=keep, weight=weight):
         cpu_saved = packed_gate(x)  # the CPU kernel's gate is bit-packed
-        on_cpu = cpu.correlate(x, weight, with_bias, row_shift=row_shift, saved=cpu_saved, **choices)
+        on_cpu = cpu_binding.correlate(x, weight, with_bias, row_shift=row_shift, saved=cpu_saved, **choices)
         assert relative_error(out, on_cpu) <= FP32_TOLERANCE
         assert torch.equal(pack_gate(saved), cpu_saved)
 
@@ -338,16 +334,16 @@ def test_backward_over_small_tiles_matches_cpu(device, kernel_size, causal, with
     convolved, gate = correlate_with_torch(
         scores, weight * beta, bias * beta, -context, lerp_end=previous, lerp_weight=alpha, in_keep=keep, relu=True
     )
-    arguments = (scores, previous, alpha, keep, upstream, gate, weight * beta, context, beta)
-    grads = kernels.backward(*(t.to(device) if torch.is_tensor(t) else t for t in arguments))
+    step = EvolutionStep(alpha, beta, context, causal)
+    arguments = (StepMaps(scores, previous, keep), GradientIn(upstream), gate, weight * beta)
+    on_device = to(device, scores, previous, keep, upstream, gate, weight * beta)
+    grads = kernels.backward(step, StepMaps(*on_device[:3]), GradientIn(on_device[3]), *on_device[4:])
     # The torch operations' backward, written out (convolution.EvolveConvolution.backward without a kernel).
     grad_convolved = convolution.relu_gate(upstream.double(), gate)
     scales = (1.0, None) if previous is None else (1.0 - alpha, alpha)
     weight64 = (weight * beta).double()
     want = list(
-        convolution.convolution_input_grad(
-            grad_convolved, weight64, keep.double(), upstream.double(), beta, context, scales=scales
-        )
+        convolution.convolution_input_grad(step, grad_convolved, weight64, keep.double(), upstream.double(), scales)
     )
     a_in = scores.double() if previous is None else torch.lerp(scores.double(), previous.double(), alpha)
     want.append(convolution.convolution_weight_grad(a_in * keep, grad_convolved, *weight.shape[-2:], context))
@@ -357,7 +353,7 @@ def test_backward_over_small_tiles_matches_cpu(device, kernel_size, causal, with
         if want_grad is not None:
             assert relative_error(got_grad, want_grad) <= FP32_TOLERANCE
     if cpu.applicable(scores, previous, upstream, keep=keep, weight=weight):
-        for got_grad, cpu_grad in zip(grads, cpu.backward(*arguments), strict=True):
+        for got_grad, cpu_grad in zip(grads, cpu.backward(step, *arguments), strict=True):
             if cpu_grad is not None:
                 assert relative_error(got_grad, cpu_grad) <= FP32_TOLERANCE
 
@@ -380,20 +376,9 @@ def test_cached_decoding_prefill_and_steps_on_triton(monkeypatch, calls, device,
             for first, last in ((0, prompt), (prompt, prompt + 1), (prompt + 1, prompt + 2)):
                 rows = (slice(None), slice(None), slice(first, last), slice(0, last))
                 step_scores, step_keep, step_weight, step_bias, step_previous = on_device
-                steps.append(
-                    convolution.evolve_convolution(
-                        step_scores[rows].clone(),
-                        step_keep[rows],
-                        step_weight,
-                        step_bias,
-                        beta,
-                        True,
-                        history,
-                        context,
-                        previous=step_previous[rows],
-                        alpha=alpha,
-                    )
-                )
+                maps = StepMaps(step_scores[rows].clone(), step_previous[rows], step_keep[rows])
+                step = EvolutionStep(alpha, beta, context, causal=True)
+                steps.append(convolution.evolve_convolution(step, maps, step_weight, step_bias, history))
         outputs[name] = steps, history.rows
     assert calls == ["correlate"] * 3  # the prefill and both steps with earlier rows
     (triton_steps, triton_rows), (torch_steps, torch_rows) = outputs["triton"], outputs["torch"]

@@ -1,0 +1,171 @@
+"""The evolution step's settings and maps, the protocol of the fused kernels that compute it, and the CPU kernel's
+bit-packed gate format.
+
+Every path of the step (torch operations in ``convolution``, the attention core, the kernels of ``ea_hf.ops``)
+takes an :class:`EvolutionStep` first, then the step's maps and the kernel, in that order. alpha and beta are the
+paper's (TPAMI 2023, section 3.1) at every level:
+
+    A_in    = alpha * A_prev + (1 - alpha) * S = lerp(S, A_prev, alpha)
+    A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in
+
+Only a kernel's native interface (the C ABI, the torch.library schemas) takes primitive arguments, unpacked from
+the step in one place each.
+
+This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
+transformers and sibling files (single-dot relative imports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class EvolutionStep:
+    """The settings of one evolution step: the residual weight ``alpha`` and the convolution's weight ``beta``
+    (above), the kernel's ``context_rows`` (output row i reads input rows i - c .. : c = kernel height // 2, the
+    rows above the centre, also for a causal kernel, whose rows stop at its centre), whether the kernel is
+    ``causal``, and ``skip_masked_tails``: the caller's softmax masks, in every layer of the chain, the entries
+    right of each row's last kept column, so a kernel may leave them out (the CPU kernel does, see
+    ``ea_hf.ops.cpu_binding.forward_correlation``).
+
+    Example:
+        >>> step = EvolutionStep(alpha=0.2, beta=0.3, context_rows=1)
+        >>> step.causal, step.skip_masked_tails
+        (False, False)
+    """
+
+    alpha: float
+    beta: float
+    context_rows: int
+    causal: bool = False
+    skip_masked_tails: bool = False
+
+
+class StepMaps(NamedTuple):
+    """The maps a step's A_in is made of: S (``scores``, [B, H, Q, K]), A_prev (``previous``, ``None``: A_in = S)
+    and the convolution's input mask (``keep``, a float 0/1 mask broadcastable to S; ``None``: every entry enters
+    the convolution)."""
+
+    scores: Tensor
+    previous: Tensor | None
+    keep: Tensor | None
+
+
+class GradientIn(NamedTuple):
+    """The gradient of A_logit that a step's backward takes: ``grad``, plus ``addend`` where given (a second
+    gradient of A_logit, the next layer's through its A_prev: a kernel adds it as it reads). ``spent``: ``grad`` is
+    a map the caller no longer needs, which the gradients may be written over instead of new maps."""
+
+    grad: Tensor
+    addend: Tensor | None = None
+    spent: bool = False
+
+
+class ScaledMap(NamedTuple):
+    """``scale * map``, not multiplied out: a fused backward writes the gradient of A_in once, as A_prev's
+    gradient alpha * G_in, and gives S's, (1 - alpha) * G_in, as that map times (1 - alpha) / alpha. The
+    attention core folds the factor into the products that consume S's gradient (the gradients of Q and K):
+    one [B, H, Q, K] map less to write and to allocate in every layer's backward.
+
+    Example:
+        >>> gradient = ScaledMap(torch.ones(2), 0.5)
+        >>> gradient.scale * gradient.map
+        tensor([0.5000, 0.5000])
+    """
+
+    map: Tensor
+    scale: float
+
+
+class FusedKernel(Protocol):
+    """What a fused implementation of the evolution step provides (``ea_hf.ops.cpu``, ``ea_hf.ops.triton_kernels``).
+
+    ``evolve`` is the forward step with a beta-scaled kernel (``weight`` and ``bias`` times beta):
+    (A_logit, the ReLU gate in the form its ``backward`` reads: a bool map, or :func:`packed_gate`'s), or with
+    ``in_place`` A_logit written over ``maps.scores`` and no gate unless ``gate`` (default: a gate unless in
+    place). ``convolve`` is a plain correlation plus bias whose output row i reads input rows ``i + row_shift ..``.
+    ``backward`` gives the gradients of S, of A_prev (``None`` without it) and of the beta-scaled kernel's weight
+    and bias, from the gate and the beta-scaled ``weight`` of the forward step; with ``shared_map`` it may
+    return S's gradient as a :class:`ScaledMap` of A_prev's. ``select_kept`` runs the attention core's masked
+    passes, ``keep ? scale * x : fill`` (into ``out`` where given), or returns ``None`` where the kernel does not
+    take them. ``applicable`` says whether the kernel takes these maps and this kernel weight.
+    """
+
+    def applicable(self, *tensors: Tensor | None, keep: Tensor | None = None, weight: Tensor) -> bool: ...
+
+    def evolve(
+        self, step: EvolutionStep, maps: StepMaps, weight: Tensor, bias: Tensor, *, in_place: bool, gate: bool | None
+    ) -> tuple[Tensor, Tensor | None]: ...
+
+    def convolve(self, x: Tensor, weight: Tensor, bias: Tensor, *, row_shift: int) -> Tensor: ...
+
+    def backward(
+        self, step: EvolutionStep, maps: StepMaps, grad: GradientIn, gate: Tensor, weight: Tensor, *, shared_map: bool
+    ) -> tuple[Tensor | ScaledMap, Tensor | None, Tensor, Tensor]: ...
+
+    def select_kept(self, x: Tensor, keep: Tensor, scale: float, fill: float, out: Tensor | None) -> Tensor | None: ...
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The CPU kernel's ReLU gate format, which torch operations also read (and the Triton kernels' bool gates are
+# packed into for comparison).
+# --------------------------------------------------------------------------------------------------------------
+
+
+def packed_gate(scores: Tensor) -> Tensor:
+    """A bit-packed ReLU gate for maps like ``scores`` [B, H, Q, K], the form the CPU kernel writes and reads:
+    per row, ceil(K / 16) little-endian 16-bit words (as bytes), bit j % 16 of word j // 16 for column j, and
+    zeros past the last column. An eighth of a bool map's memory. Zeros until written (a kernel with 8-column
+    vectors writes a byte a vector and leaves a row's last byte alone where its vectors are odd in number).
+
+    Example:
+        >>> packed_gate(torch.zeros(2, 3, 5, 40)).shape
+        torch.Size([2, 3, 5, 6])
+    """
+    return scores.new_zeros(packed_gate_shape(scores.shape), dtype=torch.uint8)
+
+
+def packed_gate_shape(shape: torch.Size) -> torch.Size:
+    """The shape of a :func:`packed_gate` for maps of ``shape``: two bytes a 16 columns (or fewer, at the end).
+
+    Example:
+        >>> tuple(packed_gate_shape(torch.Size([2, 3, 5, 33])))
+        (2, 3, 5, 6)
+    """
+    return torch.Size((*shape[:-1], 2 * -(-shape[-1] // 16)))
+
+
+def pack_gate(gate: Tensor) -> Tensor:
+    """A bool ReLU gate in :func:`packed_gate`'s form (a packed one as it is).
+
+    Example:
+        >>> gate = torch.rand(2, 3, 4, 21) > 0.5
+        >>> torch.equal(unpacked_gate(pack_gate(gate), 21), gate)
+        True
+    """
+    if gate.dtype != torch.bool:
+        return gate
+    padded = gate.new_zeros((*gate.shape[:-1], 8 * packed_gate_shape(gate.shape)[-1]))
+    padded[..., : gate.shape[-1]] = gate
+    bits = padded.unflatten(-1, (-1, 8)).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=gate.device)
+    return bits.sum(-1, dtype=torch.uint8)
+
+
+def unpacked_gate(gate: Tensor, cols: int) -> Tensor:
+    """A ReLU gate as a bool map of ``cols`` columns: ``gate`` itself where it is one, else unpacked from
+    :func:`packed_gate`'s form.
+
+    Example:
+        >>> packed = torch.tensor([[0b00000101, 0b10000000]], dtype=torch.uint8)
+        >>> unpacked_gate(packed, 16).nonzero()[:, -1].tolist()
+        [0, 2, 15]
+    """
+    if gate.dtype == torch.bool:
+        return gate
+    bits = gate.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=gate.device)
+    return (bits & 1).flatten(-2)[..., :cols].bool()
