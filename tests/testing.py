@@ -12,6 +12,7 @@ import transformers
 import ea_hf
 from ea_hf.modeling.architectures import model_types_of_kind
 from ea_hf.modeling.echo import EchoAttention
+from ea_hf.modeling.model_classes import auto_class_names
 from ea_hf.training.kinds.glue import GLUE_TASKS
 
 # The architecture lists come from the table, by kind: adding a family there adds it to every test of its kind.
@@ -32,7 +33,12 @@ DECODER_ONLY_ARCHITECTURES = model_types_of_kind("decoder-only")
 #: position move by fp32 rounding (about 1e-7) when other tokens change.
 MIXTURE_OF_EXPERTS_ARCHITECTURES = ["mixtral", "qwen3_moe", "qwen2_moe", "phimoe", "deepseek_v3", "olmoe", "granitemoe"]
 MIXTURE_OF_EXPERTS_ARCHITECTURES += ["glm4_moe", "ernie4_5_moe", "deepseek_v2", "granitemoeshared"]
+# (Not Llama 4's: its experts take every token, scaled by its router score.)
+MIXTURE_OF_EXPERTS_ARCHITECTURES += ["qwen3_5_moe_text", "gpt_oss", "mistral4"]
 ALL_ARCHITECTURES = ARCHITECTURES + SEQ2SEQ_ARCHITECTURES + DECODER_ONLY_ARCHITECTURES
+_GEMMA4_LARGE = {"num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "attention_k_eq_v": True}
+_GEMMA4_LARGE |= {"num_global_key_value_heads": 1, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2}
+_GEMMA4_LARGE |= {"moe_intermediate_size": 16}
 #: Decoder-only language models, by test id: (model_type, config overrides). The BERT family and the BART family
 #: have decoder-only forms too (``is_decoder=True``; ``BartForCausalLM`` and kin).
 CAUSAL_LM_FAMILIES = {model_type: (model_type, {}) for model_type in DECODER_ONLY_ARCHITECTURES} | {
@@ -40,9 +46,19 @@ CAUSAL_LM_FAMILIES = {model_type: (model_type, {}) for model_type in DECODER_ONL
     "roberta-decoder": ("roberta", {"is_decoder": True, "initializer_range": 0.2}),
     "bart-causal": ("bart", {}),
     "mbart-causal": ("mbart", {}),
+    # Gemma 4 as its larger checkpoints are (26B-A4B, 31B): full layers take their keys as values (one head of
+    # them), no layer shares another's keys and values, no per-layer embeddings, experts beside the MLP.
+    "gemma4_text-k-eq-v": ("gemma4_text", _GEMMA4_LARGE),
 }
 #: 4-token windows (shorter than the test inputs) on some layers; grouped-query attention (2 key/value heads).
 _WINDOW = {"sliding_window": 4, "layer_types": ["full_attention", "sliding_attention", "full_attention"]}
+#: 4 layers, the second of them linear attention (Qwen3.5): three attention layers, as the other families have.
+#: Weights drawn with std 0.1: the gated delta net computes a prompt in chunks and each new token recurrently, which
+#: at std 0.2 (logits up to 3.8) moves the unpatched tiny model's cached logits 4e-5 from its uncached ones.
+_FULL, _LINEAR = "full_attention", "linear_attention"
+_HYBRID = {"num_hidden_layers": 4, "layer_types": [_FULL, _LINEAR, _FULL, _FULL], "initializer_range": 0.1}
+_HYBRID |= {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8}
+_HYBRID |= {"linear_value_head_dim": 8}
 _DECODER_ONLY_CONFIGS = {
     "gpt2": {"n_inner": 37},
     "llama": {"num_key_value_heads": 2},
@@ -116,6 +132,25 @@ _DECODER_ONLY_CONFIGS = {
     | {"first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "n_shared_experts": 1},
     "granitemoeshared": {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}
     | {"intermediate_size": 16, "shared_intermediate_size": 16},
+    # As its small checkpoints are (E2B, E4B): full layers with heads of their own size (16), the last layer
+    # reusing the keys and values of the one before of its type, per-layer embeddings (over 99 ids).
+    "gemma4_text": {"num_key_value_heads": 2, "global_head_dim": 16, "num_kv_shared_layers": 1, **_WINDOW}
+    | {"vocab_size_per_layer_input": 99, "hidden_size_per_layer_input": 8},
+    # Hybrid: layer 1 is linear attention (a gated delta net, left as it is); layers 0, 2 and 3 attend.
+    "qwen3_5_text": {"num_key_value_heads": 2, **_HYBRID},
+    "qwen3_5_moe_text": {"num_key_value_heads": 2, **_HYBRID, "num_experts": 4, "num_experts_per_tok": 2}
+    | {"moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+    # Full attention without rotary positions (NoPE) on layers 0 and 2, 4-token chunks on layer 1; 4 experts.
+    "llama4_text": {"num_key_value_heads": 2, "no_rope_layers": [0, 1, 0], "attention_chunk_size": 4}
+    | {"num_local_experts": 4, "intermediate_size": 16, "intermediate_size_mlp": 37},
+    # Attention sinks; full, sliding, full; 4 experts.
+    "gpt_oss": {"num_key_value_heads": 2, **_WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2}
+    | {"intermediate_size": 16},
+    # Multi-head latent attention as DeepSeek-V3's (head_dim is the query/key head size, for the rotary share),
+    # a dense first layer, then 4 routed experts.
+    "mistral4": {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "head_dim": 16}
+    | {"v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    | {"first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
 }
 #: Triton's CPU interpreter runs the kernels from this release on (3.6's interpreter fails on them); compiling
 #: them needs ea_hf.ops.triton_kernels.MIN_TRITON.
@@ -270,7 +305,7 @@ def tiny_config(model_type: str, **overrides) -> transformers.PreTrainedConfig:
     elif model_type in DECODER_ONLY_ARCHITECTURES:
         # Weights drawn with std 0.2 (not 0.02) so the tiny models' attention maps are far from uniform.
         kwargs = dict(common, **special, vocab_size=VOCAB_SIZE, max_position_embeddings=64, initializer_range=0.2)
-        kwargs |= dict(head_dim=8, attention_dropout=0.0, **_DECODER_ONLY_CONFIGS[model_type])
+        kwargs |= dict(head_dim=8, attention_dropout=0.0) | _DECODER_ONLY_CONFIGS.get(model_type, {})
         if model_type in ("gpt2", "gpt_bigcode"):
             del kwargs["head_dim"], kwargs["attention_dropout"], kwargs["intermediate_size"]
             kwargs |= dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -317,7 +352,10 @@ def seq2seq_head(model_type: str):
 def causal_lm(family: str, seed: int = 0, **overrides):
     """A tiny random causal LM of one of :data:`CAUSAL_LM_FAMILIES`, in eval mode."""
     model_type, family_overrides = CAUSAL_LM_FAMILIES[family]
-    return tiny_model(model_type, transformers.AutoModelForCausalLM, seed, **family_overrides, **overrides)
+    head = transformers.AutoModelForCausalLM
+    if "AutoModelForCausalLM" not in auto_class_names(model_type):  # Mistral 4: transformers maps its causal LM
+        head = transformers.AutoModelForPreTraining  # as a pretraining and an image-text-to-text model only
+    return tiny_model(model_type, head, seed, **family_overrides, **overrides)
 
 
 def left_padded_inputs(batch: int = 3, length: int = 9, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -419,8 +457,8 @@ def first_output(outputs) -> torch.Tensor:
     return outputs[0]
 
 
-#: Architectures with local (sliding-window) layers, where the rows of some padding tokens have no key left to
-#: attend to. What such a row computes is undefined: transformers' own sdpa and eager attention already disagree
+#: Architectures with local (sliding-window or chunked) layers, where the rows of some padding tokens have no key
+#: left to attend to. What such a row computes is undefined: transformers' own sdpa and eager attention already disagree
 #: there (0.44 on the tiny ModernBERT), so outputs of these models are compared at real tokens.
 SLIDING_WINDOW_ARCHITECTURES = [
     "modernbert",
@@ -434,7 +472,18 @@ SLIDING_WINDOW_ARCHITECTURES = [
     "cohere2",
     "olmo3",
     "ministral",
+    "gemma4_text",
+    "llama4_text",  # (4-token chunks)
+    "gpt_oss",
 ]
+
+
+def attention_layers(config) -> dict[int, str]:
+    """The layers of a tiny decoder that attend, with their attention type (``config.layer_types``: full,
+    sliding-window or chunked; one type where it has none). Linear-attention layers (Qwen3.5's gated delta
+    nets) have no attention map, and are not among them."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return {layer: kind for layer, kind in enumerate(types) if kind != "linear_attention"}
 
 
 def defined(model_type: str, inputs: dict[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
@@ -569,6 +618,7 @@ SAVED_MODELING_FILES = {
     "architectures.py",
     "attach.py",
     "attention.py",
+    "attention_core.py",
     "chain.py",
     "convolution.py",
     "echo.py",
@@ -576,7 +626,10 @@ SAVED_MODELING_FILES = {
     "history.py",
     "masks.py",
     "methods.py",
+    "packing.py",
     "settings.py",
+    "step.py",
+    "versions.py",
 }
 
 

@@ -11,11 +11,12 @@ transformers and sibling files (single-dot relative imports).
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import transformers
 from torch import nn
+
+from .versions import release  # re-exported: tests and older imports take it from here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +140,14 @@ _SEQ2SEQ: dict[str, ArchitectureSpec] = {
 
 _DECODER_ONLY: dict[str, ArchitectureSpec] = {
     # Decoder-only language models: one causal chain. Grouped-query attention still has a map per query head,
-    # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma 2/3,
-    # Phi-3, StarCoder2, Cohere 2, VaultGemma) mask the entries outside their window, which the convolution then
-    # never reads; Gemma 2's and VaultGemma's soft-capping applies to S before the evolution (see attention.py).
-    # Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-MoE, DeepSeek-V2/V3, OLMoE, GraniteMoE, GLM-4-MoE,
-    # ERNIE 4.5 MoE) differ in their feed-forward layers only. Not supported: StableLM and Nemotron, whose decoder
-    # layers do not hand transformers' keyword arguments (and so the per-call chain) on to their attention.
+    # so the convolution has num_attention_heads channels; sliding-window layers (Mistral, Qwen, Gemma 2/3/4,
+    # Phi-3, StarCoder2, Cohere 2, VaultGemma, GPT-OSS) mask the entries outside their window, which the
+    # convolution then never reads; Gemma 2's and VaultGemma's soft-capping applies to S before the evolution (see
+    # attention.py). Mixtures of experts (Mixtral, Qwen2/3-MoE, Qwen3.5-MoE, Phi-MoE, DeepSeek-V2/V3, OLMoE,
+    # GraniteMoE, GLM-4-MoE, ERNIE 4.5 MoE, Llama 4, GPT-OSS, Mistral 4) differ in their feed-forward layers only.
+    # Multimodal wrappers (Gemma 4, Qwen3.5, Llama 4, Mistral 3 over Mistral 4) are not entries: their text
+    # models are. Not supported: StableLM and Nemotron, whose decoder layers do not hand transformers' keyword
+    # arguments (and so the per-call chain) on to their attention.
     "gpt2": ArchitectureSpec(("GPT2Attention",), num_heads_attribute="num_heads", cross_attention=("crossattention",)),
     "biogpt": ArchitectureSpec(("BioGptAttention",), num_heads_attribute="num_heads"),
     # One key/value head shared by every query head (multi-query attention).
@@ -196,11 +199,25 @@ _DECODER_ONLY: dict[str, ArchitectureSpec] = {
             "glm4_moe": "Glm4Moe",
             "ernie4_5_moe": "Ernie4_5_Moe",
             "granitemoeshared": "GraniteMoeShared",
+            # Full layers have heads of their own size; a KV-sharing layer (E2B, E4B) would run on the last
+            # prompt row alone in generate's first step, so a patched stack runs on every row (chain.start_chain).
+            "gemma4_text": "Gemma4Text",
+            # Hybrids: only the full-attention layers have this class, so the linear-attention ones (gated delta
+            # nets, no map) stay as they are, and the chain passes from one attention layer to the next.
+            "qwen3_5_text": "Qwen3_5",
+            "qwen3_5_moe_text": "Qwen3_5Moe",
+            # Chunked layers mask the keys outside their chunk, as sliding-window layers do.
+            "llama4_text": "Llama4Text",
+            # A learned sink logit per head joins each row's softmax, not the evolving map (attention.join_sinks).
+            "gpt_oss": "GptOss",
         }.items()
     },
-    # Multi-head latent attention: queries and keys have a head size of their own (values another).
+    # Multi-head latent attention (DeepSeek, Mistral 4): queries and keys have a head size of their own (values
+    # another). transformers 5.24 maps Mistral4ForCausalLM to no AutoModelForCausalLM (pretraining and
+    # image-text-to-text only).
     "deepseek_v2": ArchitectureSpec(("DeepseekV2Attention",), num_heads_attribute="num_heads", head_dim_attribute=_QK),
     "deepseek_v3": ArchitectureSpec(("DeepseekV3Attention",), num_heads_attribute="num_heads", head_dim_attribute=_QK),
+    "mistral4": ArchitectureSpec(("Mistral4Attention",), num_heads_attribute="num_heads", head_dim_attribute=_QK),
     # Before 5.24 their attention did not go through AttentionInterface.
     "gptj": ArchitectureSpec(("GPTJAttention",), num_heads_attribute="num_attention_heads", since="5.24.0"),
     "codegen": ArchitectureSpec(("CodeGenAttention",), num_heads_attribute="num_attention_heads", since="5.24.0"),
@@ -240,17 +257,6 @@ def model_types_of_kind(kind: str) -> list[str]:
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}, expected one of {KINDS}")
     return [model_type for model_type, spec in ARCHITECTURES.items() if spec.kind == kind]
-
-
-def release(version: str) -> tuple[int, ...]:
-    """A release version (transformers, torch, triton) as numbers to compare (``"5.10.4"`` -> ``(5, 10, 4)``;
-    suffixes such as ``.dev0`` or ``+cu132`` are dropped).
-
-    Example:
-        >>> release("5.9.0") < release("5.10.0.dev0")
-        True
-    """
-    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 def installed_release_supports(spec: ArchitectureSpec) -> bool:

@@ -111,11 +111,18 @@ def plan_evolution(
             )
             continue
         if chosen.layers is not None:
-            out_of_range = [i for i in chosen.layers if i >= num_layers]
-            if out_of_range:
+            attending = sorted(site.layer for site in stack_sites)
+            missing = [i for i in chosen.layers if i not in attending]
+            if missing and attending == list(range(num_layers)):
                 problems.append(
-                    f"layer indices {out_of_range} out of range for {stack_name or 'the model'} "
+                    f"layer indices {missing} out of range for {stack_name or 'the model'} "
                     f"({role}), which has {num_layers} layers (0..{num_layers - 1})"
+                )
+                continue
+            if missing:  # a hybrid stack (Qwen3.5): its linear-attention layers have no map to evolve
+                problems.append(
+                    f"layers {missing} of {stack_name or 'the model'} ({role}) have no attention map to evolve; "
+                    f"its attention layers are {attending}"
                 )
                 continue
         planned.append((chosen, sorted(stack_sites, key=lambda s: s.layer)))

@@ -18,10 +18,19 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .attention_core import attend_values, attention_scores, full_precision, plain_scores, scores_stand_in
+from .attention_core import (
+    attend_values,
+    attention_scores,
+    full_precision,
+    masked_logits,
+    plain_scores,
+    scores_stand_in,
+    softmax_probabilities,
+)
 from .chain import CHAIN_KWARG, SPARE_KEY, SPENT_WEIGHTS_KEY
 from .history import convolution_history
 from .masks import convolution_mask, evolving_attention_mask, split_attention_mask
+from .packing import find_packing
 
 #: Name under which the attention function and its mask function are registered in transformers.
 ATTENTION_IMPLEMENTATION = "evolving_attention"
@@ -61,7 +70,40 @@ def evolving_attention_forward(
     and alpha = beta = 0 reproduces the model. The evolved logits themselves are not capped again (the
     convolution branch may leave the range; its weights are trained with the model). Returns the output
     [B, Q, H, D] and the (evolved) attention probabilities [B, H, Q, K].
+
+    A packed call (several documents in a row: restarting position ids that transformers masked apart, or
+    flash-style ``cu_seq_lens_q`` / ``cu_seq_lens_k``) attends to each document on its own, in the padded layout of
+    :mod:`.packing`, so that the convolution reads nothing across a document's boundary; it returns None for
+    the attention probabilities, as sdpa and flash attention do (each document's map has its own size).
     """
+    evolution = getattr(module, MODULE_ATTRIBUTE, None)
+    if evolution is not None:
+        chain, cache = kwargs.get(CHAIN_KWARG), kwargs.get(CACHE_KWARG)
+        packing = find_packing(evolution.role, query, key, attention_mask, chain, cache, kwargs)
+        if packing is not None:
+            position_bias = None if position_bias is None else packing.maps(position_bias)
+            tokens = (packing.tokens(states) for states in (query, key, value))
+            mask = packing.mask(attention_mask)
+            # Without the cache: a packed call keeps no convolution rows to decode on from (see find_packing).
+            kwargs[CACHE_KWARG] = None
+            output, _ = attend(module, *tokens, mask, scaling, dropout, position_bias, softcap, **kwargs)
+            return packing.restore(output), None
+    return attend(module, query, key, value, attention_mask, scaling, dropout, position_bias, softcap, **kwargs)
+
+
+def attend(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    position_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`evolving_attention_forward` of a batch whose rows are one sequence each (padded or not)."""
     if scaling is None:
         scaling = query.size(-1) ** -0.5
     allowed, additive = split_attention_mask(attention_mask)
@@ -105,6 +147,8 @@ def evolving_attention_forward(
                 position_bias=position_bias,
                 softcap=softcap,
             )
+            if kwargs.get("s_aux") is not None:
+                output, probs = join_sinks(output, probs, chain[evolution.key], allowed, additive, kwargs["s_aux"])
             return output.transpose(1, 2).contiguous(), probs
     # Without autograd, where S is the plain product: QK^T goes into the previous layer's attention weights where
     # nobody kept them, and this layer's probabilities into the previous layer's logits (spare_map), so a stack of
@@ -123,6 +167,8 @@ def evolving_attention_forward(
         scores = evolution(full_precision(scores), conv_mask, chain, history, query=query, past=past)
         spare = spare_map(chain, scores)
     output, probs, _, _ = attend_values(scores, allowed, additive, value, dropout, out=spare)
+    if kwargs.get("s_aux") is not None:
+        output, probs = join_sinks(output, probs, scores, allowed, additive, kwargs["s_aux"])
     if (
         writes_into_weights
         and evolution is not None
@@ -130,6 +176,57 @@ def evolving_attention_forward(
     ):
         chain[SPENT_WEIGHTS_KEY] = probs
     return output.transpose(1, 2).contiguous(), probs
+
+
+def join_sinks(
+    output: torch.Tensor,
+    probs: torch.Tensor,
+    logits: torch.Tensor,
+    allowed: torch.Tensor | None,
+    additive: torch.Tensor | None,
+    sinks: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention sinks (GPT-OSS's ``s_aux``): a learned logit per head joins each row's softmax as one more
+    column, which has no value and which the convolution never reads (it is no entry of the map).
+
+    The sink takes its share of each row's mass: P_ij = exp(L_ij) / (sum_k exp(L_ik) + exp(sink)) is the softmax
+    over the keys alone times the share the keys keep, sigmoid(logsumexp_k L_ik - sink). So the ``output``
+    [B, H, Q, D] and the ``probs`` [B, H, Q, K] of the softmax without the sink, times that share, are the
+    layer's; ``logits`` are the unmasked (evolved) logits that softmax read.
+    """
+    share = SinkShare.apply(logits, sinks, allowed, additive).unsqueeze(-1)
+    if torch.is_grad_enabled():
+        return output * share.to(output.dtype), probs * share.to(probs.dtype)
+    return output.mul_(share), probs.mul_(share)
+
+
+class SinkShare(torch.autograd.Function):
+    """sigmoid(logsumexp over the keys of the masked logits [B, H, Q, K] - the head's sink [H]) [B, H, Q]: the
+    share of each row's softmax mass that its keys keep beside the sink (see :func:`join_sinks`).
+
+    Backward recomputes the softmax from the logits, which the chain holds anyway: autograd through logsumexp
+    would keep a masked copy of the map for each layer.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, sinks, allowed, additive):
+        rows = torch.logsumexp(full_precision(masked_logits(logits, allowed, additive)), -1)
+        share = torch.sigmoid(rows - sinks.to(rows.dtype).view(-1, 1))
+        ctx.save_for_backward(logits, allowed, additive, share)
+        ctx.sinks_dtype = sinks.dtype
+        return share
+
+    @staticmethod
+    def backward(ctx, grad_share):
+        logits, allowed, additive, share = ctx.saved_tensors
+        slope = grad_share * share * (1.0 - share)  # d share / d(logsumexp - sink)
+        grad_logits = grad_sinks = None
+        if ctx.needs_input_grad[0]:  # d logsumexp / d L = softmax(L)
+            probabilities = softmax_probabilities(full_precision(logits), allowed, additive)
+            grad_logits = probabilities.mul_(slope.unsqueeze(-1)).to(logits.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_sinks = slope.sum((0, 2)).neg_().to(ctx.sinks_dtype)
+        return grad_logits, grad_sinks, None, None
 
 
 def spare_map(chain: dict | None, like: torch.Tensor, key: str = SPARE_KEY) -> torch.Tensor | None:

@@ -32,14 +32,32 @@ SPENT_WEIGHTS_KEY = "spent_weights"
 #: Chain entry with the maps a layer's backward has spent, for the next layer down to recompute its P into
 #: (see attention_core.leave_spare_map): one dict per call, emptied when the backward pass ends.
 BACKWARD_SPARES_KEY = "backward_spares"
+#: Chain entry with the ``position_ids`` the stack was called with, where it got no attention mask: transformers
+#: then looks for packed sequences in them (documents whose positions restart), see packing.py.
+POSITIONS_KEY = "position_ids"
+#: Chain entry with the call's packed-sequence layout (packing.Packing), found by its first evolving layer and
+#: shared by the others, so that every layer's map, and the map passed between layers, has the same layout.
+PACKING_KEY = "packing"
 
 
 def start_chain(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """Forward pre-hook for a layer stack: give this call its own, empty chain of attention logits.
 
     The chain records whether layers of the stack may be replayed (gradient checkpointing): only then must it
-    keep every layer's logits until backward.
+    keep every layer's logits until backward; and the position ids of a call without an attention mask, where
+    several documents may be packed in one row (see packing.py).
     """
     replays = module.training and any(getattr(m, "gradient_checkpointing", False) for m in module.modules())
-    kwargs[CHAIN_KWARG] = {REPLAYS_KEY: replays}
+    chain = {REPLAYS_KEY: replays}
+    # transformers' own rule for packed sequences (masking_utils._preprocess_mask_arguments): position ids and no
+    # attention mask. Only kept here; whether they are packed is found where a layer needs to know.
+    if kwargs.get("position_ids") is not None and kwargs.get("attention_mask") is None:
+        chain[POSITIONS_KEY] = kwargs["position_ids"]
+    if isinstance(kwargs.get("logits_to_keep"), int):
+        # A stack told which positions' logits will be kept may run its later layers on those rows alone (Gemma
+        # 4's KV-sharing layers, in generate's first step): their maps would lack the rows that their convolution
+        # and the next layer read, and their caches the rows the next steps convolve. It runs on every position
+        # (and returns them all; the causal-LM head keeps its own).
+        kwargs["logits_to_keep"] = 0
+    kwargs[CHAIN_KWARG] = chain
     return args, kwargs

@@ -34,8 +34,9 @@ def reference_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     return out
 
 
-def reference_chain(queries, keys, values, valid_tokens, weights, biases, alpha, beta):
-    """Eqs. (1)-(2) of TPAMI section 3.1 for a whole chain, with padding zeroed before each convolution."""
+def reference_chain(queries, keys, values, valid_tokens, weights, biases, alpha, beta, sinks=None):
+    """Eqs. (1)-(2) of TPAMI section 3.1 for a whole chain, with padding zeroed before each convolution; with
+    ``sinks`` (GPT-OSS), each head's sink logit is one more column of the softmax, after the evolution."""
     entry_valid = valid_tokens[:, None, :, None] & valid_tokens[:, None, None, :]
     previous, outputs, probabilities = None, [], []
     for q, k, v, w, b in zip(queries, keys, values, weights, biases, strict=True):
@@ -44,7 +45,11 @@ def reference_chain(queries, keys, values, valid_tokens, weights, biases, alpha,
         a_logit = beta * torch.relu(reference_conv(a_in * entry_valid, w, b)) + (1 - beta) * a_in
         previous = a_logit
         masked = a_logit.masked_fill(~valid_tokens[:, None, None, :], torch.finfo(a_logit.dtype).min)
-        probs = masked.softmax(-1)
+        if sinks is None:
+            probs = masked.softmax(-1)
+        else:
+            column = sinks.view(1, -1, 1, 1).expand(*masked.shape[:-1], 1)
+            probs = torch.cat([masked, column], -1).softmax(-1)[..., :-1]
         probabilities.append(probs)
         outputs.append((probs @ v).transpose(1, 2))
     return outputs, probabilities
@@ -95,6 +100,45 @@ def test_chain_matches_reference(kernel_size, mask_kind):
         # Padded query rows carry no meaning; compare the rows of real tokens.
         assert (probs - ref_probs).transpose(1, 2)[valid].abs().max() <= 1e-12
         assert (out - ref_out)[valid].abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_attention_sinks_join_the_softmax_and_not_the_convolution(grad):
+    """GPT-OSS's attention sinks (``s_aux``): a learned logit per head is one more column of each row's softmax,
+    which has no value and which the evolution never reads. With autograd (the fused attention core) the gradients
+    of the queries, keys, values, sinks and convolutions are the reference's too."""
+    torch.manual_seed(0)
+    alpha, beta = 0.3, 0.6
+    layers = make_layers(2, alpha, beta)
+    qs, ks, vs = ([torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=grad) for _ in layers] for _ in range(3))
+    sinks = torch.randn(H, dtype=torch.float64, requires_grad=grad)
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[1, 4:] = False
+    allowed = valid[:, None, None, :].expand(B, 1, N, N)
+    weights = [layer.evolving_attention.weight for layer in layers]
+    biases = [layer.evolving_attention.bias for layer in layers]
+    upstream = [torch.randn(B, N, H, D, dtype=torch.float64) * valid[:, :, None, None] for _ in layers]
+
+    with torch.set_grad_enabled(grad):
+        chain = {}
+        ours = [
+            evolving_attention_forward(layer, q, k, v, allowed, s_aux=sinks, **{CHAIN_KWARG: chain})
+            for layer, q, k, v in zip(layers, qs, ks, vs, strict=True)
+        ]
+        outputs, probabilities = reference_chain(qs, ks, vs, valid, weights, biases, alpha, beta, sinks=sinks)
+    for (out, probs), ref_out, ref_probs in zip(ours, outputs, probabilities, strict=True):
+        assert (probs - ref_probs).transpose(1, 2)[valid].abs().max() <= 1e-12
+        assert (out - ref_out)[valid].abs().max() <= 1e-12
+    assert (probabilities[0].sum(-1) < 1 - 1e-3).any()  # the sinks took their share
+    if grad:
+        leaves = [*qs, *ks, *vs, sinks, *weights, *biases]
+        loss, reference_loss = (
+            sum((out * up).sum() for out, up in zip(outs, upstream, strict=True))
+            for outs in ([out for out, _ in ours], outputs)
+        )
+        gradients = torch.autograd.grad(loss, leaves)
+        for gradient, expected in zip(gradients, torch.autograd.grad(reference_loss, leaves), strict=True):
+            assert (gradient - expected).abs().max() <= 1e-10 * max(1.0, expected.abs().max())
 
 
 def test_padding_entries_never_reach_the_convolution():
@@ -329,9 +373,7 @@ def test_custom_backward_passes_gradcheck(kind, kernel_size):
     keep = (torch.rand(1, 1, 6, 7) > 0.3).double()
 
     def evolve(scores, previous, weight, bias):
-        return EvolveConvolution.apply(
-            scores, previous, keep, weight, bias, 0.3, 0.4, evolution.causal, evolution.context_rows
-        )
+        return EvolveConvolution.apply(evolution.step, scores, previous, keep, weight, bias)
 
     assert torch.autograd.gradcheck(evolve, (scores, previous, evolution.weight, evolution.bias))
     assert torch.autograd.gradcheck(lambda s, w, b: evolve(s, None, w, b), (scores, evolution.weight, evolution.bias))

@@ -15,6 +15,7 @@ from testing import (
     NUM_LAYERS,
     PAD,
     VOCAB_SIZE,
+    attention_layers,
     cached_and_uncached_generation,
     causal_lm,
     checkpointing_changes_no_gradient,
@@ -27,12 +28,14 @@ from testing import (
 import ea_hf
 from ea_hf.modeling import attention as attention_module
 from ea_hf.modeling import history as history_module
+from ea_hf.modeling.architectures import release
 from ea_hf.modeling.history import CACHE_ATTRIBUTE
 
 FAMILIES = list(CAUSAL_LM_FAMILIES)
 EVOLVED = {"alpha": 0.4, "beta": 0.5}
-#: Families whose layers alternate full and sliding-window attention (``config.layer_types``).
+#: Families whose layers alternate full and sliding-window (or chunked) attention (``config.layer_types``).
 ALTERNATING = ["qwen2", "qwen3", "gemma2", "gemma3_text", "cohere2", "olmo3", "ministral", "vaultgemma"]
+ALTERNATING += ["gemma4_text", "llama4_text", "gpt_oss"]
 #: Families whose position embeddings do not follow ``position_ids`` (the BART family counts positions from the
 #: first column), so a left-padded prompt is not the same input as the prompt alone, patched or not.
 ABSOLUTE_FROM_FIRST_COLUMN = ["bart-causal", "mbart-causal"]
@@ -68,15 +71,29 @@ def position_ids(attention_mask):
 def test_one_causal_chain_per_attention_type(family):
     model = evolved_lm(family)
     rows = [row for row in ea_hf.summary(model).modules if row.role == "decoder"]
-    assert [row.layer for row in rows] == list(range(NUM_LAYERS))
+    layers = attention_layers(model.config)  # every layer but Qwen3.5's linear-attention one
+    assert len(layers) == NUM_LAYERS and [row.layer for row in rows] == list(layers)
     assert {(row.alpha, row.beta) for row in rows} == {(0.4, 0.5)}  # a decoder-only model's own settings
     # Causal kernels keep the rows at and above the centre; one channel per query head (grouped-query
     # attention has 2 key/value heads here).
     assert {row.parameters for row in rows} == {NUM_HEADS**2 * 6 + NUM_HEADS}
-    if family in ALTERNATING:  # full, sliding, full: the sliding layer starts a chain of its own
-        assert [row.previous_layer for row in rows] == [None, None, 0]
-    else:
-        assert [row.previous_layer for row in rows] == [None, 0, 1]
+    # Each layer takes the map of the last attention layer before it of its own type: in full, sliding, full
+    # (or chunked) the middle layer starts a chain of its own, and the last layer continues the first's.
+    previous = [max((j for j in layers if j < i and layers[j] == layers[i]), default=None) for i in layers]
+    assert [row.previous_layer for row in rows] == previous
+    if family in ALTERNATING:
+        assert previous == [None, None, 0]
+
+
+def test_a_hybrid_evolves_its_attention_layers_alone():
+    """Qwen3.5: the linear-attention layer (a gated delta net, layer 1 here) has no map and stays as it is; layers
+    are named in the model's own numbering, and a linear-attention one is refused, not silently left plain."""
+    model = causal_lm("qwen3_5_text")
+    with pytest.raises(ValueError, match=r"layers \[1\] of model \(decoder\) have no attention map to evolve; its "):
+        ea_hf.patch(model, **EVOLVED, layers=[1, 3])
+    ea_hf.patch(model, **EVOLVED, layers=[0, 3])
+    assert [(row.layer, row.previous_layer) for row in ea_hf.summary(model).modules] == [(0, None), (3, 0)]
+    assert not any("evolving_attention" in name for name, _ in model.model.layers[1].named_modules())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,13 +218,18 @@ MODES = GENERATION_MODES | {"sample": {"num_beams": 1, "do_sample": True, "top_k
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generation_with_the_cache_equals_generation_without(family, mode):
+    if family == "llama4_text" and "static" in mode and release(transformers.__version__) < release("5.20.0"):
+        pytest.skip(
+            "before transformers 5.20 Llama 4 cannot generate with a static cache, patched or not (its chunked "
+            "layers' mask function takes no block_sequence_ids)"
+        )
     model = evolved_lm(family)
     inputs = left_padded_inputs()
     settings = MODES[mode]
     with torch.no_grad():
         cached = cached_and_uncached_generation(model, inputs, **settings)
     histories = cached.past_key_values.__dict__[CACHE_ATTRIBUTE]
-    assert {key for key in histories if key[0] == "decoder"} == {("decoder", i) for i in range(NUM_LAYERS)}
+    assert {key for key in histories if key[0] == "decoder"} == {("decoder", i) for i in attention_layers(model.config)}
     assert {h.seen for h in histories.values()} == {cached.sequences.shape[1] - 1}
 
 
