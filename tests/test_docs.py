@@ -1,9 +1,11 @@
-"""The docs run as written: every ``python`` block of a page runs (the page's blocks in order, in one fresh
-interpreter, offline, in an empty folder); every ``ea-hf`` command of a ``bash`` block parses, and the recipes
-that ``ea-hf run`` and ``ea-hf validate`` name validate with their overrides. Blocks of other languages are
-output (``text``), files (``yaml``) or commands that need what the tests do not have (``console``: a GPU, the
-Hub, hours); a ``console`` block says why in the HTML comment above it."""
+"""The docs run as written: every ``python`` block of a page runs (the page's blocks in order, in a namespace
+and an empty folder of its own, offline, in an interpreter apart from pytest's); every ``ea-hf`` command of a
+``bash`` block parses, and the recipes that ``ea-hf run`` and ``ea-hf validate`` name validate with their
+overrides. Blocks of other languages are output (``text``), files (``yaml``) or commands that need what the
+tests do not have (``console``: a GPU, the Hub, hours); a ``console`` block says why in the HTML comment above
+it."""
 
+import json
 import re
 import shlex
 import subprocess
@@ -67,14 +69,38 @@ def test_ea_hf_commands_parse_and_their_recipes_validate(page):
 
 
 PYTHON_PAGES = [page for page in PAGES if blocks(page, "python")]
+#: Runs each page's blocks in a namespace and folder of its own, all pages in one interpreter apart from pytest's
+#: (one import of torch and transformers instead of one per page); prints {page: traceback or None} last.
+RUNNER = """
+import json, os, sys, traceback
+results = {}
+for name, folder, code in json.load(sys.stdin):
+    os.chdir(folder)
+    try:
+        exec(compile(code, name, "exec"), {"__name__": "__main__"})
+        results[name] = None
+    except BaseException:
+        results[name] = traceback.format_exc()[-4000:]
+print()
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def page_runs(tmp_path_factory) -> dict[str, str | None]:
+    pages = [(page.name, str(tmp_path_factory.mktemp(page.stem)), "\n\n".join(blocks(page, "python")))
+             for page in PYTHON_PAGES]
+    run = subprocess.run(
+        [sys.executable, "-c", RUNNER], input=json.dumps(pages), capture_output=True, text=True, timeout=1200
+    )
+    assert run.returncode == 0 and run.stdout.strip(), run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda page: page.stem)
-def test_python_blocks_run_in_order(page, tmp_path):
-    script = "\n\n".join(blocks(page, "python"))
-    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"{page.name}:\n{run.stderr[-4000:]}"
+def test_python_blocks_run_in_order(page, page_runs):
+    assert page_runs[page.name] is None, f"{page.name}:\n{page_runs[page.name]}"
 
 
 def test_the_nav_lists_every_page():
