@@ -55,9 +55,14 @@ class ArchitectureSpec:
 KINDS = ("text encoder", "vision encoder", "audio encoder", "seq2seq", "decoder-only")
 
 
-def _of_kind(kind: str, entries: dict[str, ArchitectureSpec]) -> dict[str, ArchitectureSpec]:
+def _known_kind(kind: str) -> str:
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}, expected one of {KINDS}")
+    return kind
+
+
+def _of_kind(kind: str, entries: dict[str, ArchitectureSpec]) -> dict[str, ArchitectureSpec]:
+    kind = _known_kind(kind)
     return {model_type: dataclasses.replace(spec, kind=kind) for model_type, spec in entries.items()}
 
 
@@ -254,8 +259,7 @@ def model_types_of_kind(kind: str) -> list[str]:
         >>> model_types_of_kind("seq2seq")[:2]
         ['t5', 'mt5']
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown kind {kind!r}, expected one of {KINDS}")
+    kind = _known_kind(kind)
     return [model_type for model_type, spec in ARCHITECTURES.items() if spec.kind == kind]
 
 
