@@ -4,6 +4,7 @@ import tiny_model``; the tests folder is on pytest's ``pythonpath``)."""
 
 import json
 import types
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -14,6 +15,16 @@ from ea_hf.modeling.architectures import model_types_of_kind
 from ea_hf.modeling.echo import EchoAttention
 from ea_hf.modeling.model_classes import auto_class_names
 from ea_hf.training.kinds.glue import GLUE_TASKS
+
+SST2_SAMPLE_DIR = Path(__file__).parent / "fixtures" / "sst2-sample"
+#: Overrides that point a ``glue`` recipe (``quickstart``) at the template-generated SST-2-format sample
+#: (480 training and 120 validation sentences; see its make_sample.py): small, fast and learnable, for tests
+#: of the pipeline. Its scores say nothing about EA.
+SST2_SAMPLE = [
+    "data.source=local",
+    "data.max_train_samples=null",
+    f"data.files={{train: {SST2_SAMPLE_DIR / 'train.tsv'}, validation: {SST2_SAMPLE_DIR / 'validation.tsv'}}}",
+]
 
 # The architecture lists come from the table, by kind: adding a family there adds it to every test of its kind.
 TEXT_ARCHITECTURES = model_types_of_kind("text encoder")
@@ -170,7 +181,6 @@ PAD, BOS, EOS = 1, 0, 2  # special token ids of the tiny seq2seq configs
 def bench_script(name: str):
     """A benchmark script of ``bench/`` (not a package) as a module, loaded from its file."""
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)

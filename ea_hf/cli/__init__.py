@@ -2,12 +2,13 @@
 
 Sub-commands:
     ea-hf patch MODEL OUT_DIR [--alpha A --beta B ...]   patch a checkpoint and save it as an EA checkpoint
-                                                          (seq2seq: --decoder/--cross JSON settings or off)
+                                                          (seq2seq: --decoder/--cross JSON settings or off;
+                                                          --sentence-transformers: as a SentenceTransformer)
     ea-hf summary MODEL                                   list the evolving attention modules of a checkpoint
     ea-hf ls                                              list the shipped recipes
     ea-hf cp NAME DEST                                    copy a shipped recipe to edit it
     ea-hf validate RECIPE [key=value ...]                 check a recipe without loading any model
-    ea-hf run RECIPE [key=value ...] [--resume] [--nproc-per-node N]
+    ea-hf run RECIPE [key=value ...] [--resume] [--skip-finished] [--nproc-per-node N]
                                                           fine-tune and evaluate (every sweep combination)
     ea-hf eval RUN_DIR                                    re-evaluate the final model of a run
     ea-hf compare RUN_DIR ... [--seeds [--reference NAME]]
@@ -106,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="transformers class to load MODEL with, e.g. AutoModelForSequenceClassification "
         "(default: the checkpoint's own architecture)",
     )
+    patch.add_argument(
+        "--sentence-transformers",
+        action="store_true",
+        help="load MODEL as a SentenceTransformer (a plain checkpoint gets mean pooling) and save a "
+        "sentence-transformers folder (needs the sentence-transformers extra)",
+    )
 
     summary = commands.add_parser("summary", help="list the evolving attention modules of an EA checkpoint")
     summary.add_argument("model", help="Hub id or local directory of an EA checkpoint")
@@ -123,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. ea.alpha=0.4")
         if name == "run":
             command.add_argument("--resume", action="store_true", help="continue from the last checkpoint of the run")
+            command.add_argument(
+                "--skip-finished",
+                action="store_true",
+                help="leave out the runs whose directory holds a finished, evaluated run (a sweep built up over "
+                "several sittings: with --resume, an interrupted run continues)",
+            )
             command.add_argument(
                 "--nproc-per-node",
                 type=int,
@@ -193,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`ea-hf ls | head`): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
-    except (ValueError, NotImplementedError, OSError) as error:
+    except (ValueError, NotImplementedError, OSError, ImportError) as error:  # ImportError: a missing extra
         print(f"ea-hf {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -45,13 +45,39 @@ def patch(args: argparse.Namespace) -> int:
     settings = settings_from_arguments(args)  # checked before the model is loaded
     if _looks_like_path(args.model) and not Path(args.model).exists():
         raise FileNotFoundError(f"{args.model} does not exist (neither a local directory nor a Hub id)")
+    if args.sentence_transformers:
+        return _patch_sentence_transformer(args, settings, out_dir)
     model = _model_class(args.model, args.auto_class).from_pretrained(args.model)
     torch.manual_seed(args.seed)
-    ea_hf.patch(model, **settings.to_dict(), decoder=args.decoder, cross=args.cross)
+    ea_hf.patch(model, settings, decoder=args.decoder, cross=args.cross)
     model.save_pretrained(out_dir)
     preprocessor = save_preprocessor(args.model, out_dir)
     print(ea_hf.summary(model))
     print(f"saved {type(model).__name__} to {out_dir}" + (f" with its {preprocessor}" if preprocessor else ""))
+    return 0
+
+
+def _patch_sentence_transformer(
+    args: argparse.Namespace, settings: ea_hf.EvolvingAttentionSettings, out_dir: Path
+) -> int:
+    from ..integrations.sentence_transformers import (
+        import_sentence_transformers,
+        patch_sentence_transformer,
+        transformers_models,
+    )
+
+    if args.auto_class is not None:
+        raise ValueError("--auto-class does not apply with --sentence-transformers (it loads MODEL with AutoModel)")
+    sentence_transformers = import_sentence_transformers()
+    # sentence-transformers reads the folder's modules.json, or wraps a plain checkpoint with mean pooling. On
+    # the CPU the new weights are drawn as without --sentence-transformers (same seed, same weights).
+    model = sentence_transformers.SentenceTransformer(args.model, device="cpu")
+    torch.manual_seed(args.seed)
+    patch_sentence_transformer(model, settings, decoder=args.decoder, cross=args.cross)
+    model.save(str(out_dir))
+    for inner in transformers_models(model):
+        print(ea_hf.summary(inner))
+    print(f"saved a SentenceTransformer ({', '.join(type(module).__name__ for module in model)}) to {out_dir}")
     return 0
 
 
@@ -111,7 +137,8 @@ def validate(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     """Re-run this ``ea-hf run`` in ``args.nproc_per_node`` processes under torchrun; its exit status."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}"]
-    command += ["-m", "ea_hf.cli", "run", args.recipe, *args.overrides] + (["--resume"] if args.resume else [])
+    command += ["-m", "ea_hf.cli", "run", args.recipe, *args.overrides]
+    command += [flag for flag, on in (("--resume", args.resume), ("--skip-finished", args.skip_finished)) if on]
     return subprocess.call(command)
 
 
@@ -127,16 +154,23 @@ def run(args: argparse.Namespace) -> int:
         return _launch(args)
 
     from ..training.evidence import seed_evidence, seed_group_name
-    from ..training.run_dir import compare_runs
+    from ..training.run_dir import compare_runs, is_finished
     from ..training.trainer import run_recipe
 
     is_main = int(os.environ.get("RANK", "0")) == 0
-    start, durations = time.monotonic(), []
+    durations: list[float] = []
     for index, recipe in enumerate(runs):
+        if args.skip_finished and is_finished(recipe.output_dir):
+            if is_main:
+                print(
+                    f"[ea-hf] run {index + 1} of {len(runs)}: {recipe.output_dir} is finished; skipped", file=sys.stderr
+                )
+            continue
         if is_main and len(runs) > 1:  # where a long sweep stands: to stderr, beside Trainer's progress bars
             print(progress_line(index, len(runs), recipe.output_dir, durations), file=sys.stderr, flush=True)
+        start = time.monotonic()
         metrics = run_recipe(recipe, resume=args.resume)
-        durations.append(time.monotonic() - start - sum(durations))
+        durations.append(time.monotonic() - start)
         if is_main:
             print(f"{recipe.output_dir}: {metrics}")
     if is_main:

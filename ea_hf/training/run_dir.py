@@ -8,13 +8,14 @@ Run directory layout::
     checkpoints/checkpoint-N/    Trainer checkpoints (resume from the last one with ``resume=True``)
     pretrained/                  a pre-training phase's model, for kinds that have one
     eval/<split>/metrics.json    metrics of each evaluated split
+    eval/<split>/per_example.json   one score per example, in the split's order (kinds that have one)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ RECIPE_FILE = "recipe.yaml"
 EVAL_DIR = "eval"
 PRETRAINED_DIR = "pretrained"
 CONFIG_FILE = "config.json"
+PER_EXAMPLE_FILE = "per_example.json"
 
 #: ea_hf 0.1 wrote every kind's data fields and a ``pretrain`` section into each run's recipe.yaml; a kind's
 #: schema now has only its own. These keys are dropped where the run's kind does not have them.
@@ -69,6 +71,28 @@ def write_metrics(run_dir: Path, split: str, metrics: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def write_per_example(run_dir: Path, split: str, scores: Sequence[float]) -> Path:
+    path = run_dir / EVAL_DIR / split / PER_EXAMPLE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([float(score) for score in scores]) + "\n")
+    return path
+
+
+def read_per_example(run_dir: str | Path, split: str) -> list[float] | None:
+    """The per-example scores a run saved for ``split``; None if it saved none."""
+    path = Path(run_dir) / EVAL_DIR / split / PER_EXAMPLE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def is_finished(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a finished, evaluated run (what ``ea-hf run --skip-finished`` skips)."""
+    try:
+        check_finished(run_dir)
+    except FileNotFoundError:
+        return False
+    return bool(read_metrics(run_dir))
 
 
 def read_metrics(run_dir: str | Path) -> dict[str, dict]:

@@ -57,6 +57,10 @@ class Preprocessed:
     #: Trainer's ``preprocess_logits_for_metrics``: reduces each evaluation batch's logits before they are
     #: gathered (a language model's logits would fill the memory).
     preprocess_logits: Callable[[Any, Any], Any] | None = None
+    #: One score per evaluated example from the Trainer's ``EvalPrediction`` (1.0 where a classifier is right),
+    #: saved beside a split's metrics so that two models can be compared example by example (a paired
+    #: bootstrap over the same test sentences, McNemar's test); None: the kind has no per-example score.
+    per_example_scores: Callable[[Any], Any] | None = None
 
 
 class TaskKind:

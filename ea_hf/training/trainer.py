@@ -6,6 +6,7 @@ tasks comes from the recipe's task kind (``task_kind.py``).
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,9 @@ from torch import nn
 
 from ..modeling.evolution import AttentionMapEvolution
 from .models import load_model, optimizer_override
+from .ramp import EvolutionRamp
 from .recipe import Recipe
-from .run_dir import ADAPTER_CONFIG, CHECKPOINTS, RECIPE_FILE, read_run_recipe, write_metrics
+from .run_dir import ADAPTER_CONFIG, CHECKPOINTS, RECIPE_FILE, read_run_recipe, write_metrics, write_per_example
 
 
 def evolution_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -26,9 +28,16 @@ def evolution_parameters(model: nn.Module) -> list[nn.Parameter]:
 class EvolvingAttentionTrainer(transformers.Trainer):
     """``Trainer`` with an optional separate learning rate for the added evolution parameters."""
 
-    def __init__(self, *args: Any, ea_learning_rate: float | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        ea_learning_rate: float | None = None,
+        per_example_scores: Callable[[Any], Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.ea_learning_rate = ea_learning_rate
+        self.per_example_scores = per_example_scores
 
     def create_optimizer(self, model: nn.Module | None = None):
         if self.ea_learning_rate is None or self.optimizer is not None:
@@ -122,6 +131,9 @@ def prepare(
         model, processor = load_model(recipe, label_names, data, adapter_dir)
         prepared = kind.preprocess(recipe, data, label_names, model, processor)
     processed = prepared.splits
+    if recipe.ea.enabled and recipe.ea.ramp_ratio > 0 and train:
+        # First, so that the callbacks given see the values the ramp sets for each step.
+        callbacks = [EvolutionRamp(model, recipe.ea.ramp_ratio), *(callbacks or [])]
     eval_splits = {split: dataset for split, dataset in processed.items() if split != "train"}
     trainer = EvolvingAttentionTrainer(
         model=model,
@@ -133,6 +145,7 @@ def prepare(
         compute_metrics=prepared.compute_metrics,
         preprocess_logits_for_metrics=prepared.preprocess_logits,
         ea_learning_rate=recipe.ea.learning_rate,
+        per_example_scores=prepared.per_example_scores,
         callbacks=callbacks,
         optimizer_cls_and_kwargs=optimizer_override(recipe),
     )
@@ -140,12 +153,22 @@ def prepare(
 
 
 def evaluate_splits(trainer: transformers.Trainer, eval_splits: dict[str, Any], run_dir: Path) -> dict[str, dict]:
+    """Evaluate every split; write its metrics and, where the task kind has them, its per-example scores."""
     results = {}
+    per_example = getattr(trainer, "per_example_scores", None)
     for split, dataset in eval_splits.items():
-        metrics = trainer.evaluate(eval_dataset=dataset, metric_key_prefix=split)
+        if per_example is None:
+            metrics, scores = trainer.evaluate(eval_dataset=dataset, metric_key_prefix=split), None
+        else:  # the predictions as well as the metrics, in one pass
+            output = trainer.predict(dataset, metric_key_prefix=split)
+            metrics, scores = output.metrics, per_example(output)
+            if trainer.state.epoch is not None:  # as evaluate's metrics have it
+                metrics["epoch"] = trainer.state.epoch
         results[split] = {key.removeprefix(f"{split}_"): value for key, value in metrics.items()}
         if trainer.is_world_process_zero():
             write_metrics(run_dir, split, results[split])
+            if scores is not None:
+                write_per_example(run_dir, split, scores)
     return results
 
 
@@ -210,6 +233,7 @@ def evaluate_run(run_dir: str | Path) -> dict[str, dict]:
         trainer, eval_splits = prepare(recipe, run_dir, train=False, adapter_dir=run_dir)
         return evaluate_splits(trainer, eval_splits, run_dir)
     recipe.model.name_or_path = str(run_dir)
+    recipe.model.gguf_file = None  # the run saved an ordinary checkpoint
     recipe.ea.enabled = False  # the saved model is already what it is: EA or baseline
     recipe.peft.method = None
     trainer, eval_splits = prepare(recipe, run_dir, train=False)

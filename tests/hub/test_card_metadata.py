@@ -84,7 +84,7 @@ def series_files(tmp_path):
 def test_every_kind_names_local_data_as_local_files_and_only_hub_data_as_datasets(tmp_path):
     files = {"train": str(tmp_path / "data" / "train.tsv"), "validation": str(tmp_path / "data" / "dev" / "v.tsv")}
     local = {
-        "glue": load_recipe("quickstart", [f"data.files={files}"]),
+        "glue": load_recipe("quickstart", ["data.source=local", f"data.files={files}"]),
         "image": recipe_from_dict(
             {
                 "name": "i",

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from huggingface_hub import ModelCard
-from testing import SAVED_MODELING_FILES, SENTENCES, tiny_model
+from testing import SAVED_MODELING_FILES, SENTENCES, SST2_SAMPLE, tiny_model
 
 import ea_hf
 from ea_hf.cli import main
@@ -26,7 +26,13 @@ from ea_hf.training.trainer import run_recipe
 
 TOKEN = "hf_test_token"
 REPO = "test-user/ea-minilm-sst2"
-SHORT = ["data.max_train_samples=32", "data.max_eval_samples=16", "train.batch_size=8", "train.max_steps=2"]
+SHORT = [
+    *SST2_SAMPLE,
+    "data.max_train_samples=32",
+    "data.max_eval_samples=16",
+    "train.batch_size=8",
+    "train.max_steps=2",
+]
 SHORT += ["train.eval_strategy=no", "train.save_strategy=steps", "train.save_steps=2"]
 
 

@@ -17,7 +17,7 @@ import torch
 import transformers
 import yaml
 from huggingface_hub import ModelCard
-from testing import sample_rows, tiny_checkpoint, tiny_vit_checkpoint, write, write_ts
+from testing import SST2_SAMPLE, sample_rows, tiny_checkpoint, tiny_vit_checkpoint, write, write_ts
 
 import ea_hf
 from ea_hf.cli import main
@@ -31,6 +31,18 @@ from ea_hf.training.trainer import evaluate_run, prepare, run_recipe
 pytest.importorskip("aeon", reason="the time-series runs read .ts files with the timeseries extra (aeon)")
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "runs_v0_1"
+#: The quickstart as ea_hf 0.1 shipped it: two epochs on the SST-2-format sample (then in recipes/data).
+V0_1_QUICKSTART = [
+    "data.source=local",
+    f"data.files={{train: {RECIPES_DIR / 'data/sst2-sample/train.tsv'}, "
+    f"validation: {RECIPES_DIR / 'data/sst2-sample/validation.tsv'}}}",
+    "data.max_train_samples=null",
+    "train.epochs=2",
+    "train.eval_batch_size=null",
+    "train.eval_strategy=epoch",
+    "train.save_strategy=epoch",
+    "train.logging_steps=10",
+]
 QUICK = ["train.max_steps=2", "train.eval_strategy=no", "train.save_strategy=no", "train.batch_size=8"]
 TINY_SERIES_MODEL = ["model.config.hidden_size=16", "model.config.num_layers=1", "model.config.num_attention_heads=2"]
 #: Per kind of run: pipeline tag, model-index task type, dataset name, the metrics and the Hub datasets.
@@ -84,7 +96,9 @@ def runs(tmp_path_factory, digits_folders) -> dict[str, Path]:
     """A short, finished run of every kind of task."""
     root = tmp_path_factory.mktemp("kind-runs")
     recipes = {
-        "glue": load_recipe("quickstart", ["data.max_train_samples=32", "data.max_eval_samples=16", *QUICK]),
+        "glue": load_recipe(
+            "quickstart", [*SST2_SAMPLE, "data.max_train_samples=32", "data.max_eval_samples=16", *QUICK]
+        ),
         "image": load_recipe(
             "vision/ea-vit-base-imagenet",
             [
@@ -207,8 +221,8 @@ def test_runs_written_by_ea_hf_0_1_still_evaluate_compare_publish(runs, hub, mon
 @pytest.mark.parametrize(
     ("fixture", "name", "overrides"),
     [
-        ("glue", "quickstart", []),
-        ("glue-lora", "quickstart", ["peft.method=lora", "output_dir=runs/quickstart-lora"]),
+        ("glue", "quickstart", V0_1_QUICKSTART),
+        ("glue-lora", "quickstart", [*V0_1_QUICKSTART, "peft.method=lora", "output_dir=runs/quickstart-lora"]),
         ("image", "vision/ea-vit-base-imagenet", []),
         ("timeseries", "timeseries/japanese-vowels", ["sweep=null", "variants=null"]),
     ],

@@ -28,10 +28,17 @@ from testing import (
 
 import ea_hf
 from ea_hf.modeling import attention as attention_module
-from ea_hf.modeling.architectures import ARCHITECTURES, ArchitectureSpec, supported_model_types
+from ea_hf.modeling.architectures import (
+    ARCHITECTURES,
+    ArchitectureSpec,
+    attention_roles_of_config,
+    supported_model_types,
+)
+from ea_hf.modeling.attach import attention_roles
 from ea_hf.modeling.chain import REPLAYS_KEY
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.masks import convolution_mask
+from ea_hf.modeling.settings import EvolvingAttentionSettings
 
 EXACT = 1e-5
 PADDING = 1e-4
@@ -527,3 +534,22 @@ def test_a_family_newer_than_the_installed_transformers_is_refused_naming_the_re
     assert not ea_hf.is_patched(model) and type(model).__name__ == "BertModel"
     monkeypatch.setitem(ARCHITECTURES, "bert", dataclasses.replace(ARCHITECTURES["bert"], since="5.0.0"))
     assert ea_hf.is_patched(ea_hf.patch(model))
+
+
+@pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
+def test_the_config_alone_tells_the_attention_roles(model_type):
+    """What model cards and recipes read without building a model: the roles patch finds in its modules."""
+    model = tiny_model(model_type)
+    assert list(attention_roles_of_config(model.config)) == attention_roles(model)
+
+
+def test_patch_takes_settings_as_one_object_or_as_fields():
+    settings = EvolvingAttentionSettings(alpha=0.3, beta=0.1, kernel_size=5, layers=(1,), init="dirac")
+    by_object = ea_hf.patch(tiny_model("t5"), settings, cross=False)
+    by_fields = ea_hf.patch(tiny_model("t5"), alpha=0.3, beta=0.1, kernel_size=5, layers=[1], init="dirac", cross=False)
+    assert by_object.config.evolving_attention == by_fields.config.evolving_attention
+    assert by_object.config.evolving_attention["encoder"] == settings.to_dict()
+    with pytest.raises(TypeError, match="as an EvolvingAttentionSettings or as fields, not both"):
+        ea_hf.patch(tiny_model("bert"), settings, alpha=0.1)
+    with pytest.raises(ValueError, match="BertModel has no cross attention to configure"):
+        ea_hf.patch(tiny_model("bert"), settings, cross={"beta": 0.1})

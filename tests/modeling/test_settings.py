@@ -42,7 +42,7 @@ def test_every_setting_is_a_recipe_key_a_cli_option_and_a_patch_parameter():
 def test_a_field_added_to_the_settings_reaches_the_recipe_schema_and_the_cli():
     section = ea_section_class(WithSpread)
     assert [field.name for field in dataclasses.fields(section)] == ["enabled", *FIELDS, "spread", "decoder", "cross",
-                                                                     "learning_rate"]  # fmt: skip
+                                                                     "learning_rate", "ramp_ratio"]  # fmt: skip
     assert section().spread == 0.5
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser, WithSpread)
@@ -97,7 +97,7 @@ def test_recipes_merge_the_decoder_and_cross_settings_as_patch_does():
     with pytest.raises(ValueError, match=r"method 'echo' refines each layer's own logits"):
         ea_hf.patch(tiny_model("t5"), method="echo", decoder={"alpha": 0.1})
     recipe = recipe_from_dict(base, ['ea.cross={"beta": 0.5}', "ea.decoder=false"])
-    patched = ea_hf.patch(tiny_model("t5"), **recipe.ea_settings())
+    patched = ea_hf.patch(tiny_model("t5"), recipe.evolution(), **recipe.role_overrides())
     assert set(patched.config.evolving_attention) == {"encoder", "cross"}
     assert patched.config.evolving_attention["cross"]["beta"] == 0.5
 

@@ -9,9 +9,9 @@ import pytest
 from scipy import stats
 
 from ea_hf.cli import main
-from ea_hf.training.evidence import paired_comparison, seed_evidence, seed_group_name
+from ea_hf.training.evidence import example_comparison, paired_comparison, seed_evidence, seed_group_name
 from ea_hf.training.recipe import load_recipe
-from ea_hf.training.run_dir import RECIPE_FILE, write_metrics
+from ea_hf.training.run_dir import RECIPE_FILE, write_metrics, write_per_example
 
 pytest.importorskip("aeon", reason="the runs' recipes name time-series archives (the timeseries extra, aeon)")
 
@@ -144,3 +144,57 @@ def test_ea_hf_compare_seeds_prints_the_evidence(tmp_path, capsys):
     assert "| ea-dc-transformer | 5 | +0.0000 |" in out and "| dc-transformer | 5 | -0.0044 |" in out
     assert main(["compare", "--reference", "transformer", *run_dirs]) == 2
     assert "--reference, --metric and --split go with --seeds" in capsys.readouterr().err
+
+
+def test_by_example_the_bootstrap_resamples_examples_and_mcnemar_counts_the_discordant_ones():
+    rng = np.random.default_rng(3)
+    truth = rng.random(600) < 0.8  # the reference is right on 80% of the examples
+    reference = {seed: (truth ^ (rng.random(600) < 0.05)).astype(float) for seed in (1, 2, 3)}
+    other = {seed: (truth & (rng.random(600) < 0.9)).astype(float) for seed in (1, 2, 3)}
+    comparison = example_comparison("ea", "base", reference, other)
+    seed_means = np.mean([reference[s] for s in (1, 2, 3)], axis=0) - np.mean([other[s] for s in (1, 2, 3)], axis=0)
+    assert comparison.examples == 600
+    assert comparison.mean_difference == pytest.approx(seed_means.mean(), abs=1e-12)
+    low, high = comparison.interval
+    # The percentile interval of a mean over 600 examples: about mean +- 1.96 standard errors.
+    standard_error = seed_means.std(ddof=1) / np.sqrt(600)
+    assert low == pytest.approx(seed_means.mean() - 1.96 * standard_error, abs=0.4 * standard_error)
+    assert high == pytest.approx(seed_means.mean() + 1.96 * standard_error, abs=0.4 * standard_error)
+    assert comparison.verdict == "ea better"
+    for seed in (1, 2, 3):
+        only_ours = int(np.sum((reference[seed] == 1) & (other[seed] == 0)))
+        only_theirs = int(np.sum((reference[seed] == 0) & (other[seed] == 1)))
+        expected_p = stats.binomtest(only_ours, only_ours + only_theirs, 0.5).pvalue
+        assert comparison.mcnemar[seed] == (only_ours, only_theirs, pytest.approx(expected_p))
+
+
+def test_by_example_a_tie_is_within_noise_and_mismatched_runs_are_refused():
+    same = {1: [1.0, 0.0, 1.0, 1.0], 2: [0.0, 1.0, 1.0, 1.0]}
+    comparison = example_comparison("ea", "base", same, same)
+    assert comparison.interval == (0.0, 0.0) and comparison.verdict == "within noise"
+    assert comparison.mcnemar == {1: (0, 0, 1.0), 2: (0, 0, 1.0)}
+    with pytest.raises(ValueError, match="different numbers of examples"):
+        example_comparison("ea", "base", {1: [1.0, 0.0]}, {1: [1.0]})
+    with pytest.raises(ValueError, match="share no seed"):
+        example_comparison("ea", "base", {1: [1.0]}, {2: [1.0]})
+
+
+def test_runs_with_per_example_scores_are_also_compared_example_by_example(tmp_path):
+    correct = {"ea": [[1.0] * 90 + [0.0] * 10] * 3, "baseline": [[1.0] * 80 + [0.0] * 20] * 3}
+    run_dirs = finished_runs(tmp_path, "quickstart", {model: [0.9, 0.9, 0.9] for model in correct})
+    for run_dir in run_dirs:
+        write_per_example(run_dir, "test", correct[run_dir.parent.name][0])
+    evidence = seed_evidence(run_dirs)
+    (by_example,) = evidence.example_comparisons
+    assert (by_example.reference, by_example.other, by_example.examples) == ("ea", "baseline", 100)
+    assert by_example.mean_difference == pytest.approx(0.1) and by_example.mcnemar[2] == (
+        10,
+        0,
+        pytest.approx(2 / 2**10),
+    )
+    text = evidence.to_markdown()
+    assert "| ea vs, by example | examples |" in text and "| baseline | 100 | +0.1000 |" in text
+    assert "10/0: 0.002" in text
+    # One run without them: the table by example is left out rather than built on some of the runs.
+    (run_dirs[0] / "eval" / "test" / "per_example.json").unlink()
+    assert seed_evidence(run_dirs).example_comparisons == ()

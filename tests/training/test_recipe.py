@@ -180,7 +180,7 @@ def test_an_installed_wheel_ships_the_recipes(tmp_path):
     assert "ea_hf/ops/csrc/evolve_cpu.cpp" in names  # and the CPU kernel's source, compiled on first use
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     script = "from ea_hf.training.recipe import RECIPES_DIR, list_recipes, load_recipe\n"
-    script += "print(RECIPES_DIR, len(list_recipes()), load_recipe('quickstart').data.files['train'])"
+    script += "print(RECIPES_DIR, len(list_recipes()), load_recipe('quickstart').data.source)"
     run = subprocess.run(
         [sys.executable, "-c", script],
         cwd=tmp_path,
@@ -189,9 +189,9 @@ def test_an_installed_wheel_ships_the_recipes(tmp_path):
         text=True,
     )
     assert run.returncode == 0, run.stderr
-    recipes_dir, count, train_file = run.stdout.split()
+    recipes_dir, count, source = run.stdout.split()
     assert recipes_dir == str(tmp_path / "site" / "ea_hf" / "recipes") and int(count) == len(list_recipes())
-    assert train_file == str(tmp_path / "site" / "ea_hf" / "recipes" / "data" / "sst2-sample" / "train.tsv")
+    assert source == "rotten-tomatoes"
 
 
 def test_variants_run_named_override_sets_in_file_order_with_the_sweep_inside_each():

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from testing import SST2_SAMPLE
 
 import ea_hf
 from ea_hf.hub.runs import run_card
@@ -74,7 +75,13 @@ def test_a_kind_added_in_one_place_runs_compares_and_gets_its_card(monkeypatch, 
     monkeypatch.setattr(registry, "_TASK_KINDS", dict(registry._TASK_KINDS))  # leave the real registry as it was
     register_task_kind(ShortTextKind())
     assert isinstance(get_task_kind("short-text"), ShortTextKind)
-    overrides = ["kind=short-text", "data.lowercase=true", "data.max_train_samples=16", "data.max_eval_samples=8"]
+    overrides = [
+        *SST2_SAMPLE,
+        "kind=short-text",
+        "data.lowercase=true",
+        "data.max_train_samples=16",
+        "data.max_eval_samples=8",
+    ]
     overrides += ["train.max_steps=1", "train.eval_strategy=no", "train.save_strategy=no", f"output_dir={tmp_path}"]
     recipe = load_recipe("quickstart", overrides)
     assert type(recipe) is ShortTextRecipe and recipe.data.lowercase is True

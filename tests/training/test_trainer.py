@@ -9,16 +9,19 @@ import sys
 import pytest
 import torch
 import transformers
-from testing import sample_rows, tiny_checkpoint, write
+from testing import SST2_SAMPLE, sample_rows, tiny_checkpoint, write
 
 import ea_hf
 from ea_hf.cli import main
+from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.training.kinds.glue import GLUE_TASKS
+from ea_hf.training.ramp import EvolutionRamp
 from ea_hf.training.recipe import load_recipe
-from ea_hf.training.run_dir import read_metrics
+from ea_hf.training.run_dir import read_metrics, read_per_example
 from ea_hf.training.trainer import evaluate_run, evolution_parameters, prepare, run_recipe
 
 SHORT = [
+    *SST2_SAMPLE,
     "data.max_train_samples=48",
     "data.max_eval_samples=24",
     "train.batch_size=8",
@@ -43,6 +46,10 @@ def test_quickstart_runs_and_saves_everything(tmp_path, capsys):
     metrics = json.loads((run_dir / "eval" / "validation" / "metrics.json").read_text())
     assert 0.0 <= metrics["accuracy"] <= 1.0 and metrics["epoch"] > 0
     assert load_recipe(run_dir / "recipe.yaml").train.max_steps == 4  # the resolved recipe
+    # Each validation sentence's correctness, in order: their mean is the accuracy.
+    correct = read_per_example(run_dir, "validation")
+    assert len(correct) == 24 and set(correct) <= {0.0, 1.0}
+    assert sum(correct) / len(correct) == pytest.approx(metrics["accuracy"], abs=1e-12)
 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(run_dir)
     assert type(model).__name__ == "EABertForSequenceClassification"
@@ -64,9 +71,45 @@ def test_quickstart_runs_and_saves_everything(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "a=0.2 b=0.2 k=3" in table and " off " in table and table.count("accuracy=") == 2
 
-    # An existing run is never overwritten.
+    # An existing run is never overwritten; --skip-finished leaves it as it is and goes on.
     assert main(["run", "quickstart", *SHORT, f"output_dir={run_dir}"]) == 2
     assert "already holds a run" in capsys.readouterr().err
+    before = (run_dir / "model.safetensors").stat().st_mtime_ns
+    assert main(["run", "quickstart", *SHORT, f"output_dir={run_dir}", "--skip-finished"]) == 0
+    assert f"{run_dir} is finished; skipped" in capsys.readouterr().err
+    assert (run_dir / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_a_ramp_starts_from_the_checkpoint_and_reaches_the_full_alpha_and_beta(tmp_path):
+    recipe = short_quickstart(tmp_path / "ramp", "ea.ramp_ratio=0.5", "ea.alpha=0.4", "ea.beta=0.2")
+    seen = RecordEvolution()
+    trainer, eval_splits = prepare(recipe, tmp_path / "ramp", callbacks=[seen])
+    batch = next(iter(trainer.get_eval_dataloader(eval_splits["validation"])))
+    unpatched = transformers.AutoModelForSequenceClassification.from_pretrained(
+        trainer.model.config._name_or_path, num_labels=2
+    )
+    unpatched.load_state_dict(trainer.model.state_dict(), strict=False)  # the same head, no evolution
+    evolution = next(m for m in trainer.model.modules() if isinstance(m, AttentionMapEvolution))
+    ramp = next(c for c in trainer.callback_handler.callbacks if isinstance(c, EvolutionRamp))
+    ramp._scale(0.0)
+    with torch.no_grad():  # alpha = beta = 0: the patched model computes what the checkpoint does
+        torch.testing.assert_close(trainer.model.eval()(**batch).logits, unpatched.eval()(**batch).logits)
+    trainer.train()
+    # 4 steps, a ramp over 2: 0 and 1/2 of the values, then all of them; the full values stay after training.
+    assert seen.values == [(0.0, 0.0), (0.2, 0.1), (0.4, 0.2), (0.4, 0.2)]
+    assert (evolution.alpha, evolution.beta) == (0.4, 0.2)
+    assert trainer.model.config.evolving_attention["encoder"]["alpha"] == 0.4
+
+
+class RecordEvolution(transformers.TrainerCallback):
+    """alpha and beta of the first evolution as each training step begins (after the ramp has set them)."""
+
+    def __init__(self) -> None:
+        self.values = []
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        evolution = next(m for m in model.modules() if isinstance(m, AttentionMapEvolution))
+        self.values.append((round(evolution.alpha, 6), round(evolution.beta, 6)))
 
 
 def test_evolution_parameters_get_their_own_learning_rate(tmp_path):

@@ -163,17 +163,29 @@ def load_glue_metric(task: str):
     return evaluate.load(str(METRIC_DIR), task)
 
 
+def _predicted(eval_prediction, spec: GlueTask) -> np.ndarray:
+    logits = eval_prediction.predictions
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    return logits.squeeze(-1) if spec.is_regression else logits.argmax(-1)
+
+
+def correct_fn(task: str):
+    """Per-example correctness (1.0 right, 0.0 wrong) of a classification task's predictions; None for STS-B,
+    whose score is a correlation over the whole split."""
+    spec = GLUE_TASKS[task]
+    if spec.is_regression:
+        return None
+    return lambda eval_prediction: (_predicted(eval_prediction, spec) == eval_prediction.label_ids).astype(float)
+
+
 def compute_metrics_fn(task: str):
     """A ``Trainer`` ``compute_metrics`` function for ``task``."""
     spec = GLUE_TASKS[task]
     metric = load_glue_metric(task)
 
     def compute(eval_prediction) -> dict[str, float]:
-        logits, labels = eval_prediction.predictions, eval_prediction.label_ids
-        if isinstance(logits, tuple):
-            logits = logits[0]
-        predictions = logits.squeeze(-1) if spec.is_regression else logits.argmax(-1)
-        return metric.compute(predictions=predictions, references=labels)
+        return metric.compute(predictions=_predicted(eval_prediction, spec), references=eval_prediction.label_ids)
 
     return compute
 
@@ -223,7 +235,7 @@ class GlueKind(TaskKind):
                 )
         if recipe.data.max_length <= 0:
             problems.append(("data.max_length", "must be positive"))
-        if recipe.data.source == ROTTEN_TOMATOES and task != "sst2":
+        if recipe.data.source == ROTTEN_TOMATOES and task in GLUE_TASKS and task != "sst2":  # one problem per key
             problems.append(("data.task", f"must be sst2 with data.source: {ROTTEN_TOMATOES} (SST-2's sentences)"))
 
     def task_label(self, recipe: Recipe) -> str:
@@ -274,4 +286,5 @@ class GlueKind(TaskKind):
     def preprocess(self, recipe, data, label_names, model, processor) -> Preprocessed:
         spec = GLUE_TASKS[recipe.data.task]
         splits = {split: tokenize(dataset, spec, processor, recipe.data.max_length) for split, dataset in data.items()}
-        return Preprocessed(splits, transformers.DataCollatorWithPadding(processor), compute_metrics_fn(spec.name))
+        collator = transformers.DataCollatorWithPadding(processor)
+        return Preprocessed(splits, collator, compute_metrics_fn(spec.name), per_example_scores=correct_fn(spec.name))
