@@ -19,6 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import transformers
 
+from ..data_files import check_table_file
 from ..recipe import DataSection, Recipe
 from ..rotten_tomatoes import rotten_tomatoes
 from ..task_kind import CardInfo, Preprocessed, TaskKind
@@ -106,7 +107,11 @@ def load_glue_data(task: str, source: str = "hub", hub_id: str = DEFAULT_HUB_ID,
             builder = _BUILDERS.get(path.suffix.lower())
             if builder is None:
                 raise ValueError(f"unsupported data file type {path.suffix!r} ({', '.join(_BUILDERS)})")
-            options = {"delimiter": "\t", "quoting": 3} if path.suffix.lower() == ".tsv" else {}
+            check_table_file(path, spec.text_columns, LABEL_COLUMN, spec.label_names)
+            # Text stays text: by default pandas reads a sentence such as "NA" or "null" as a missing value.
+            options = {"na_filter": False} if builder == "csv" else {}
+            if path.suffix.lower() == ".tsv":
+                options |= {"delimiter": "\t", "quoting": 3}
             splits[split] = datasets.load_dataset(builder, data_files={split: str(path)}, split=split, **options)
     else:
         raise ValueError(f"unknown data source {source!r}; expected 'hub', 'local' or {ROTTEN_TOMATOES!r}")

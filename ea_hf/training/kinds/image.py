@@ -22,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ..data_files import check_image_folders
 from ..models import unwrap_model
 from ..recipe import DataSection, Recipe
 from ..task_kind import CardInfo, Preprocessed, TaskKind
@@ -39,16 +40,15 @@ def load_image_data(
 ):
     """A ``datasets.DatasetDict`` with columns ``image`` (PIL images) and ``label`` (a ``ClassLabel``).
 
-    ``source="hub"`` loads ``hub_id``; ``source="local"`` reads ``files`` (split name -> image folder).
+    ``source="hub"`` loads ``hub_id``; ``source="local"`` reads ``files`` (split name -> image folder), checked
+    first (see :func:`~ea_hf.training.data_files.check_image_folders`).
     """
     import datasets
 
     if source == "hub":
         data = datasets.load_dataset(hub_id)
     else:
-        missing = [f"{split}: {path}" for split, path in files.items() if not Path(path).is_dir()]
-        if missing:
-            raise FileNotFoundError(f"image folders not found ({', '.join(missing)}); give one directory per split")
+        check_image_folders(files)
         data = datasets.load_dataset(
             "imagefolder", data_files={split: f"{Path(path)}/**" for split, path in files.items()}
         )

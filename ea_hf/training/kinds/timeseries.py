@@ -35,6 +35,7 @@ from ...modeling.dc_transformer import (
     EADCTransformerForTimeSeriesClassification,
     EADCTransformerForTimeSeriesRegression,
 )
+from ..data_files import check_classes, check_series, check_ts_labels, check_variables, one_line, ts_data_line
 from ..models import optimizer_override
 from ..recipe import DataSection, Recipe
 from ..run_dir import PRETRAINED_DIR
@@ -49,12 +50,28 @@ def _import_aeon():
     return aeon.datasets
 
 
-def load_ts_file(path: str | Path) -> tuple[list[np.ndarray], list[str]]:
-    """Series ([T, C] float32 arrays) and labels of a UEA/UCR ``.ts`` file."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no .ts file {str(path)!r}")
-    values, labels = _import_aeon().load_from_ts_file(str(path), return_type="np-list")
-    return [np.asarray(series, dtype=np.float32).T for series in values], [str(label) for label in labels]
+def load_ts_file(path: str | Path, task: str | None = None) -> tuple[list[np.ndarray], list[str]]:
+    """Series ([T, C] float32 arrays) and labels of a UEA/UCR ``.ts`` file, checked first (see
+    :mod:`ea_hf.training.data_files`): one ValueError naming the file, and the line where there is one, for a file
+    that is empty, binary or malformed, holds no series or a missing value, or (``task`` given) lacks the task's
+    labels."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no .ts file there")
+    data_line = ts_data_line(path)
+    aeon = _import_aeon()
+    try:
+        values, labels, header = aeon.load_from_ts_file(str(path), return_meta_data=True)
+    except Exception as error:  # aeon's parser raises OSError, ValueError, IndexError... on a malformed file
+        raise ValueError(
+            f"{path}: aeon cannot read this .ts file ({one_line(error)}), expected a UEA/UCR header, @data, then "
+            "one series a line (values separated by commas, variables by colons, the label last)"
+        ) from None
+    series, labels = [np.asarray(one, dtype=np.float32).T for one in values], [str(label) for label in labels]
+    if task is not None:
+        check_ts_labels(path, labels, header, task == "regression", first_line=data_line + 1)
+    check_series(str(path), series, labels, task == "regression", first_line=data_line + 1)
+    return series, labels
 
 
 def archive_task(name: str) -> str | None:
@@ -101,7 +118,9 @@ def load_uea(
                 "data.source: local"
             ) from error
         targets = [float(y) for y in labels] if task == "regression" else [str(y) for y in labels]
-        loaded[split] = ([np.asarray(series, dtype=np.float32).T for series in values], targets)
+        series = [np.asarray(one, dtype=np.float32).T for one in values]
+        check_series(f"the archive {name!r} ({split} split)", series, targets, task == "regression")
+        loaded[split] = (series, targets)
     return loaded
 
 
@@ -323,8 +342,13 @@ class TimeSeriesKind(TaskKind):
         regression = series_task(data) == "regression"
         if data.source == "uea":
             splits = load_uea(data.archive, task=series_task(data))
+            names = {split: f"the archive {data.archive!r} ({split} split)" for split in splits}
         else:
-            splits = {split: load_ts_file(path) for split, path in data.files.items()}
+            splits = {split: load_ts_file(path, series_task(data)) for split, path in data.files.items()}
+            names = {split: str(path) for split, path in data.files.items()}
+        check_variables(splits, names)
+        if not regression and "train" in splits:
+            check_classes(names["train"], splits["train"][1])
         if data.validation_fraction:
             splits = hold_out(splits, data.validation_fraction, data.split_seed, stratify=not regression)
         loaded = series_dataset(standardise(splits), regression=regression)
