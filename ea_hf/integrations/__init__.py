@@ -1,1 +1,2 @@
-"""Integrations with other libraries: :mod:`ea_hf.integrations.peft` (LoRA adapters of EA models)."""
+"""Integrations with other libraries: :mod:`ea_hf.integrations.peft` (LoRA adapters of EA models) and
+:mod:`ea_hf.integrations.sentence_transformers` (EA inside a ``SentenceTransformer``)."""
