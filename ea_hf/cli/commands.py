@@ -226,12 +226,13 @@ def compare(args: argparse.Namespace) -> int:
 
 def card(args: argparse.Namespace) -> int:
     from ..hub.runs import run_card
+    from ..training.run_dir import write_atomically
 
     text = str(run_card(args.run_dir, args.repo_id))
     if args.output is None:
         print(text)
     else:
-        Path(args.output).write_text(text)
+        write_atomically(args.output, text)  # a card being written is never left half-written
         print(f"wrote the model card of {args.run_dir} to {args.output}")
     return 0
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ RECIPE_FILE = "recipe.yaml"
 EVAL_DIR = "eval"
 PRETRAINED_DIR = "pretrained"
 CONFIG_FILE = "config.json"
+TRAINER_STATE_FILE = "trainer_state.json"
 PER_EXAMPLE_FILE = "per_example.json"
 
 #: ea_hf 0.1 wrote every kind's data fields and a ``pretrain`` section into each run's recipe.yaml; a kind's
@@ -66,18 +69,82 @@ def _without_v0_1_keys(data: Mapping[str, Any]) -> dict[str, Any]:
     return cleaned
 
 
-def write_metrics(run_dir: Path, split: str, metrics: dict[str, Any]) -> Path:
-    path = run_dir / EVAL_DIR / split / "metrics.json"
+def write_atomically(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` so that a reader (or a process killed meanwhile) sees the old file or the new
+    one, never half of one: a temporary file beside it, flushed, then renamed over it."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        with open(partial, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path
 
 
-def write_per_example(run_dir: Path, split: str, scores: Sequence[float]) -> Path:
-    path = run_dir / EVAL_DIR / split / PER_EXAMPLE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([float(score) for score in scores]) + "\n")
-    return path
+def write_metrics(run_dir: Path, split: str, metrics: dict[str, Any], folder: str = EVAL_DIR) -> Path:
+    text = json.dumps(metrics, indent=2, sort_keys=True) + "\n"
+    return write_atomically(run_dir / folder / split / "metrics.json", text)
+
+
+def write_per_example(run_dir: Path, split: str, scores: Sequence[float], folder: str = EVAL_DIR) -> Path:
+    text = json.dumps([float(score) for score in scores]) + "\n"
+    return write_atomically(run_dir / folder / split / PER_EXAMPLE_FILE, text)
+
+
+def write_evaluation(
+    run_dir: Path, metrics: Mapping[str, dict[str, Any]], per_example: Mapping[str, Sequence[float]]
+) -> Path:
+    """Write a whole evaluation (every split's metrics, and per-example scores where there are some) so that
+    ``eval/`` holds all of it or none: written into a folder beside it, then swapped in. A run whose ``eval/``
+    exists was evaluated to the end, which is what ``--skip-finished`` relies on."""
+    final = run_dir / EVAL_DIR
+    for stale in run_dir.glob(f"{EVAL_DIR}.partial-*"):  # left by a process killed while writing
+        shutil.rmtree(stale, ignore_errors=True)
+    partial = run_dir / f"{EVAL_DIR}.partial-{os.getpid()}"
+    for split, values in metrics.items():
+        write_metrics(run_dir, split, values, folder=partial.name)
+    for split, scores in per_example.items():
+        write_per_example(run_dir, split, scores, folder=partial.name)
+    if final.exists():  # re-evaluated (ea-hf eval): the old evaluation goes once the new one is complete
+        previous = run_dir / f"{EVAL_DIR}.partial-{os.getpid()}-previous"
+        os.replace(final, previous)
+        os.replace(partial, final)
+        shutil.rmtree(previous)
+    else:
+        os.replace(partial, final)
+    return final
+
+
+def last_complete_checkpoint(run_dir: str | Path) -> str | None:
+    """The Trainer checkpoint of ``run_dir`` to resume from: the latest one that was written to the end, or
+    None if there is none.
+
+    Trainer writes a checkpoint's files in turn and ``trainer_state.json`` last, and does not write them
+    atomically: a process killed while saving leaves a newer folder without a readable state, which
+    ``transformers.trainer_utils.get_last_checkpoint`` would still pick (and resuming from it fails).
+    """
+    folder = Path(run_dir) / CHECKPOINTS
+    if not folder.is_dir():
+        return None
+    steps = []
+    for path in folder.glob("checkpoint-*"):
+        step = path.name.removeprefix("checkpoint-")
+        if step.isdigit() and _readable_json(path / TRAINER_STATE_FILE):
+            steps.append((int(step), path))
+    return str(max(steps)[1]) if steps else None
+
+
+def _readable_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def read_per_example(run_dir: str | Path, split: str) -> list[float] | None:

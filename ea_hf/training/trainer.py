@@ -18,7 +18,14 @@ from ..modeling.evolution import AttentionMapEvolution
 from .models import load_model, optimizer_override
 from .ramp import EvolutionRamp
 from .recipe import Recipe
-from .run_dir import ADAPTER_CONFIG, CHECKPOINTS, RECIPE_FILE, read_run_recipe, write_metrics, write_per_example
+from .run_dir import (
+    ADAPTER_CONFIG,
+    CHECKPOINTS,
+    RECIPE_FILE,
+    last_complete_checkpoint,
+    read_run_recipe,
+    write_evaluation,
+)
 
 
 def evolution_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -153,8 +160,9 @@ def prepare(
 
 
 def evaluate_splits(trainer: transformers.Trainer, eval_splits: dict[str, Any], run_dir: Path) -> dict[str, dict]:
-    """Evaluate every split; write its metrics and, where the task kind has them, its per-example scores."""
-    results = {}
+    """Evaluate every split; write their metrics and, where the task kind has them, per-example scores, all at
+    once when the last split is done (see :func:`~.run_dir.write_evaluation`)."""
+    results, scores_by_split = {}, {}
     per_example = getattr(trainer, "per_example_scores", None)
     for split, dataset in eval_splits.items():
         if per_example is None:
@@ -165,10 +173,10 @@ def evaluate_splits(trainer: transformers.Trainer, eval_splits: dict[str, Any], 
             if trainer.state.epoch is not None:  # as evaluate's metrics have it
                 metrics["epoch"] = trainer.state.epoch
         results[split] = {key.removeprefix(f"{split}_"): value for key, value in metrics.items()}
-        if trainer.is_world_process_zero():
-            write_metrics(run_dir, split, results[split])
-            if scores is not None:
-                write_per_example(run_dir, split, scores)
+        if scores is not None:
+            scores_by_split[split] = scores
+    if trainer.is_world_process_zero():
+        write_evaluation(run_dir, results, scores_by_split)
     return results
 
 
@@ -204,7 +212,7 @@ def run_recipe(
         if is_main and not occupied:
             _remove_run(run_dir, keep_folder=existed)
         raise
-    last = transformers.trainer_utils.get_last_checkpoint(str(run_dir / CHECKPOINTS)) if resume else None
+    last = last_complete_checkpoint(run_dir) if resume else None
     trainer.train(resume_from_checkpoint=last)
     if recipe.peft.merge:
         results = evaluate_splits(trainer, eval_splits, run_dir)  # merging rewrites the model's modules

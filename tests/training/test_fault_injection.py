@@ -1,0 +1,173 @@
+"""Fault injection: ``ea-hf`` killed with SIGKILL at chosen points (in training, while saving a checkpoint, in
+while writing the evaluation, while writing a card, during a push), then run again. A killed run finishes
+with ``--resume`` at the metrics and weights of a run that was never killed; a killed card write leaves the
+old card whole; a killed push leaves the Hub repository at its previous commit, and the retry completes.
+
+The kill is exact rather than timed: the command runs in a child process in which one function is wrapped to
+kill the process at its n-th call, before or after the call runs (the same place every time, whatever the
+machine's speed)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from safetensors.torch import load_file
+from testing import SST2_SAMPLE, tiny_checkpoint
+
+from ea_hf.training.run_dir import last_complete_checkpoint, read_metrics, write_metrics
+
+#: Six steps of a tiny BERT, a checkpoint every two: each child process is mostly its imports.
+SHORT = [
+    *SST2_SAMPLE,
+    "data.max_train_samples=48",
+    "data.max_eval_samples=24",
+    "train.batch_size=8",
+    "train.max_steps=6",
+    "train.eval_strategy=no",
+    "train.save_strategy=steps",
+    "train.save_steps=2",
+    "train.save_total_limit=null",
+    "train.logging_steps=2",
+]
+
+#: Where a run is killed: (module, function, which call, before or after it runs).
+KILL_POINTS = {
+    "training step 3": ("transformers.trainer", "Trainer.training_step", 3, "before"),
+    # After checkpoint-4's model is written, before its optimizer and trainer state are: a torn checkpoint.
+    "saving checkpoint 4": ("transformers.trainer", "Trainer._save_optimizer_and_scheduler", 2, "before"),
+    # One file of the evaluation written (the validation metrics), the per-example scores not yet.
+    "writing the evaluation": ("ea_hf.training.run_dir", "write_atomically", 1, "after"),
+}
+
+CHILD = """
+import functools, importlib, os, signal, sys
+
+module_name, path, at_call, when = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+owner = importlib.import_module(module_name)
+*parents, name = path.split(".")
+for parent in parents:
+    owner = getattr(owner, parent)
+original, calls = getattr(owner, name), [0]
+
+@functools.wraps(original)
+def killing(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == at_call and when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    result = original(*args, **kwargs)
+    if calls[0] == at_call:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+setattr(owner, name, killing)
+from ea_hf.cli import main
+sys.exit(main(sys.argv[5:]))
+"""
+NO_KILL = ("os", "getpid", 0, "before")
+
+
+def ea_hf(arguments, kill_at=NO_KILL, env=None):
+    """Run ``ea-hf ARGUMENTS`` in a child process, killed at ``kill_at`` (a KILL_POINTS value)."""
+    command = [sys.executable, "-c", textwrap.dedent(CHILD), *map(str, kill_at), *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def finished(done):
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def run_quickstart(tmp_path_factory, minilm_tokenizer):
+    """``ea-hf run quickstart`` on a tiny checkpoint, in a run directory: its arguments."""
+    checkpoint = tiny_checkpoint("bert", minilm_tokenizer, tmp_path_factory.mktemp("checkpoint"))
+    return lambda run_dir, *flags: ["run", "quickstart", *SHORT, f"model.name_or_path={checkpoint}",
+                                    f"output_dir={run_dir}", *flags]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, run_quickstart):
+    run_dir = tmp_path_factory.mktemp("runs") / "straight"
+    finished(ea_hf(run_quickstart(run_dir)))
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_result(point, run_quickstart, uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    killed = ea_hf(run_quickstart(run_dir), kill_at=KILL_POINTS[point])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    if point == "saving checkpoint 4":  # the torn checkpoint is there, but a resume does not take it
+        assert (run_dir / "checkpoints" / "checkpoint-4" / "model.safetensors").is_file()
+        assert last_complete_checkpoint(run_dir) == str(run_dir / "checkpoints" / "checkpoint-2")
+    if point == "writing the evaluation":  # a model and part of an evaluation: not a finished run
+        refused = ea_hf(run_quickstart(run_dir, "--skip-finished"))
+        assert refused.returncode == 2 and "already holds a run" in refused.stderr, refused.stderr[-3000:]
+
+    finished(ea_hf(run_quickstart(run_dir, "--resume")))
+    expected, got = read_metrics(uninterrupted)["validation"], read_metrics(run_dir)["validation"]
+    assert got["accuracy"] == expected["accuracy"]
+    assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    assert (run_dir / "eval" / "validation" / "per_example.json").read_text() == (
+        uninterrupted / "eval" / "validation" / "per_example.json"
+    ).read_text()
+    ours, theirs = load_file(str(run_dir / "model.safetensors")), load_file(str(uninterrupted / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    # The resume replays the remaining batches from the checkpoint's RNG state; summation order may differ.
+    worst = max((ours[name] - theirs[name]).abs().max().item() for name in ours)
+    assert worst <= 1e-5, worst
+    if point == "writing the evaluation":
+        assert "is finished; skipped" in finished(ea_hf(run_quickstart(run_dir, "--skip-finished"))).stderr
+
+
+def test_the_last_complete_checkpoint_passes_over_torn_and_foreign_folders(tmp_path):
+    assert last_complete_checkpoint(tmp_path) is None  # no checkpoints folder: a resume starts afresh
+    folder = tmp_path / "checkpoints"
+    for step, state in [(2, "{}"), (4, '{"global_step": 4}'), (6, '{"global_st'), (8, None)]:
+        (folder / f"checkpoint-{step}").mkdir(parents=True)
+        if state is not None:
+            (folder / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
+    (folder / "checkpoint-latest").mkdir()
+    assert last_complete_checkpoint(tmp_path) == str(folder / "checkpoint-4")
+
+
+@pytest.mark.slow
+def test_a_killed_card_write_leaves_the_old_card_whole(uninterrupted, tmp_path):
+    card = tmp_path / "README.md"
+    card.write_text("the card as the user edited it\n")
+    killed = ea_hf(["card", str(uninterrupted), "-o", str(card)], kill_at=("os", "replace", 1, "before"))
+    assert killed.returncode == -signal.SIGKILL
+    assert card.read_text() == "the card as the user edited it\n"
+    finished(ea_hf(["card", str(uninterrupted), "-o", str(card)]))
+    assert card.read_text().startswith("---\n") and "accuracy" in card.read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_push_leaves_the_previous_commit_and_a_retry_completes(uninterrupted, hub, tmp_path):
+    env = {"HF_TOKEN": "hf_test_token", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1"}
+    env |= {"HF_HOME": str(tmp_path / "home"), "HF_ENDPOINT": hub.endpoint}
+    push = ["push", str(uninterrupted), "--repo-id", "test-user/killed", "--endpoint", hub.endpoint]
+    finished(ea_hf(push, env=env))
+    before, files = hub.commits("test-user/killed"), hub.files("test-user/killed")
+    assert "model.safetensors" in files and "README.md" in files
+
+    metrics = read_metrics(uninterrupted)["validation"]  # a new evaluation: the card changes, a new commit is due
+    write_metrics(uninterrupted, "validation", {**metrics, "accuracy": 0.123})
+    try:
+        # Killed once the blobs are sent and before the commit that would make them part of the repository.
+        killed = ea_hf(push, kill_at=("huggingface_hub.hf_api", "HfApi.preupload_lfs_files", 1, "after"), env=env)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        assert hub.commits("test-user/killed") == before and hub.files("test-user/killed") == files
+        finished(ea_hf(push, env=env))
+    finally:
+        write_metrics(uninterrupted, "validation", metrics)
+    after = hub.commits("test-user/killed")
+    assert after[:-1] == before and len(after) == len(before) + 1, (before, after)
+    card = hub.files("test-user/killed")["README.md"].decode()
+    assert "value: 0.123" in card
+    assert json.loads(hub.files("test-user/killed")["config.json"])["model_type"] == "ea-bert"
