@@ -2,6 +2,8 @@
 per-seed differences, their bootstrap interval, the sign test and the verdict, on run directories in the
 format ``ea-hf run`` writes (recipe.yaml and eval/<split>/metrics.json)."""
 
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -198,3 +200,19 @@ def test_runs_with_per_example_scores_are_also_compared_example_by_example(tmp_p
     # One run without them: the table by example is left out rather than built on some of the runs.
     (run_dirs[0] / "eval" / "test" / "per_example.json").unlink()
     assert seed_evidence(run_dirs).example_comparisons == ()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+EVIDENCE = ROOT / "bench" / "results" / "evidence"
+
+
+def test_the_docs_tables_of_the_text_evidence_are_the_committed_runs():
+    """docs/does-ea-help.md shows what ``ea-hf compare --seeds`` computes from the committed run records
+    (bench/results/evidence, written by bench/collect_evidence.py from real runs), and every search run."""
+    page = (ROOT / "docs" / "does-ea-help.md").read_text()
+    runs = sorted((EVIDENCE / "minilm-rotten-tomatoes").glob("*/seed=*"), key=str)  # as the shell sorts them
+    assert len(runs) == 5 * 5  # 5 variants, 5 seeds
+    assert seed_evidence(runs, reference="ea").to_markdown() in page
+    for run in sorted((EVIDENCE / "minilm-rotten-tomatoes-search").iterdir()):
+        accuracy = json.loads((run / "eval" / "validation" / "metrics.json").read_text())["accuracy"]
+        assert re.search(rf"^\| `{re.escape(run.name)}` \|.*\| {accuracy:.4f} \|$", page, flags=re.M), run.name
