@@ -197,6 +197,7 @@ def v0_1_run(run_dir: Path, fixture: str, destination: Path) -> Path:
     for section in ("train", "data"):  # the run's own overrides (short training, samples)
         old[section] |= {key: value for key, value in new[section].items() if key in old[section]}
     old["output_dir"] = str(destination)
+    old["description"] = new["description"]  # free text, which the shipped recipe has changed since
     (destination / RECIPE_FILE).write_text(yaml.safe_dump(old, sort_keys=False))
     return destination
 

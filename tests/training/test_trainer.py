@@ -183,7 +183,8 @@ LAUNCHERS = {
 def test_two_cpu_processes_train_the_quickstart_data_parallel(tmp_path, launcher):
     run_dir = tmp_path / "ddp"
     # One epoch of 48 samples in batches of 8: 6 steps in one process, 3 when two processes share the data.
-    overrides = ["data.max_train_samples=48", "data.max_eval_samples=24", "train.batch_size=8", "train.epochs=1"]
+    overrides = [*SST2_SAMPLE, "data.max_train_samples=48", "data.max_eval_samples=24", "train.batch_size=8"]
+    overrides += ["train.epochs=1", "train.save_strategy=epoch", "train.eval_batch_size=8"]
     assert LAUNCHERS[launcher](["quickstart", *overrides, f"output_dir={run_dir}"]) == 0
 
     (checkpoint,) = (run_dir / "checkpoints").iterdir()
