@@ -3,6 +3,9 @@ and small GLUE-format samples. Fixtures live in conftest.py; this module is impo
 import tiny_model``; the tests folder is on pytest's ``pythonpath``)."""
 
 import json
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -176,6 +179,17 @@ SOURCE_FRAMES = 12
 
 
 PAD, BOS, EOS = 1, 0, 2  # special token ids of the tiny seq2seq configs
+
+
+def run_without_ea_hf(script: str, *arguments: str, folder) -> object:
+    """Run ``script`` in a fresh interpreter that loads EA checkpoints as remote code (``trust_remote_code``,
+    the modules cached in ``folder``), and return the JSON its last line prints."""
+    env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(folder / "modules")}
+    run = subprocess.run(
+        [sys.executable, "-c", script, *arguments], capture_output=True, text=True, env=env, cwd=folder, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def bench_script(name: str):

@@ -4,14 +4,12 @@ trains with a sentence-transformers loss on real pairs, saves, and loads back wi
 
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import transformers
-from testing import SENTENCES
+from testing import SENTENCES, run_without_ea_hf
 
 import ea_hf
 from ea_hf.cli import main
@@ -62,17 +60,7 @@ print(json.dumps(results))
 def encode_without_ea_hf(tmp_path, *folders) -> dict[str, dict]:
     """Each folder loaded by ``SentenceTransformer(folder, trust_remote_code=True)`` in an interpreter without
     ea_hf: its transformers model's class and the embeddings of SENTENCES."""
-    env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    run = subprocess.run(
-        [sys.executable, "-c", ENCODE_WITHOUT_EA_HF, json.dumps(SENTENCES), *map(str, folders)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_without_ea_hf(ENCODE_WITHOUT_EA_HF, json.dumps(SENTENCES), *map(str, folders), folder=tmp_path)
 
 
 def test_patching_with_alpha_and_beta_zero_leaves_the_embeddings_as_they_were(minilm_path):

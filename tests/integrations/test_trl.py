@@ -9,15 +9,12 @@ with ea_hf, and without it through ``trust_remote_code``, and generates the same
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import transformers
-from testing import max_abs_diff, tiny_config
+from testing import max_abs_diff, run_without_ea_hf, tiny_config
 
 import ea_hf
 from ea_hf.modeling.evolution import AttentionMapEvolution
@@ -312,17 +309,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 def test_the_saved_models_load_without_ea_hf_and_generate_the_same_tokens(runs, tmp_path):
     """Every run's EA checkpoint (the merged one under LoRA) in a Python where ea_hf cannot be imported."""
     paths = [run.checkpoint for run in runs.values()]
-    env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    process = subprocess.run(
-        [sys.executable, "-c", REMOTE_SCRIPT, json.dumps(paths), json.dumps(PROMPTS)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert process.returncode == 0, process.stderr[-3000:]
-    results = json.loads(process.stdout.strip().splitlines()[-1])
+    results = run_without_ea_hf(REMOTE_SCRIPT, json.dumps(paths), json.dumps(PROMPTS), folder=tmp_path)
     for run in runs.values():
         result = results[run.checkpoint]
         assert result["class"].startswith("transformers_modules.")

@@ -3,8 +3,6 @@
 import json
 import logging
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -22,6 +20,7 @@ from testing import (
     first_output,
     left_padded_inputs,
     max_abs_diff,
+    run_without_ea_hf,
     tiny_config,
     tiny_inputs,
     tiny_model,
@@ -253,17 +252,7 @@ def test_checkpoints_load_without_ea_hf_through_trust_remote_code(tmp_path):
             if head == "AutoModelForCausalLM":  # cached generation too, kept rows included
                 generated[str(path)] = model.generate(**inputs, max_new_tokens=5, do_sample=False).tolist()
         cases.append((str(path), head, str(path / "inputs.pt")))
-    env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    run = subprocess.run(
-        [sys.executable, "-c", REMOTE_SCRIPT, json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    results = run_without_ea_hf(REMOTE_SCRIPT, json.dumps(cases), folder=tmp_path)
     for path, result in results.items():
         assert result["class"].startswith("transformers_modules.") and ".model_classes.EA" in result["class"]
         # Float rounding only: the copy without ea_hf evolves with torch operations, not the CPU kernel.
