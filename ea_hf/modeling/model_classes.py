@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, PreTrainedConfig, PreTrainedModel
+from transformers.dynamic_module_utils import custom_object_save
 
 from .architectures import ARCHITECTURES
 from .attach import attach_evolution, attention_roles
@@ -130,6 +131,21 @@ class EvolvingAttentionModelMixin:
             "cropped with it. Generate without an assistant."
         )
 
+    @classmethod
+    def is_remote_code(cls) -> bool:
+        # Not for a subclass a wrapper makes at run time, such as FSDP2's FSDP<Name>: transformers would file
+        # it in auto_map and copy its module, torch's source, as the checkpoint's code (see save_pretrained).
+        return cls is _own_ea_class(cls) and super().is_remote_code()
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        ea_class = _own_ea_class(type(self))
+        if ea_class is not type(self) and kwargs.get("is_main_process", True):
+            # Wrapped (FSDP2): the code and the auto_map entry are the EA class's, as if it were saved unwrapped.
+            # transformers reads only the class of what it is given, so an instance that was never initialised
+            # stands in.
+            custom_object_save(object.__new__(ea_class), save_directory, config=self.config)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def push_to_hub(self, repo_id: str, **kwargs: Any) -> Any:
         """Upload the model with its evolving attention model card, and the tokenizer or image processor of
         the checkpoint it was loaded from (see ``ea_hf.hub.push_model``); same arguments as transformers'.
@@ -172,6 +188,11 @@ class SplitGenerationOutputsMixin:
 
 
 _model_classes: dict[type, type] = {}
+
+
+def _own_ea_class(cls: type) -> type:
+    """The EA class that ``cls`` is or derives from (``cls`` itself unless a wrapper subclassed it)."""
+    return next(c for c in cls.__mro__ if "evolving_attention_base" in c.__dict__)
 
 
 def evolving_attention_model_class(base: type[PreTrainedModel]) -> type[PreTrainedModel]:

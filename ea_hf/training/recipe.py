@@ -219,6 +219,10 @@ class TrainSection:
     logging_steps: int = 50
     fp16: bool = False
     bf16: bool = False
+    #: Shard parameters, gradients and optimizer state over the processes of a distributed launch with FSDP2
+    #: (torch's ``fully_shard``, through accelerate), one unit per transformer layer (the model's
+    #: ``_no_split_modules``); the final model is gathered and saved whole. CPU processes (gloo) shard too.
+    fsdp: bool = False
 
 
 @dataclasses.dataclass

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 import transformers
+from accelerate import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch import nn
 
 from ..modeling.evolution import AttentionMapEvolution
@@ -45,6 +47,17 @@ class EvolvingAttentionTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         self.ea_learning_rate = ea_learning_rate
         self.per_example_scores = per_example_scores
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        state = self.accelerator.state
+        if self.args.fsdp_plugin_args is not None and state.distributed_type == DistributedType.MULTI_CPU:
+            # accelerate only shards on accelerators and otherwise falls back to DDP without a word; FSDP2 runs
+            # on CPU processes over gloo (torch tests it so), which is what a CPU launch that asked for it gets.
+            # The process state too: every AcceleratorState() built later copies its distributed type.
+            PartialState().distributed_type = state.distributed_type = DistributedType.FSDP
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            self.is_fsdp_enabled = True
 
     def create_optimizer(self, model: nn.Module | None = None):
         if self.ea_learning_rate is None or self.optimizer is not None:
@@ -94,6 +107,9 @@ def training_arguments(recipe: Recipe, run_dir: Path) -> transformers.TrainingAr
         logging_steps=train.logging_steps,
         fp16=train.fp16,
         bf16=train.bf16,
+        # FSDP2, its units the model's _no_split_modules and the saved model gathered whole (the defaults).
+        fsdp=train.fsdp,
+        fsdp_config={"version": 2} if train.fsdp else None,
         # Without this, processes launched by torchrun/accelerate on a machine without an accelerator would
         # each train alone on all the data instead of forming a gloo process group.
         use_cpu=not torch.accelerator.is_available(),

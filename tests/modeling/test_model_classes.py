@@ -259,3 +259,16 @@ def test_checkpoints_load_without_ea_hf_through_trust_remote_code(tmp_path):
         assert (torch.tensor(result["output"]) - expected[path]).abs().max() <= 1e-5
         assert result["generated"] == generated.get(path)
     assert len(generated) == 4
+
+
+def test_a_model_subclassed_by_a_wrapper_saves_as_its_ea_class(tmp_path):
+    """FSDP2 turns the model's class into a subclass made at run time (``FSDPEALlamaForCausalLM``, defined in
+    torch): the checkpoint's auto_map and code stay the EA class's, as if it had been saved unwrapped."""
+    model = ea_hf.patch(tiny_model("llama", transformers.AutoModelForCausalLM))
+    ea_class = type(model)
+    model.__class__ = type(f"Wrapped{ea_class.__name__}", (ea_class,), {})  # defined in this test module
+    model.save_pretrained(tmp_path)
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForCausalLM"] == f"model_classes.{ea_class.__name__}"
+    assert sorted(path.name for path in tmp_path.glob("*.py")) == sorted(SAVED_MODELING_FILES)
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path)) is ea_class
