@@ -14,6 +14,7 @@ Run directory layout::
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -137,6 +138,45 @@ def last_complete_checkpoint(run_dir: str | Path) -> str | None:
         if step.isdigit() and _readable_json(path / TRAINER_STATE_FILE):
             steps.append((int(step), path))
     return str(max(steps)[1]) if steps else None
+
+
+#: Less free space than this, after a write failed, is taken for a full disk.
+NEARLY_FULL = 1 << 20
+
+
+def disk_full_error(error: BaseException, run_dir: str | Path) -> OSError | None:
+    """An ``OSError(ENOSPC)`` that says where the disk filled up and how the run goes on, if ``error`` came from a
+    full disk; else None.
+
+    Libraries do not all say so: ``torch.save`` reports a short write as a ``RuntimeError`` ("unexpected pos"),
+    so an error raised while the run directory's disk has almost no space left counts too.
+
+    Example:
+        >>> import errno, tempfile
+        >>> disk_full_error(OSError(errno.ENOSPC, "No space left on device"), tempfile.mkdtemp()).errno == errno.ENOSPC
+        True
+        >>> disk_full_error(ValueError("a bad label"), tempfile.mkdtemp()) is None
+        True
+    """
+    chain, cause = [], error
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    said = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain)
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        free = None
+    if not said and (free is None or free >= NEARLY_FULL):
+        return None
+    last = last_complete_checkpoint(run_dir)
+    where = f"the last complete checkpoint is {last}" if last else "there is no complete checkpoint yet"
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on the disk of {run_dir} ({free if free is not None else 'unknown'} bytes free) while "
+        f"the run was writing ({' '.join(str(error).split()) or type(error).__name__}); {where}. Free some space, "
+        "then continue with --resume",
+    )
 
 
 def _readable_json(path: Path) -> bool:

@@ -24,6 +24,7 @@ from .run_dir import (
     ADAPTER_CONFIG,
     CHECKPOINTS,
     RECIPE_FILE,
+    disk_full_error,
     last_complete_checkpoint,
     read_run_recipe,
     write_evaluation,
@@ -228,6 +229,17 @@ def run_recipe(
         if is_main and not occupied:
             _remove_run(run_dir, keep_folder=existed)
         raise
+    try:
+        return _train_save_evaluate(trainer, eval_splits, recipe, run_dir, resume)
+    except Exception as error:
+        # A full disk: one error that says so and where to resume from, whatever the library that hit it said.
+        full = disk_full_error(error, run_dir)
+        if full is None:
+            raise
+        raise full from error
+
+
+def _train_save_evaluate(trainer, eval_splits: dict[str, Any], recipe: Recipe, run_dir: Path, resume: bool):
     last = last_complete_checkpoint(run_dir) if resume else None
     trainer.train(resume_from_checkpoint=last)
     if recipe.peft.merge:

@@ -1,12 +1,14 @@
 """Fault injection: ``ea-hf`` killed with SIGKILL at chosen points (while saving a checkpoint, while writing the
-evaluation, during a push), then run again. A killed run finishes with ``--resume`` at the metrics and weights
-of a run that was never killed; a killed push leaves the Hub repository at its previous commit, and the retry
-completes.
+evaluation, during a push), then run again, and a run directory on a disk that fills up. A killed run finishes
+with ``--resume`` at the metrics and weights of a run that was never killed; a killed push leaves the Hub
+repository at its previous commit, and the retry completes; a full disk stops the run with one error, and
+``--resume`` finishes it once there is space.
 
 The kill is exact rather than timed: the command runs in a child process in which one function is wrapped to
 kill the process at its n-th call, before or after the call runs (the same place every time, whatever the
 machine's speed)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -15,9 +17,11 @@ import sys
 import textwrap
 
 import pytest
+import transformers
 from safetensors.torch import load_file
 from testing import SST2_SAMPLE, tiny_checkpoint
 
+from ea_hf import is_patched
 from ea_hf.training.run_dir import last_complete_checkpoint, read_metrics, write_atomically, write_metrics
 
 #: Six steps of a tiny BERT, a checkpoint every two: each child process is mostly its imports.
@@ -176,3 +180,40 @@ def test_a_killed_push_leaves_the_previous_commit_and_a_retry_completes(uninterr
     card = hub.files("test-user/killed")["README.md"].decode()
     assert "value: 0.123" in card
     assert json.loads(hub.files("test-user/killed")["config.json"])["model_type"] == "ea-bert"
+
+
+@contextlib.contextmanager
+def small_disk(folder, size):
+    """A tmpfs of ``size`` mounted on ``folder`` for the duration (root only), whose size can be changed."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (root needed): {mounted.stderr.decode().strip()}")
+    try:
+        yield lambda size: subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_with_one_error_and_resume_finishes_once_space_is_freed(
+    run_quickstart, uninterrupted, tmp_path
+):
+    # 20 MB: room for the first checkpoint (13 MB: a tiny BERT with MiniLM's vocabulary, its Adam state and
+    # tokenizer), not for the second.
+    with small_disk(tmp_path / "disk", "20m") as resize:
+        run_dir = tmp_path / "disk" / "run"
+        full = ea_hf(run_quickstart(run_dir))
+        assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
+        (error,) = [line for line in full.stderr.splitlines() if line.startswith("ea-hf run: error:")]
+        last = run_dir / "checkpoints" / "checkpoint-2"
+        assert f"no space left on the disk of {run_dir}" in error, error
+        assert f"the last complete checkpoint is {last}" in error and error.endswith("continue with --resume")
+        assert last_complete_checkpoint(run_dir) == str(last)
+        assert is_patched(transformers.AutoModelForSequenceClassification.from_pretrained(last))
+
+        resize("128m")  # space freed
+        finished(ea_hf(run_quickstart(run_dir, "--resume")))
+        expected, got = read_metrics(uninterrupted)["validation"], read_metrics(run_dir)["validation"]
+        assert got["accuracy"] == expected["accuracy"]
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
