@@ -83,7 +83,8 @@ class ExampleComparison:
     ``interval``: percentile bootstrap over the examples of the difference of the two models' seed-averaged
     per-example scores (the same examples under both models: far more pairs than seeds, so far tighter than
     the seed interval; it speaks for these seeds' training noise averaged out, not for new seeds).
-    ``mcnemar``: per shared seed, (reference right and other wrong, the reverse, exact two-sided McNemar p).
+    ``mcnemar``: for right/wrong scores (1.0 / 0.0), per shared seed, (reference right and other wrong, the
+    reverse, exact two-sided McNemar p); empty for graded scores (a language model's loss on each block).
     """
 
     reference: str
@@ -92,13 +93,15 @@ class ExampleComparison:
     mean_difference: float
     interval: tuple[float, float]
     mcnemar: Mapping[int, tuple[int, int, float]]
+    lower_is_better: bool = False
 
     @property
     def verdict(self) -> str:
         low, high = self.interval
         if low <= 0 <= high:
             return "within noise"
-        return f"{self.reference} {'better' if low > 0 else 'worse'}"
+        sign = -1 if self.lower_is_better else 1
+        return f"{self.reference} {'better' if sign * low > 0 else 'worse'}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +113,10 @@ class SeedEvidence:
     lower_is_better: bool
     groups: Sequence[SeedGroup]
     comparisons: Sequence[PairedComparison]
-    #: Present where every run saved per-example scores of the split (classification runs do).
+    #: Present where every run saved per-example scores of the split (classification and causal-LM runs do).
     example_comparisons: Sequence[ExampleComparison] = ()
+    #: What a per-example score is (the task kind's ``per_example_score``).
+    example_score: str = "1 right, 0 wrong"
 
     def to_markdown(self) -> str:
         """Two tables (groups; paired comparisons) and what the figures can and cannot show."""
@@ -154,16 +159,16 @@ class SeedEvidence:
             ]
             for c in self.example_comparisons:
                 low, high = c.interval
-                tests = ", ".join(f"{b}/{o}: {p:.3f}" for _, (b, o, p) in sorted(c.mcnemar.items()))
+                tests = ", ".join(f"{b}/{o}: {p:.3f}" for _, (b, o, p) in sorted(c.mcnemar.items())) or "-"
                 lines.append(
                     f"| {c.other} | {c.examples} | {c.mean_difference:+.4f} | [{low:+.4f}, {high:+.4f}] "
                     f"| {tests} | {c.verdict} |"
                 )
             lines += [
                 "",
-                "By example: the same examples under both models, each scored by its mean over the shared seeds; "
-                "the interval resamples examples. McNemar's exact test compares, seed by seed, the examples only "
-                "one of the two models gets right.",
+                "By example: the same examples under both models, each scored by its mean over the shared "
+                f"seeds ({self.example_score}); the interval resamples examples. McNemar's exact test compares, "
+                "seed by seed, the examples only one of the two models gets right (right/wrong scores only).",
             ]
         return "\n".join(lines)
 
@@ -217,11 +222,12 @@ def example_comparison(
     reference_scores: Mapping[int, Sequence[float]],
     other_scores: Mapping[int, Sequence[float]],
     *,
+    lower_is_better: bool = False,
     confidence: float = CONFIDENCE,
     resamples: int = RESAMPLES,
 ) -> ExampleComparison:
-    """Compare two groups example by example on the seeds they share (scores: 1.0 right, 0.0 wrong, by seed;
-    higher is better).
+    """Compare two groups example by example on the seeds they share (scores by seed: 1.0 right, 0.0 wrong, with
+    McNemar's test per seed; or graded, such as a loss with ``lower_is_better``).
 
     Example:
         >>> right, wrong = [1.0] * 30 + [0.0] * 10, [1.0] * 20 + [0.0] * 20
@@ -248,12 +254,15 @@ def example_comparison(
     tail = (1 - confidence) / 2
     low, high = (float(v) for v in np.quantile(means, [tail, 1 - tail]))
     mcnemar = {}
-    for seed, mine, yours in zip(seeds, ours, theirs, strict=True):
+    binary = bool(np.isin(ours, (0.0, 1.0)).all() and np.isin(theirs, (0.0, 1.0)).all())
+    for seed, mine, yours in zip(seeds, ours, theirs, strict=True) if binary else ():
         only_mine, only_yours = int(np.sum((mine > 0.5) & (yours < 0.5))), int(np.sum((mine < 0.5) & (yours > 0.5)))
         discordant = only_mine + only_yours
         p = float(stats.binomtest(only_mine, discordant, 0.5).pvalue) if discordant else 1.0
         mcnemar[seed] = (only_mine, only_yours, p)
-    return ExampleComparison(reference, other, len(differences), float(differences.mean()), (low, high), mcnemar)
+    return ExampleComparison(
+        reference, other, len(differences), float(differences.mean()), (low, high), mcnemar, lower_is_better
+    )
 
 
 def seed_group_name(run_dir: str | Path) -> str:
@@ -308,7 +317,8 @@ def seed_evidence(
             per_example.setdefault(seed_group_name(run_dir), {})[recipe.train.seed] = examples
     if len(kinds) > 1:
         raise ValueError(f"the runs are of different task kinds ({', '.join(sorted(k.name for k in kinds))})")
-    lower_is_better = kinds.pop().lower_is_better(metric)
+    kind = kinds.pop()
+    lower_is_better = kind.lower_is_better(metric)
     names = _short_names(list(by_group))
     groups = [SeedGroup(names[name], scores) for name, scores in by_group.items()]
     chosen = _reference(groups, reference)
@@ -318,13 +328,19 @@ def seed_evidence(
         for _, group in others
     ]
     by_example: tuple[ExampleComparison, ...] = ()
-    if per_example is not None and not lower_is_better:  # per-example scores are right (1) or wrong (0)
+    if per_example is not None:
         chosen_path = next(path for path, group in zip(by_group, groups, strict=True) if group is chosen)
         by_example = tuple(
-            example_comparison(chosen.name, group.name, per_example[chosen_path], per_example[path])
+            example_comparison(
+                chosen.name,
+                group.name,
+                per_example[chosen_path],
+                per_example[path],
+                lower_is_better=kind.per_example_lower_is_better,
+            )
             for path, group in others
         )
-    return SeedEvidence(metric, split, lower_is_better, groups, comparisons, by_example)
+    return SeedEvidence(metric, split, lower_is_better, groups, comparisons, by_example, kind.per_example_score)
 
 
 def _short_names(paths: list[str]) -> dict[str, str]:

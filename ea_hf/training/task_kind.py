@@ -57,9 +57,10 @@ class Preprocessed:
     #: Trainer's ``preprocess_logits_for_metrics``: reduces each evaluation batch's logits before they are
     #: gathered (a language model's logits would fill the memory).
     preprocess_logits: Callable[[Any, Any], Any] | None = None
-    #: One score per evaluated example from the Trainer's ``EvalPrediction`` (1.0 where a classifier is right),
-    #: saved beside a split's metrics so that two models can be compared example by example (a paired
-    #: bootstrap over the same test sentences, McNemar's test); None: the kind has no per-example score.
+    #: One score per evaluated example from the Trainer's ``EvalPrediction`` (1.0 where a classifier is right,
+    #: a block's mean token loss), saved beside a split's metrics so that two models can be compared example by
+    #: example (a paired bootstrap over the same test examples; McNemar's test for right/wrong scores); None:
+    #: the kind has no per-example score.
     per_example_scores: Callable[[Any], Any] | None = None
 
 
@@ -81,6 +82,9 @@ class TaskKind:
     #: Whether Trainer may drop dataset columns the model does not take (image batches are made by a transform
     #: from the raw column, after Trainer would have dropped it).
     remove_unused_columns: bool = True
+    #: What a per-example score (``Preprocessed.per_example_scores``) is, and whether lower is better.
+    per_example_score: str = "1 right, 0 wrong"
+    per_example_lower_is_better: bool = False
 
     # -- recipes -------------------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from ea_hf.training.kinds.causal_lm import (
     token_losses,
 )
 from ea_hf.training.recipe import RecipeError, load_recipe
-from ea_hf.training.run_dir import read_metrics
+from ea_hf.training.run_dir import read_metrics, read_per_example
 from ea_hf.training.trainer import evaluate_run, prepare, run_recipe
 
 #: The quickstart made tiny: one small layer, short blocks, a few steps.
@@ -162,8 +162,15 @@ def test_quickstart_run_evaluates_again_to_the_same_perplexity(tmp_path):
     assert type(model).__name__ == "EALlamaForCausalLM" and set(model.config.evolving_attention) == {"decoder"}
     assert model.config.evolving_attention["decoder"]["alpha"] == 0.2
     assert (run_dir / "tokenizer.json").is_file()
+    # Each block's mean token loss is kept for comparisons block by block: the blocks are of one size, so their
+    # mean is the split's token loss.
+    blocks = read_per_example(run_dir, "validation")
+    validation_blocks = len(prepare(tiny_quickstart(run_dir), tmp_path / "count", train=False)[1]["validation"])
+    assert len(blocks) == validation_blocks > 1 and min(blocks) < max(blocks)
+    assert np.mean(blocks) == pytest.approx(metrics["token_loss"], rel=1e-5)
     again = evaluate_run(run_dir)["validation"]
     assert again["perplexity"] == pytest.approx(metrics["perplexity"], rel=1e-5)
+    assert read_per_example(run_dir, "validation") == pytest.approx(blocks, rel=1e-5)
     # The baseline: the same recipe with EA off, a plain Llama.
     baseline = run_recipe(tiny_quickstart(tmp_path / "baseline", "ea.enabled=false"))["validation"]
     assert baseline["perplexity"] != metrics["perplexity"]

@@ -216,3 +216,17 @@ def test_the_docs_tables_of_the_text_evidence_are_the_committed_runs():
     for run in sorted((EVIDENCE / "minilm-rotten-tomatoes-search").iterdir()):
         accuracy = json.loads((run / "eval" / "validation" / "metrics.json").read_text())["accuracy"]
         assert re.search(rf"^\| `{re.escape(run.name)}` \|.*\| {accuracy:.4f} \|$", page, flags=re.M), run.name
+
+
+def test_by_example_graded_scores_where_lower_is_better_have_no_mcnemar():
+    """A language model's mean token loss per block: the reference is better where its losses are lower."""
+    rng = np.random.default_rng(5)
+    base = rng.uniform(2.0, 4.0, 200)
+    reference = {seed: base - 0.05 + rng.normal(0, 0.01, 200) for seed in (1, 2, 3)}
+    other = {seed: base + rng.normal(0, 0.01, 200) for seed in (1, 2, 3)}
+    comparison = example_comparison("ea", "base", reference, other, lower_is_better=True)
+    assert comparison.mean_difference == pytest.approx(-0.05, abs=0.003)
+    low, high = comparison.interval
+    assert -0.06 < low < high < -0.04
+    assert comparison.verdict == "ea better" and comparison.mcnemar == {}
+    assert example_comparison("base", "ea", other, reference, lower_is_better=True).verdict == "base worse"

@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
@@ -119,6 +120,17 @@ def token_losses(logits: torch.Tensor | tuple, labels: torch.Tensor) -> torch.Te
     return torch.stack([losses.sum(-1), (shifted != -100).sum(-1).to(losses.dtype)], dim=-1)
 
 
+def block_losses(eval_prediction) -> np.ndarray:
+    """Per block, its mean next-token loss: what two models are compared on block by block (lower is better).
+
+    Example:
+        >>> block_losses(([[6.0, 3.0], [2.0, 4.0]], None)).tolist()
+        [2.0, 0.5]
+    """
+    totals = np.asarray(eval_prediction[0], dtype=float).reshape(-1, 2)
+    return totals[:, 0] / np.maximum(totals[:, 1], 1.0)
+
+
 def perplexity_fn():
     """``compute_metrics``: perplexity over every predicted token of the split (exp of the token-mean loss)."""
 
@@ -160,6 +172,8 @@ class CausalLMKind(TaskKind):
     auto_class = "AutoModelForCausalLM"
     preprocessor_class = "AutoTokenizer"
     peft_task_type = "CAUSAL_LM"
+    per_example_score = "the block's mean token loss"
+    per_example_lower_is_better = True
 
     def check(self, recipe: Recipe, problems: list[tuple[str, str]]) -> None:
         data = recipe.data
@@ -234,4 +248,10 @@ class CausalLMKind(TaskKind):
         empty = [split for split, dataset in splits.items() if len(dataset) == 0]
         if empty:
             raise ValueError(f"split(s) {empty} hold fewer than data.block_size={size} tokens; lower it or add text")
-        return Preprocessed(splits, transformers.default_data_collator, perplexity_fn(), preprocess_logits=token_losses)
+        return Preprocessed(
+            splits,
+            transformers.default_data_collator,
+            perplexity_fn(),
+            preprocess_logits=token_losses,
+            per_example_scores=block_losses,
+        )
