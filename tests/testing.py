@@ -199,8 +199,9 @@ def bench_script(name: str):
     path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.modules.setdefault(name, module)  # where its dataclasses look their module up
+    spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def spy_on(monkeypatch, module, names=("correlate", "backward")) -> list[str]:

@@ -220,6 +220,20 @@ class AttentionMapEvolution(nn.Module):
             )
         return previous if self.alpha != 0.0 else None
 
+    def record_logits(self, chain: dict[Any, Any], logits: torch.Tensor) -> None:
+        """Put this layer's A_logit in ``chain`` for the next layer; in a replay, drop the entry instead.
+
+        Gradient checkpointing replays a layer in backward, after the later layers' backward (and replays), so
+        nothing reads its entry again. Recording the recomputed logits would keep the replay's graph alive
+        through them, and with it the maps its core saved (A_logit and the gate), until the step ends: one map
+        and a gate more per layer at the end of backward. Dropping the entry frees the original logits too.
+        A replay is the second recording of a layer's logits in a chain that replays (one chain per call).
+        """
+        if chain.get(REPLAYS_KEY) is True and self.key in chain and not self.shared_across_layers:
+            del chain[self.key]
+            return
+        chain[self.key] = logits
+
     def previous_call_logits(self, chain: dict[Any, Any], replays: bool) -> torch.Tensor | None:
         """A_logit of the previous call of a module shared across layers (``None`` for the first call)."""
         if replays:
@@ -250,7 +264,7 @@ class AttentionMapEvolution(nn.Module):
                 conv_input, rows_before, columns_before = history.extend(conv_input, self.context_rows)
             convolved = self.convolve(conv_input, rows_before, columns_before)
             logits = self.beta * convolved + (1.0 - self.beta) * attention_in
-        chain[self.key] = logits
+        self.record_logits(chain, logits)
         return logits
 
     def fuses_attention(self, history: ConvolutionHistory | None) -> bool:
@@ -301,7 +315,7 @@ class AttentionMapEvolution(nn.Module):
             dropout,
             chain.setdefault(BACKWARD_SPARES_KEY, {}),
         )
-        chain[self.key] = logits
+        self.record_logits(chain, logits)
         return output, probabilities
 
     @torch.no_grad()
@@ -365,5 +379,5 @@ class AttentionMapEvolution(nn.Module):
             logits = evolve_convolution(self.step, StepMaps(scores, previous, keep), self.weight, self.bias, history)
         if previous is not None and not torch.is_grad_enabled():
             chain[SPARE_KEY] = previous
-        chain[self.key] = logits
+        self.record_logits(chain, logits)
         return logits
