@@ -66,19 +66,77 @@ def json_rows(path: Path, text: str, expected: str) -> list[tuple[str, Any]]:
     if isinstance(document, list):
         if not document:
             raise ValueError(f"{path}: an empty list, expected {expected}")
+        _strict_json(text, str(path))
         return [(f"{path}, row {index}", row) for index, row in enumerate(document)]
     rows = []
     # Lines end at "\n" only, as for datasets' reader: a JSON string may hold a raw U+2028, which splitlines splits.
     for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
+        if not line.strip(" \t\r"):  # JSON's white space: pyarrow reads a line of a form feed as a bad value
             continue
         try:
-            rows.append((f"{path}, line {number}", json.loads(line)))
+            rows.append((f"{path}, line {number}", _strict_json(line, f"{path}, line {number}")))
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}, line {number}: not JSON ({error.msg}, column {error.colno})") from None
     if not rows:
         raise ValueError(f"{path}: no rows, expected {expected}")
     return rows
+
+
+def _strict_json(text: str, where: str) -> Any:
+    """One JSON value as the readers after the check take it, not only as Python's ``json`` does: pyarrow's JSON
+    reader (which ``datasets`` reads JSON lines with) refuses a field given twice in an object and a number beyond
+    a float64 (Python keeps the last field and reads ``1e400`` as inf), and neither it nor a tokenizer can encode
+    a lone surrogate (an escape such as ``\\ud800`` without its pair). ValueError saying which, at ``where``.
+
+    Example:
+        >>> _strict_json('{"text": "a", "text": "b"}', "a.jsonl, line 3")
+        Traceback (most recent call last):
+        ...
+        ValueError: a.jsonl, line 3: the field(s) ['text'] twice in one object, expected each field once
+    """
+
+    def number(literal: str) -> float:
+        value = float(literal)
+        if math.isinf(value):
+            shown = literal if len(literal) <= 40 else f"{literal[:20]}... ({len(literal)} characters)"
+            raise ValueError(f"{where}: the number {shown} is beyond a float64, expected at most about 1.8e308")
+        return value
+
+    def mapping(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in pairs]
+        twice = sorted({key for key in keys if keys.count(key) > 1})
+        if twice:
+            raise ValueError(f"{where}: the field(s) {twice} twice in one object, expected each field once")
+        return dict(pairs)
+
+    def integer(literal: str) -> int:
+        number(literal)  # and Python reads no integer of more than 4,300 digits (a ValueError of its own)
+        return int(literal)
+
+    value = json.loads(text, parse_float=number, parse_int=integer, object_pairs_hook=mapping)
+    if "\\u" in text:  # the text itself is UTF-8, so a lone surrogate can only come from an escape
+        _expect_unicode(value, where)
+    return value
+
+
+def _expect_unicode(value: Any, where: str) -> None:
+    """Every string in a JSON value (keys too) encodes as UTF-8: none holds a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            surrogate = value[error.start]
+            raise ValueError(
+                f"{where}: a lone surrogate {surrogate!r} in a string (an escape without its pair), expected "
+                "Unicode text"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _expect_unicode(key, where)
+            _expect_unicode(item, where)
+    elif isinstance(value, list):
+        for item in value:
+            _expect_unicode(item, where)
 
 
 def _expect_string(value: Any, column: str, where: str) -> None:
@@ -106,19 +164,34 @@ def check_text_file(path: str | Path, text_column: str = "text") -> None:
         _text_of(row, text_column, where)
 
 
+def load_checked_file(builder: str, path: Path, split: str, **options: Any):
+    """``datasets.load_dataset(builder)`` of one local file that the checks here have passed: whatever they still
+    miss and ``datasets`` cannot read is one ValueError naming the file, with the reader's own message, not a
+    ``DatasetGenerationError`` traceback (the net under the checks; each case found is a check of its own)."""
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        return datasets.load_dataset(builder, data_files={split: str(path)}, split=split, **options)
+    except DatasetGenerationError as error:  # the reader's own error is its cause
+        raise ValueError(f"{path}: datasets cannot read this file ({one_line(error.__cause__ or error)})") from None
+
+
 # Tables: csv, tsv, json, jsonl, parquet -------------------------------------------------------------------------
 
 
 def _csv_records(path: Path, text: str, tab: bool) -> list[tuple[int, list[str]]]:
     """The records of a csv file (``tab``: tab-separated, no quoting) with the line each starts on; blank lines
-    skipped, as pandas (which ``datasets`` reads csv with) does."""
+    skipped, as pandas (which ``datasets`` reads csv with) does: lines of spaces and tabs only (a line holding a
+    form feed or a no-break space, or ``""``, an empty field, is a row to pandas)."""
     options: dict[str, Any] = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tab else {"strict": True}
-    reader = csv.reader(io.StringIO(text, newline=""), **options)
+    lines = io.StringIO(text, newline="").readlines()  # the lines as csv counts them (\n, \r\n or \r)
+    reader = csv.reader(lines, **options)
     records, end = [], 0
     try:
         for record in reader:
             start, end = end + 1, reader.line_num
-            if record and (len(record) > 1 or record[0].strip()):
+            if len(record) > 1 or lines[start - 1].strip(" \t\r\n"):
                 records.append((start, record))
     except csv.Error as error:
         # The unclosed quote reads on to the end of the file (or past csv's field size limit) before it fails.
@@ -137,6 +210,9 @@ def _csv_rows(path: Path, text: str, tab: bool) -> tuple[list[str], list[tuple[s
     if not records:
         raise ValueError(f"{path}: the file is empty")
     (_, header), rows = records[0], []
+    twice = sorted({column for column in header if header.count(column) > 1})
+    if twice:  # pandas renames the second "label.1"; the rows' check would see one, the model the other
+        raise ValueError(f"{path}, line {records[0][0]}: the column(s) {twice} twice in the header, expected each once")
     separated = "tab-separated" if tab else "comma-separated"
     for line, record in records[1:]:
         if len(record) != len(header):
@@ -154,11 +230,13 @@ def _cell(text: str) -> Any:
     Example:
         >>> [_cell(text) for text in ["3", " 2.5", "", "nan", "great", "1_0"]]
         [3, 2.5, None, nan, 'great', '1_0']
+        >>> _cell("\\u0661") == "\u0661", _cell("\\xa01") == "\xa01"  # Python's int() reads both as 1
+        (True, True)
     """
-    stripped = text.strip()
+    stripped = text.strip(" \t\n\r\x0b\x0c")  # pandas strips ASCII white space around a number, no other
     if not stripped:
         return None
-    if "_" in stripped:  # Python reads "1_0" as 10, pandas as text
+    if "_" in stripped or not stripped.isascii():  # Python reads "1_0" as 10 and "\u0661" as 1, pandas as text
         return text
     for number in (int, float):
         try:
@@ -166,6 +244,21 @@ def _cell(text: str) -> Any:
         except ValueError:
             pass
     return text
+
+
+def _whole_numbers_fit(rows: list[tuple[str, dict[str, Any]]], columns: Sequence[str]) -> None:
+    """The whole numbers of a csv column that pandas types as whole numbers fit in 64 bits (int64 or uint64):
+    ``datasets`` fails on an id of 21 digits with "Python int too large to convert to C long". Text columns are
+    read as text, and a column with any other cell (text, a decimal, an empty cell) is text to pandas."""
+    for column in columns:
+        numbers = [(where, _cell(row[column])) for where, row in rows]
+        if all(type(number) is int for _, number in numbers):
+            where, number = next(((w, n) for w, n in numbers if not -(2**63) <= n < 2**64), (None, None))
+            if where is not None:
+                raise ValueError(
+                    f"{where}: the number {number} in column {column!r} does not fit in 64 bits, expected whole "
+                    f"numbers from {-(2**63)} to {2**64 - 1}"
+                )
 
 
 def _parquet_rows(path: Path, text_columns: Sequence[str], label_column: str):
@@ -178,7 +271,10 @@ def _parquet_rows(path: Path, text_columns: Sequence[str], label_column: str):
         raise ValueError(f"{path}: not a Parquet file that pyarrow can open ({one_line(error)})") from None
     names = parquet.schema_arrow.names
     present = [column for column in (*text_columns, label_column) if column in names]
-    table = parquet.read(columns=present)
+    try:
+        table = parquet.read(columns=present)
+    except Exception as error:  # a page or its compression damaged past the footer: OSError, ArrowInvalid...
+        raise ValueError(f"{path}: not a Parquet file that pyarrow can read ({one_line(error)})") from None
     for column in text_columns:
         if column in names and table.column(column).null_count:
             row = table.column(column).is_null().to_pylist().index(True)
@@ -221,6 +317,7 @@ def check_table_file(
     elif suffix in (".csv", ".tsv"):
         columns, rows = _csv_rows(path, read_text(path), tab=suffix == ".tsv")
         _missing_columns(str(path), columns, expected)
+        _whole_numbers_fit(rows, [column for column in columns if column not in text_columns])
         rows = [(where, {label_column: _cell(row[label_column])}) for where, row in rows]
     else:
         rows = json_rows(path, read_text(path), f"rows with fields {', '.join(expected)}")
@@ -340,6 +437,8 @@ def check_series(
         return f"{name}, line {first_line + index} (series {index})"
 
     for index, series in enumerate(values):
+        if np.size(series) == 0:  # aeon reads a line holding only a label ("a") as a series of no variables
+            raise ValueError(f"{where(index)}: no values, expected at least one value of each variable")
         bad = np.argwhere(~np.isfinite(series))
         if len(bad):
             step, variable = bad[0]

@@ -25,6 +25,7 @@ import dataclasses
 import difflib
 import importlib.util
 import itertools
+import math
 import re
 import types
 import typing
@@ -67,6 +68,17 @@ RecipeLoader.add_implicit_resolver(
 )
 
 
+def _escaped(text: str) -> str:
+    """``text`` with every character that is not printable (a newline, a tab, U+2028...) written as its escape:
+    a key of an override or a flow mapping (``train={"a\\nb": 1}``) may hold one, and a problem is one line.
+
+    Example:
+        >>> _escaped("train.a\\nb: unknown key")
+        'train.a\\\\nb: unknown key'
+    """
+    return "".join(character if character.isprintable() else repr(character)[1:-1] for character in text)
+
+
 class RecipeError(ValueError):
     """A recipe that cannot run; ``problems`` lists every (dotted path, message) found."""
 
@@ -74,6 +86,7 @@ class RecipeError(ValueError):
         self.problems = problems
         noun = "problem" if len(problems) == 1 else "problems"
         lines = [f"  {path}: {message}" if path else f"  {message}" for path, message in problems]
+        lines = [_escaped(line) for line in lines]  # one line each, whatever a key holds
         super().__init__(f"{len(problems)} {noun} in the recipe:\n" + "\n".join(lines))
 
 
@@ -277,7 +290,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise RecipeError([("", f"override {text!r} is not of the form dotted.key=value")])
-    return key.strip(), yaml.load(value, Loader=RecipeLoader) if value.strip() else None
+    try:
+        return key.strip(), yaml.load(value, Loader=RecipeLoader) if value.strip() else None
+    except yaml.YAMLError as error:  # "{a:", "@x", "!!python/name:os.system"...: one problem, not a traceback
+        problem = getattr(error, "problem", None) or " ".join(str(error).split())
+        raise RecipeError(
+            [(key.strip(), f"cannot read the value {value!r} as YAML ({problem}); quote it to give a string")]
+        ) from None
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -361,6 +380,9 @@ def _convert(value: Any, tp: Any, path: str, problems: list[tuple[str, str]]) ->
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             problems.append((path, f"expected a number, got {value!r}"))
+            return value
+        if not math.isfinite(value):  # .nan, .inf, 1e400: the range checks below would let a NaN through
+            problems.append((path, f"expected a finite number, got {value!r}"))
             return value
         return float(value)
     if tp is str:
@@ -495,8 +517,11 @@ def recipe_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> 
             problems.extend(error.problems)
             continue
         set_dotted(merged, key, value)
+    kind = merged.get("kind", Recipe.kind)
+    if not isinstance(kind, str):  # kind=[1]: a list is no key of the registry (TypeError)
+        raise RecipeError([*problems, ("kind", f"expected the name of a task kind, got {kind!r}")])
     try:
-        recipe_class = get_task_kind(merged.get("kind", Recipe.kind)).recipe_class
+        recipe_class = get_task_kind(kind).recipe_class
     except ValueError as error:
         raise RecipeError([*problems, ("kind", str(error))]) from None
     recipe = _build(recipe_class, merged, "", problems)

@@ -1,7 +1,8 @@
 """Bad local data files: each gets one clear error (ValueError, FileNotFoundError when missing) that starts with
 the file, names the line, row or series where there is one, and says what was expected, for the ``glue``
 (csv, tsv, json, jsonl, parquet), ``timeseries`` (UEA/UCR .ts) and ``image`` (folders) kinds, before ``datasets``
-or aeon sees the file. The ``causal_lm`` kind's text files are in test_causal_lm.py."""
+or aeon sees the file. The ``causal_lm`` kind's text files are in test_causal_lm.py (those found by
+test_properties.py here). Last, bad recipe overrides that test_properties.py found."""
 
 import importlib.util
 import io
@@ -15,6 +16,7 @@ from testing import SST2_SAMPLE, sample_rows, write
 
 from ea_hf.cli import main
 from ea_hf.training.data_files import check_image_folders
+from ea_hf.training.kinds.causal_lm import CausalLMData, load_text_data
 from ea_hf.training.kinds.glue import load_glue_data
 from ea_hf.training.kinds.image import load_image_data
 from ea_hf.training.recipe import recipe_from_dict
@@ -224,6 +226,75 @@ BAD_TABLES = {
         parquet({"sentence": ["fine", "dull"], "label": [1, 2]}),
         f", row 1: label id(s) [2] outside 0..1, expected whole numbers 0..1 or {SST2}",
     ),
+    # Found by test_properties.py: files the check passed and pandas, pyarrow or datasets then read otherwise or
+    # not at all (a DatasetGenerationError or OSError traceback, or an error that named no file).
+    "column-twice": (  # pandas renames the second "label.1" and keeps the first, which the check never saw
+        "sst2",
+        "train.csv",
+        b"sentence,label,label\nfine,great,1\n",
+        ", line 1: the column(s) ['label'] twice in the header, expected each once",
+    ),
+    "form-feed-line": (  # not a blank line to pandas, which skips lines of spaces and tabs only
+        "sst2",
+        "train.csv",
+        b"sentence,label\nfine,1\n\x0c\ndull,0\n",
+        ", line 3: 1 comma-separated field, expected 2 as in the header (sentence, label)",
+    ),
+    "empty-quoted-line": (  # not blank either: pandas reads a row of one empty field
+        "sst2",
+        "train.csv",
+        b'sentence,label\nfine,1\n""\ndull,0\n',
+        ", line 3: 1 comma-separated field, expected 2 as in the header (sentence, label)",
+    ),
+    "arabic-digit-label": (  # Python's int() reads "\u0661" as 1, pandas as text
+        "sst2",
+        "train.csv",
+        "sentence,label\nfine,1\ndull,\u0661\n".encode(),
+        ", line 3: unknown label(s) ['\u0661']; expected ['negative', 'positive'] or ids 0..1",
+    ),
+    "no-break-space-label": (  # str.strip() takes it away, pandas keeps it (it strips ASCII white space only)
+        "sst2",
+        "train.tsv",
+        "sentence\tlabel\nfine\t1\ndull\t\xa00\n".encode(),
+        ", line 3: unknown label(s) ['\\xa00']; expected ['negative', 'positive'] or ids 0..1",
+    ),
+    "id-beyond-64-bits": (  # "Python int too large to convert to C long" from datasets
+        "sst2",
+        "train.csv",
+        b"sentence,label,idx\nfine,1,100000000000000000000\ndull,0,2\n",
+        ", line 2: the number 100000000000000000000 in column 'idx' does not fit in 64 bits, expected whole numbers "
+        "from -9223372036854775808 to 18446744073709551615",
+    ),
+    "number-beyond-float64": (  # pyarrow's JSON reader: "Number too big to be stored in double"
+        "sst2",
+        "train.jsonl",
+        b'{"sentence": "fine", "label": 1, "idx": 1e400}\n',
+        ", line 1: the number 1e400 is beyond a float64, expected at most about 1.8e308",
+    ),
+    "field-twice": (  # Python keeps the last, pyarrow refuses: "Column(/label) was specified twice"
+        "sst2",
+        "train.jsonl",
+        b'{"sentence": "fine", "label": "positive", "label": 1}\n',
+        ", line 1: the field(s) ['label'] twice in one object, expected each field once",
+    ),
+    "lone-surrogate": (  # pyarrow: "The surrogate pair in string is invalid"; a tokenizer cannot encode it either
+        "sst2",
+        "train.jsonl",
+        b'{"sentence": "fine \\ud800", "label": 1}\n',
+        ", line 1: a lone surrogate '\\ud800' in a string (an escape without its pair), expected Unicode text",
+    ),
+    "form-feed-json-line": (  # blank to str.strip(), "Invalid value" to pyarrow
+        "sst2",
+        "train.jsonl",
+        b'{"sentence": "fine", "label": 1}\n\x0c\n',
+        ", line 2: not JSON (Expecting value, column 1)",
+    ),
+    "parquet-damaged-page": (  # the footer opens, the first page header does not (an OSError from pyarrow)
+        "sst2",
+        "train.parquet",
+        b"PAR1\x00" + parquet({"sentence": ["fine", "dull"], "label": [1, 0]})[5:],
+        ": not a Parquet file that pyarrow can read (...",
+    ),
 }
 
 
@@ -249,6 +320,10 @@ def test_good_glue_files_still_load_and_text_stays_text(tmp_path):
     assert load_glue_data("sst2", "local", files={"train": str(quoted)})["train"]["sentence"] == [
         'fine, and "bright"\non two lines'
     ]
+    # A column of sentences that all look like numbers stays text (pandas would read 7.0 and 2.5; test_properties).
+    numbers = tmp_path / "numbers.csv"
+    numbers.write_text("sentence,label\n007,1\n2.5,0\n")
+    assert load_glue_data("sst2", "local", files={"train": str(numbers)})["train"]["sentence"] == ["007", "2.5"]
     names = tmp_path / "names.jsonl"
     names.write_text('{"sentence": "fine", "label": "positive"}\n{"sentence": "dull", "label": "negative"}\n')
     assert load_glue_data("sst2", "local", files={"train": str(names)})["train"]["label"] == [1, 0]
@@ -263,6 +338,47 @@ def test_a_run_on_a_bad_file_exits_2_with_one_line_and_leaves_no_run_directory(t
     error = capsys.readouterr().err.strip()
     assert error == f"ea-hf run: error: {path}{BAD_TABLES['short-row'][3]}"
     assert not run_dir.exists()  # nothing half-written that a rerun would take for a run to --resume
+
+
+def test_a_corpus_line_that_pyarrow_refuses_gets_one_error_naming_the_line(tmp_path):
+    """Found by test_properties.py: JSON lines that the check passed and pyarrow then refused, so that the
+    ``causal_lm`` kind failed with a DatasetGenerationError traceback."""
+    path = tmp_path / "train.jsonl"
+    for line, message in [
+        (
+            b'{"text": "a", "text": "b"}\n',
+            ", line 2: the field(s) ['text'] twice in one object, expected each field once",
+        ),
+        (
+            b'{"text": "a", "n": 1e400}\n',
+            ", line 2: the number 1e400 is beyond a float64, expected at most about 1.8e308",
+        ),
+    ]:
+        path.write_bytes(b'{"text": "fine"}\n' + line)
+        with pytest.raises(ValueError) as error:
+            load_text_data(CausalLMData(source="local", files={"train": str(path)}))
+        assert_one_error(error, path, message)
+
+
+def test_what_datasets_still_cannot_read_is_one_error_naming_the_file(tmp_path, monkeypatch):
+    """The net under the checks: a reader's failure that they missed is a ValueError naming the file, with the
+    reader's own message on one line, not a DatasetGenerationError traceback."""
+    import datasets
+    import pyarrow
+    from datasets.exceptions import DatasetGenerationError
+
+    def fail(*args, **kwargs):
+        try:
+            raise pyarrow.ArrowInvalid("JSON parse error:\nsomething new")
+        except pyarrow.ArrowInvalid as cause:
+            raise DatasetGenerationError("An error occurred while generating the dataset") from cause
+
+    monkeypatch.setattr(datasets, "load_dataset", fail)
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"sentence": "fine", "label": 1}\n')
+    with pytest.raises(ValueError) as error:
+        load_glue_data("sst2", "local", files={"train": str(path)})
+    assert_one_error(error, path, ": datasets cannot read this file (JSON parse error: something new)")
 
 
 # timeseries: UEA/UCR .ts files -----------------------------------------------------------------------------------
@@ -349,6 +465,11 @@ BAD_TS = {
         ts(SERIES[0], "1.5,2.5:b"),
         ": aeon cannot read this .ts file (Inconsistent number of dimensions in case 2. Expecting 2 but have read "
         f"1), {EXPECTED_FORMAT}",
+    ),
+    "label-only": (  # aeon reads it as a series of no variables (found by test_properties.py)
+        "classification",
+        ts("a", "b"),
+        ", line 9 (series 0): no values, expected at least one value of each variable",
     ),
     "undeclared-class": (
         "classification",
@@ -518,3 +639,46 @@ def test_a_few_thousand_images_check_in_seconds(digits_folders):
     start = time.perf_counter()
     check_image_folders(digits_folders)  # 1,797 PNGs, their headers and checksums: a third of a second here
     assert time.perf_counter() - start < 10
+
+
+# Recipe overrides ------------------------------------------------------------------------------------------------
+
+#: Overrides that ended in a traceback (TypeError, yaml's errors), in a report of more lines than problems, or in a
+#: run that failed after writing its directory; all found by test_properties.py. (The override, the problem.)
+BAD_OVERRIDES = {
+    "kind-a-list": ("kind=[1]", "kind: expected the name of a task kind, got [1]"),
+    "unclosed-flow-mapping": (
+        "ea.alpha={a:",
+        "ea.alpha: cannot read the value '{a:' as YAML (expected the node content, but found '<stream end>'); quote "
+        "it to give a string",
+    ),
+    "reserved-character": (
+        "ea.alpha=@x",
+        "ea.alpha: cannot read the value '@x' as YAML (found character '@' that cannot start any token); quote it to "
+        "give a string",
+    ),
+    "python-tag": (
+        "model.name_or_path=!!python/name:os.system",
+        "model.name_or_path: cannot read the value '!!python/name:os.system' as YAML (could not determine a "
+        "constructor for the tag 'tag:yaml.org,2002:python/name:os.system'); quote it to give a string",
+    ),
+    "newline-in-a-key": ('train={"a\\nb": 1}', "train.a\\nb: unknown key"),
+    "carriage-return-in-a-key": ("0\r0=1", "0\\r0: unknown key"),
+    "nan-epochs": ("train.epochs=.nan", "train.epochs: expected a finite number, got nan"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_OVERRIDES)
+def test_a_bad_override_is_one_problem_on_one_line(name, capsys):
+    override, problem = BAD_OVERRIDES[name]
+    assert main(["validate", "quickstart", override]) == 2
+    assert capsys.readouterr() == ("", f"ea-hf validate: error: 1 problem in the recipe:\n  {problem}\n")
+
+
+def test_a_run_with_nan_epochs_stops_before_it_writes_its_directory(tmp_path, capsys):
+    """Before: the Trainer failed at its first step ("cannot convert float NaN to integer", exit 2) and left the
+    run directory with its recipe.yaml and checkpoints/ folder, which a rerun took for a run to --resume."""
+    run_dir = tmp_path / "run"
+    assert main(["run", "quickstart", *SST2_SAMPLE, "train.epochs=.nan", f"output_dir={run_dir}"]) == 2
+    assert "train.epochs: expected a finite number, got nan" in capsys.readouterr().err
+    assert not run_dir.exists()

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from ..data_files import check_text_file
+from ..data_files import check_text_file, load_checked_file
 from ..models import adapt_model, resolve_model_path
 from ..recipe import DataSection, Recipe
 from ..task_kind import CardInfo, Preprocessed, TaskKind
@@ -69,7 +69,7 @@ def load_text_data(data: CausalLMData):
                 raise FileNotFoundError(f"data file for split {split!r} not found: {path}")
             builder = _TEXT_FILES[path.suffix.lower()]
             check_text_file(path, data.text_column)
-            loaded[split] = datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
+            loaded[split] = load_checked_file(builder, path, split)
         loaded = datasets.DatasetDict(loaded)
     for split, dataset in loaded.items():
         if data.text_column not in dataset.column_names:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import transformers
 
-from ..data_files import check_table_file
+from ..data_files import check_table_file, load_checked_file
 from ..recipe import DataSection, Recipe
 from ..rotten_tomatoes import rotten_tomatoes
 from ..task_kind import CardInfo, Preprocessed, TaskKind
@@ -108,11 +108,14 @@ def load_glue_data(task: str, source: str = "hub", hub_id: str = DEFAULT_HUB_ID,
             if builder is None:
                 raise ValueError(f"unsupported data file type {path.suffix!r} ({', '.join(_BUILDERS)})")
             check_table_file(path, spec.text_columns, LABEL_COLUMN, spec.label_names)
-            # Text stays text: by default pandas reads a sentence such as "NA" or "null" as a missing value.
-            options = {"na_filter": False} if builder == "csv" else {}
+            # Text stays text: by default pandas reads a sentence such as "NA" or "null" as a missing value, and a
+            # column of sentences that all look like numbers ("007", "2.5") as numbers.
+            options = (
+                {"na_filter": False, "converters": dict.fromkeys(spec.text_columns, str)} if builder == "csv" else {}
+            )
             if path.suffix.lower() == ".tsv":
                 options |= {"delimiter": "\t", "quoting": 3}
-            splits[split] = datasets.load_dataset(builder, data_files={split: str(path)}, split=split, **options)
+            splits[split] = load_checked_file(builder, path, split, **options)
     else:
         raise ValueError(f"unknown data source {source!r}; expected 'hub', 'local' or {ROTTEN_TOMATOES!r}")
     return datasets.DatasetDict({split: cast_labels(dataset, spec, split) for split, dataset in splits.items()})
