@@ -428,6 +428,13 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
     kind = recipe.task_kind
     if not recipe.name:
         problems.append(("name", "is required"))
+    # Both name a directory (runs/<name> by default): a control character there makes a file name no one types.
+    for field in ("name", "output_dir"):
+        value = getattr(recipe, field)
+        if value is not None and not value.isprintable():
+            problems.append((field, f"holds a control character ({value!r}); it names a directory"))
+    if recipe.output_dir is not None and not recipe.output_dir.strip():
+        problems.append(("output_dir", "is empty: give a directory (default runs/<name>)"))
     if not recipe.model.name_or_path and kind.needs_checkpoint(recipe):
         problems.append(("model.name_or_path", "is required"))
     if recipe.data.source == "local" and not recipe.data.files:
@@ -604,4 +611,9 @@ def expand_sweep(recipe: Recipe) -> list[Recipe]:
                 raise RecipeError(
                     [(f"{where}: {path}" if path else where, message) for path, message in error.problems]
                 ) from None
+    seen: set[str] = set()
+    for run in runs:  # sweep: {train.seed: [1, 1]} or a swept output_dir: two runs, one directory
+        if run.output_dir in seen:
+            raise RecipeError([("sweep", f"two runs would write to {run.output_dir}; each needs its own directory")])
+        seen.add(run.output_dir)
     return runs

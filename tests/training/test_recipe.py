@@ -102,6 +102,27 @@ def test_sweeps_expand_to_every_combination_with_their_own_directories():
         expand_sweep(recipe_from_dict({**MINIMAL, "sweep": {"ea.alpha": [0.1, 2.0]}}))
 
 
+@pytest.mark.parametrize("sweep", [{"train.seed": [1, 1]}, {"output_dir": ["a", "a"]}])
+def test_two_runs_of_a_sweep_never_share_a_directory(sweep):
+    with pytest.raises(RecipeError, match="two runs would write to .*; each needs its own directory"):
+        expand_sweep(recipe_from_dict({**MINIMAL, "sweep": sweep}))
+    # A swept output_dir of distinct values names each run's directory.
+    assert [r.output_dir for r in expand_sweep(recipe_from_dict({**MINIMAL, "sweep": {"output_dir": ["a", "b"]}}))] == [
+        "a",
+        "b",
+    ]
+
+
+def test_names_and_directories_are_printable_and_not_empty():
+    assert problems_of({**MINIMAL, "output_dir": " "}) == {
+        "output_dir": "is empty: give a directory (default runs/<name>)"
+    }
+    assert problems_of({**MINIMAL, "name": "a\nb"}) == {
+        "name": "holds a control character ('a\\nb'); it names a directory"
+    }
+    assert "output_dir" in problems_of(MINIMAL, ["output_dir=runs/x\ty"])
+
+
 def test_the_resolved_recipe_round_trips_through_yaml():
     recipe = recipe_from_dict(MINIMAL, ["ea.alpha=0.4"])
     again = recipe_from_dict(yaml.safe_load(recipe.to_yaml()))
