@@ -10,7 +10,7 @@ import transformers
 from testing import (
     CAUSAL_LM_FAMILIES,
     GENERATION_MODES,
-    MIXTURE_OF_EXPERTS_ARCHITECTURES,
+    GENERATION_NOISE,
     NUM_HEADS,
     NUM_LAYERS,
     PAD,
@@ -23,6 +23,7 @@ from testing import (
     generation_gap,
     left_padded_inputs,
     max_abs_diff,
+    routing_noise,
 )
 
 import ea_hf
@@ -39,14 +40,6 @@ ALTERNATING += ["gemma4_text", "llama4_text", "gpt_oss"]
 #: Families whose position embeddings do not follow ``position_ids`` (the BART family counts positions from the
 #: first column), so a left-padded prompt is not the same input as the prompt alone, patched or not.
 ABSOLUTE_FROM_FIRST_COLUMN = ["bart-causal", "mbart-causal"]
-
-
-def routing_noise(family: str) -> float:
-    """How far a family's own outputs at a position may move when other tokens change: 0 (bit-identical), or
-    for :data:`MIXTURE_OF_EXPERTS_ARCHITECTURES` fp32 rounding (their experts' products run over the tokens
-    routed to them: up to about 1e-6 on the tiny models, unpatched as well). A convolution that leaked across
-    positions would move them by 1e-3 and more (the converse tests below)."""
-    return 1e-5 if CAUSAL_LM_FAMILIES[family][0] in MIXTURE_OF_EXPERTS_ARCHITECTURES else 0.0
 
 
 def evolved_lm(family: str, **overrides):
@@ -227,7 +220,7 @@ def test_generation_with_the_cache_equals_generation_without(family, mode):
     inputs = left_padded_inputs()
     settings = MODES[mode]
     with torch.no_grad():
-        cached = cached_and_uncached_generation(model, inputs, **settings)
+        cached = cached_and_uncached_generation(model, inputs, GENERATION_NOISE.get(family, 1e-5), **settings)
     histories = cached.past_key_values.__dict__[CACHE_ATTRIBUTE]
     assert {key for key in histories if key[0] == "decoder"} == {("decoder", i) for i in attention_layers(model.config)}
     assert {h.seen for h in histories.values()} == {cached.sequences.shape[1] - 1}

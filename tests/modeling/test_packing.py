@@ -12,12 +12,12 @@ import torch
 import transformers
 from testing import (
     CAUSAL_LM_FAMILIES,
-    MIXTURE_OF_EXPERTS_ARCHITECTURES,
     TEXT_ARCHITECTURES,
     VOCAB_SIZE,
     causal_lm,
     checkpointing_changes_no_gradient,
     max_abs_diff,
+    routing_noise,
     tiny_model,
 )
 
@@ -47,12 +47,6 @@ COLLATORS = {
     "position-ids": transformers.DataCollatorWithFlattening(return_tensors="pt"),
     "flash-kwargs": transformers.DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=True),
 }
-
-
-def routing_noise(family: str) -> float:
-    """How far a family's own outputs at a position may move when other tokens change: 0, or fp32 rounding for
-    the mixtures of experts (their experts' products run over the tokens routed to them)."""
-    return 1e-5 if CAUSAL_LM_FAMILIES[family][0] in MIXTURE_OF_EXPERTS_ARCHITECTURES else 0.0
 
 
 @functools.cache
