@@ -128,6 +128,31 @@ def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_result(point, run_qu
         assert "is finished; skipped" in finished(ea_hf(run_quickstart(run_dir, "--skip-finished"))).stderr
 
 
+#: The causal-LM quickstart made tiny (a 1-layer Llama trained from scratch, blocks of 32 tokens), six steps with a
+#: checkpoint every two: the other kind of run, killed where a checkpoint is torn.
+SHORT_CAUSAL_LM = ["model.config.hidden_size=32", "model.config.intermediate_size=48"]
+SHORT_CAUSAL_LM += ["model.config.num_hidden_layers=1", "data.block_size=32", "data.max_train_samples=64"]
+SHORT_CAUSAL_LM += ["data.max_eval_samples=16", "train.max_steps=6", "train.eval_strategy=no", "train.logging_steps=2"]
+SHORT_CAUSAL_LM += ["train.save_strategy=steps", "train.save_steps=2", "train.save_total_limit=null"]
+
+
+@pytest.mark.slow
+def test_a_causal_lm_run_killed_while_saving_resumes_to_the_uninterrupted_result(tmp_path):
+    def arguments(run_dir, *flags):
+        return ["run", "causal_lm/quickstart", *SHORT_CAUSAL_LM, f"output_dir={run_dir}", *flags]
+
+    finished(ea_hf(arguments(tmp_path / "straight")))
+    killed = ea_hf(arguments(tmp_path / "run"), kill_at=KILL_POINTS["saving checkpoint 4"])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert last_complete_checkpoint(tmp_path / "run") == str(tmp_path / "run" / "checkpoints" / "checkpoint-2")
+    finished(ea_hf(arguments(tmp_path / "run", "--resume")))
+    expected, got = read_metrics(tmp_path / "straight")["validation"], read_metrics(tmp_path / "run")["validation"]
+    assert got["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-5)
+    ours, theirs = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("run", "straight"))
+    assert ours.keys() == theirs.keys()
+    assert max((ours[name] - theirs[name]).abs().max().item() for name in ours) <= 1e-5
+
+
 def test_the_last_complete_checkpoint_passes_over_torn_and_foreign_folders(tmp_path):
     assert last_complete_checkpoint(tmp_path) is None  # no checkpoints folder: a resume starts afresh
     folder = tmp_path / "checkpoints"
