@@ -43,6 +43,7 @@ from ..modeling.settings import (
     role_settings,
 )
 from ..resources import shipped_dir
+from .data_files import one_line
 from .task_kind import TaskKind, get_task_kind
 
 RECIPES_DIR = shipped_dir("recipes")
@@ -293,7 +294,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         return key.strip(), yaml.load(value, Loader=RecipeLoader) if value.strip() else None
     except yaml.YAMLError as error:  # "{a:", "@x", "!!python/name:os.system"...: one problem, not a traceback
-        problem = getattr(error, "problem", None) or " ".join(str(error).split())
+        problem = getattr(error, "problem", None) or one_line(error)
         raise RecipeError(
             [(key.strip(), f"cannot read the value {value!r} as YAML ({problem}); quote it to give a string")]
         ) from None

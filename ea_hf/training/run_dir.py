@@ -26,6 +26,7 @@ import yaml
 
 from ..integrations.peft import ADAPTER_CONFIG
 from ..modeling.settings import EvolvingAttentionSettings
+from .data_files import one_line
 from .recipe import Recipe, recipe_from_dict
 from .task_kind import get_task_kind
 
@@ -174,7 +175,7 @@ def disk_full_error(error: BaseException, run_dir: str | Path) -> OSError | None
     return OSError(
         errno.ENOSPC,
         f"no space left on the disk of {run_dir} ({free if free is not None else 'unknown'} bytes free) while "
-        f"the run was writing ({' '.join(str(error).split()) or type(error).__name__}); {where}. Free some space, "
+        f"the run was writing ({one_line(error)}); {where}. Free some space, "
         "then continue with --resume",
     )
 
