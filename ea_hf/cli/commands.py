@@ -152,7 +152,25 @@ def run(args: argparse.Namespace) -> int:
         if "WORLD_SIZE" in os.environ:
             raise ValueError("--nproc-per-node inside a distributed launch; use one or the other")
         return _launch(args)
+    status = _run_each(args, runs)
+    if "WORLD_SIZE" in os.environ:  # one of torchrun's processes
+        _leave_process_group()
+    return status
 
+
+def _leave_process_group() -> None:
+    """Destroy the process group that a torchrun process's training joined, before the interpreter exits. Left to
+    the exit, gloo's worker threads are torn down during interpreter finalisation, and a rank may abort
+    ("terminate called without an active exception", exit -6) after its run has finished and saved (pytorch
+    #190489). Only after a run that succeeded: a rank that failed may leave the others in a collective, which
+    the destruction would wait on."""
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _run_each(args: argparse.Namespace, runs: list) -> int:
     from ..training.evidence import seed_evidence, seed_group_name
     from ..training.run_dir import compare_runs, is_finished
     from ..training.trainer import run_recipe

@@ -208,6 +208,7 @@ def worker():
         result = {"losses": losses, "ea_partitions": snapshots.ea_partitions}
         with open(os.path.join(options.output_dir, "result.json"), "w") as file:
             json.dump(result, file)
+    torch.distributed.destroy_process_group()  # before exit: gloo threads left to it may abort the rank
 
 
 if __name__ == "__main__":

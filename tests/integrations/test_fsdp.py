@@ -126,3 +126,4 @@ if __name__ == "__main__":  # one of the two processes
             },
             output / "recorded.pt",
         )
+    torch.distributed.destroy_process_group()  # before exit: gloo threads left to it may abort the rank
