@@ -7,11 +7,12 @@ backward, checked against torch's ``MemTracker`` on real steps, and the longest 
 The model counts maps of E = batch x heads x queries x keys elements, in bytes. A training step on the
 torch-operation path (GPUs' default; the CPU's with ``EA_HF_KERNELS=0``) keeps, per evolving layer:
 
-- without gradient checkpointing, A_logit in fp32 (half-precision maps are upcast) and the ReLU gate as bools:
-  5 bytes per element (dropout's mask adds 1 where attention dropout is on);
+- without gradient checkpointing, A_logit in the model's precision (maps evolve in it) and the ReLU gate as
+  bools: 5 bytes per element in fp32, 3 in bf16 (dropout's mask adds 1 where attention dropout is on);
 - with gradient checkpointing, A_logit alone: the next layer's replay reads it, everything else is recomputed.
 
-A layer's backward adds a working set of a few fp32 maps (``TRANSIENT_MAPS``, measured). Eager attention keeps
+A layer's backward adds a working set of a few maps, some fp32 whatever the model's precision (the softmax
+and its gradient run in fp32): ``TRANSIENT_MAPS``, measured, in fp32 maps. Eager attention keeps
 its softmax per layer (Llama-style families upcast the softmax: an fp32 and a model-dtype copy); sdpa keeps no
 map. Layers that ``layers=`` leaves plain run eager attention.
 """
@@ -24,9 +25,9 @@ import dataclasses
 #: A layer's backward working set above what the step keeps, in fp32 maps of that layer: (causal, checkpointing,
 #: dtype) -> maps, measured with MemTracker on CPU at N = 512 (``--check``); it does not grow with the depth.
 TRANSIENT_MAPS = {
-    (False, False, "fp32"): 5.8, (False, False, "bf16"): 7.4,
-    (True, False, "fp32"): 6.8, (True, False, "bf16"): 8.5,
-    (True, True, "fp32"): 7.2, (True, True, "bf16"): 8.9,
+    (False, False, "fp32"): 5.8, (False, False, "bf16"): 4.4,
+    (True, False, "fp32"): 6.8, (True, False, "bf16"): 4.8,
+    (True, True, "fp32"): 7.2, (True, True, "bf16"): 5.3,
 }  # fmt: skip
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -68,15 +69,18 @@ def ea_added_bytes(
     elements = map_elements(batch, attention.heads, n)
     evolving = attention.evolving_positions
     top = evolving[-1]
+    map_bytes = DTYPE_BYTES[dtype]
     if checkpointing:  # every layer recomputed: A_logit alone stays, as the next evolving layer's input
-        kept = len(evolving) * 4 * elements
+        kept = len(evolving) * map_bytes * elements
     else:
-        per_layer = (5 + (1 if dropout else 0)) * elements
+        per_layer = (map_bytes + 1 + (1 if dropout else 0)) * elements  # A_logit, the gate, dropout's mask
         if attention.causal:  # the convolution's causal mask, one per sequence
             per_layer += batch * n * n
-        # Layers left plain run ea_hf's eager attention, which keeps its softmax in the model's dtype.
+        # Layers left plain run ea_hf's eager attention, which keeps its softmax, in fp32 for a half-precision
+        # model (as eager attention normalises) and the model's dtype for the product with the values.
         plain = sum(1 for layer in range(top + 1) if layer not in evolving)
-        kept = len(evolving) * per_layer + plain * DTYPE_BYTES[dtype] * elements
+        softmax_bytes = 4 + map_bytes if map_bytes < 4 else 4
+        kept = len(evolving) * per_layer + plain * softmax_bytes * elements
     transient = TRANSIENT_MAPS[(attention.causal, checkpointing, dtype)] * 4 * elements
     return int(kept + transient)
 
@@ -194,10 +198,10 @@ def longest_context(shapes: Shapes, evolving: int | None, budget: float, shards:
 
 
 def decoding_rows_bytes(shapes: Shapes, n: int, evolving: int | None = None) -> tuple[int, int]:
-    """(the rows EA keeps on the cache at context ``n``, the KV cache), bf16 KV, fp32 rows, kernel 3: one row of
-    each evolving layer's map per query head."""
+    """(the rows EA keeps on the cache at context ``n``, the KV cache), both bf16, kernel 3: one row of each
+    evolving layer's map per query head."""
     layers = shapes.layers if evolving is None else evolving
-    return layers * shapes.heads * n * 4, shapes.layers * 2 * shapes.kv_heads * shapes.head_dim * n * 2
+    return layers * shapes.heads * n * 2, shapes.layers * 2 * shapes.kv_heads * shapes.head_dim * n * 2
 
 
 def sizing_table(budget: float = 76e9) -> str:

@@ -88,8 +88,10 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def page_runs(tmp_path_factory) -> dict[str, str | None]:
-    pages = [(page.name, str(tmp_path_factory.mktemp(page.stem)), "\n\n".join(blocks(page, "python")))
-             for page in PYTHON_PAGES]
+    pages = [
+        (page.name, str(tmp_path_factory.mktemp(page.stem)), "\n\n".join(blocks(page, "python")))
+        for page in PYTHON_PAGES
+    ]
     run = subprocess.run(
         [sys.executable, "-c", RUNNER], input=json.dumps(pages), capture_output=True, text=True, timeout=1200
     )

@@ -42,8 +42,10 @@ def test_plot_attention_leaves_the_models_and_the_batch_alone():
     patched, plain = ea_hf.patch(tiny_model("bert"), alpha=0.2, beta=0.2).train(), tiny_model("bert").eval()
     inputs = tiny_inputs("bert")
     given = {key: value.clone() for key, value in inputs.items()}
-    before = {name: (state(model), model.config.to_dict(), model.training) for name, model in
-              [("EA", patched), ("base", plain)]}
+    before = {
+        name: (state(model), model.config.to_dict(), model.training)
+        for name, model in [("EA", patched), ("base", plain)]
+    }
     ea_hf.plot_attention({"EA": patched, "base": plain}, inputs, layers=[0])
     assert inputs.keys() == given.keys() and all(torch.equal(inputs[key], given[key]) for key in given)
     for name, model in [("EA", patched), ("base", plain)]:

@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from .attention_core import (
     attend_values,
     attention_scores,
+    evolution_maps,
     full_precision,
     masked_logits,
     plain_scores,
@@ -164,7 +165,7 @@ def attend(
     scores = attention_scores(query, key, scaling, position_bias, softcap, out=spent)
     spare = None
     if evolution is not None:
-        scores = evolution(full_precision(scores), conv_mask, chain, history, query=query, past=past)
+        scores = evolution(evolution_maps(scores, evolution.weight), conv_mask, chain, history, query=query, past=past)
         spare = spare_map(chain, scores)
     output, probs, _, _ = attend_values(scores, allowed, additive, value, dropout, out=spare)
     if kwargs.get("s_aux") is not None:
@@ -210,7 +211,7 @@ class SinkShare(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, sinks, allowed, additive):
-        rows = torch.logsumexp(full_precision(masked_logits(logits, allowed, additive)), -1)
+        rows = torch.logsumexp(masked_logits(full_precision(logits), allowed, additive), -1)
         share = torch.sigmoid(rows - sinks.to(rows.dtype).view(-1, 1))
         ctx.save_for_backward(logits, allowed, additive, share)
         ctx.sinks_dtype = sinks.dtype
@@ -222,7 +223,7 @@ class SinkShare(torch.autograd.Function):
         slope = grad_share * share * (1.0 - share)  # d share / d(logsumexp - sink)
         grad_logits = grad_sinks = None
         if ctx.needs_input_grad[0]:  # d logsumexp / d L = softmax(L)
-            probabilities = softmax_probabilities(full_precision(logits), allowed, additive)
+            probabilities = softmax_probabilities(logits, allowed, additive)
             grad_logits = probabilities.mul_(slope.unsqueeze(-1)).to(logits.dtype)
         if ctx.needs_input_grad[1]:
             grad_sinks = slope.sum((0, 2)).neg_().to(ctx.sinks_dtype)

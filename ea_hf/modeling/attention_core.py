@@ -155,10 +155,38 @@ def scores_stand_in(query: torch.Tensor, key: torch.Tensor, dtype: torch.dtype) 
     return torch.empty((), dtype=dtype, device=query.device).expand(*query.shape[:-1], key.shape[-2])
 
 
-def full_precision(scores: torch.Tensor) -> torch.Tensor:
-    """Half-precision maps as fp32 for the evolution, mask and softmax: a half-precision map rounds away the small
-    residual terms, and fp16's mask value plus a negative logit overflows to -inf."""
-    return scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+#: Half-precision dtypes, whose maps are masked and normalised in fp32 (:func:`full_precision`).
+HALF_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def full_precision(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits as fp32 for the mask and softmax, as eager attention's softmax runs: fp16's mask
+    value plus a negative logit overflows to -inf (a fully masked row would then give NaN)."""
+    return logits.float() if logits.dtype in HALF_PRECISION else logits
+
+
+def evolution_dtype(scores: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+    """The dtype the evolution of maps like ``scores`` runs in: the maps' own (a bf16 or fp16 model evolves bf16
+    or fp16 maps, half the memory and traffic of fp32 ones; the kernels accumulate in fp32), except where the
+    only fused kernel for them takes fp32 maps (the CPU kernel): half-precision maps are then upcast to fp32 for
+    it. The masks and the softmax read the evolved logits in fp32 either way (:func:`full_precision`).
+    ``weight``: the layer's convolution weight (None: no convolution, the maps' own dtype).
+
+    Example:
+        >>> weight, maps = torch.randn(2, 2, 3, 3), torch.randn(1, 2, 4, 4)
+        >>> evolution_dtype(maps, weight), evolution_dtype(maps.bfloat16(), None)
+        (torch.float32, torch.bfloat16)
+    """
+    if scores.dtype not in HALF_PRECISION or weight is None or fused_kernel(scores, weight=weight) is not None:
+        return scores.dtype
+    as_float32 = torch.empty((), dtype=torch.float32, device=scores.device).expand(scores.shape)
+    return torch.float32 if fused_kernel(as_float32, weight=weight) is not None else scores.dtype
+
+
+def evolution_maps(scores: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """S in :func:`evolution_dtype`: itself, or an fp32 copy."""
+    dtype = evolution_dtype(scores, weight)
+    return scores if dtype == scores.dtype else scores.to(dtype)
 
 
 def masked_logits(
@@ -180,7 +208,8 @@ def softmax_probabilities(
     logits: torch.Tensor, allowed: torch.Tensor | None, additive: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """P = softmax over the keys of the masked ``logits``, into ``out`` where given: the same numbers either way,
-    so that backward may recompute forward's P bit for bit.
+    so that backward may recompute forward's P bit for bit. Half-precision logits are masked and normalised in
+    fp32 (:func:`full_precision`), and P is fp32 (``out`` of another dtype is not used).
 
     On CPU, outside autograd and compilation, a mask is applied as it is written into P's map (``out``, else a
     new one) and the softmax then runs in place there: one map and one pass less than masking into a map of its
@@ -193,6 +222,9 @@ def softmax_probabilities(
         >>> torch.equal(softmax_probabilities(logits, allowed, None), expected)
         True
     """
+    logits = full_precision(logits)
+    if out is not None and out.dtype != logits.dtype:
+        out = None
     if (allowed is None and additive is None) or not _masks_into_probabilities(logits, allowed, additive, out):
         scores = masked_logits(logits, allowed, additive)
         return torch.softmax(scores, -1) if out is None else torch.ops.aten._softmax.out(scores, -1, False, out=out)
@@ -235,7 +267,8 @@ def attend_values(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The tail every attention path shares: P = softmax over the keys of the masked ``logits`` (into ``out``
     where given), dropout and the product with ``value``. Returns (dropout(P) @ V, dropout(P) in the values'
-    dtype, P in the logits' dtype, dropout's bool mask or None). ``value`` may have fewer heads than the logits
+    dtype, P in fp32 for half-precision logits (see :func:`softmax_probabilities`) else in theirs, dropout's bool
+    mask or None). ``value`` may have fewer heads than the logits
     (see :func:`grouped_product`).
 
     Dropout is ``torch.native_dropout``: the random numbers of ``torch.nn.functional.dropout`` (which runs it on
@@ -411,7 +444,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
     ``None``), ``allowed`` / ``additive`` (the attention mask, see :func:`~.masks.split_attention_mask`), then
     the constants ``scaling``, ``softcap`` and ``dropout`` (the probability; 0 outside training), and
     ``spare_maps`` (the call's dict of maps that backward passes down the layers, see :func:`leave_spare_map`;
-    or ``None``). Half-precision queries give fp32 maps, as the unfused path does.
+    or ``None``). Half-precision queries give maps in :func:`evolution_dtype`, as the unfused path does; P is
+    fp32 for them (see :func:`softmax_probabilities`).
     """
 
     @staticmethod
@@ -432,7 +466,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
             query, product_scaling = contiguous_query(query, scaling)
             scores = attention_scores(query, key, product_scaling)
         else:
-            scores = full_precision(attention_scores(query, key, scaling, position_bias, softcap))
+            scores = evolution_maps(attention_scores(query, key, scaling, position_bias, softcap), weight)
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
         maps = StepMaps(scores, previous, keep)
         logits, gate, _ = evolve_step(step, maps, weight, bias, for_backward=True, spend_scores=not small)
@@ -517,8 +551,10 @@ class EvolvingAttentionCore(torch.autograd.Function):
             ]
             device, autocast, autocast_dtype = ctx.autocast
             with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
-                scores = full_precision(attention_scores(leaves[0], leaves[1], scaling, leaves[2], softcap))
+                scores = evolution_maps(attention_scores(leaves[0], leaves[1], scaling, leaves[2], softcap), weight)
         scaled_weight, _ = scale_kernel(weight, bias, step.beta, scores.dtype)
+        if grad_evolved.dtype != scores.dtype:  # fp32 from the softmax, back into half-precision maps' dtype
+            grad_evolved = grad_evolved.to(scores.dtype)
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
         grad_scores, grad_previous, grad_weight, grad_bias = evolve_backward(
             step,
@@ -610,7 +646,7 @@ def compiled_core(
     """
 
     def scores_of(query, key, position_bias):
-        return full_precision(attention_scores(query, key, scaling, position_bias, softcap))
+        return evolution_maps(attention_scores(query, key, scaling, position_bias, softcap), weight)
 
     # The masked tails correlated as the operators correlate them, also where this runs uncompiled.
     whole_rows = EvolutionStep(step.alpha, step.beta, step.context_rows, step.causal)
@@ -626,7 +662,7 @@ def compiled_core(
 
     tensors = (query, key, value, previous, position_bias, weight, bias)
     # A stand-in with S's shape, device and dtype to ask whether a fused kernel takes the maps.
-    maps = scores_stand_in(query, key, full_precision(query.new_empty(())).dtype)
+    maps = scores_stand_in(query, key, evolution_dtype(scores_stand_in(query, key, query.dtype), weight))
     if fused_kernel(maps, previous, keep=conv_mask, weight=weight) is None:
         return core(*tensors)
     policy = functools.partial(create_selective_checkpoint_contexts, _keep_logits_and_gate)

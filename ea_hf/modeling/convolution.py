@@ -150,7 +150,7 @@ def evolve_backward(
             grad_weight = convolution_weight_grad(
                 conv_input, grad_convolved, kernel_rows, kernel_columns, step.context_rows
             )
-            grad_bias = grad_convolved.sum((0, 2, 3))
+            grad_bias = grad_convolved.sum((0, 2, 3), dtype=grad_weight.dtype)
     if grad_weight is not None:  # gradients of the beta-scaled kernel, brought back to the parameters
         grad_weight, grad_bias = step.beta * grad_weight, step.beta * grad_bias
     if scaled_scores and isinstance(grad_scores, torch.Tensor):
@@ -177,7 +177,7 @@ def scale_kernel(
     weight: torch.Tensor, bias: torch.Tensor, beta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """beta * weight and beta * bias in the map's dtype: ReLU(beta * x) = beta * ReLU(x) for beta > 0, so
-    the weights are scaled instead of the map (fp32 for half-precision models, see evolving_attention_forward)."""
+    the weights are scaled instead of the map (see ``attention_core.evolution_dtype`` for the maps' dtype)."""
     return weight.to(dtype) * beta, bias.to(dtype) * beta
 
 
@@ -337,11 +337,13 @@ def convolution_weight_grad(
     kw // 2 columns of zero padding, as one batched matrix product per kernel tap over the map's rows.
 
     Each tap pairs the output gradient with the input shifted by the tap's offset, both cropped to where
-    the shifted input exists (the zero padding contributes nothing), so no padded copy is made.
+    the shifted input exists (the zero padding contributes nothing), so no padded copy is made. The sums over
+    rows and batch elements accumulate in fp32 (or float64), also for half-precision maps.
     """
     batch, heads_out, rows, width = grad_output.shape
     columns = kernel_columns // 2
-    grad_weight = grad_output.new_zeros(heads_out, conv_input.shape[1], kernel_rows, kernel_columns)
+    accumulator = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
+    grad_weight = grad_output.new_zeros(heads_out, conv_input.shape[1], kernel_rows, kernel_columns, dtype=accumulator)
     for dy in range(kernel_rows):
         shift_y = dy - context_rows  # output row i reads input row i + shift_y
         out_rows = slice(max(0, -shift_y), min(rows, conv_input.shape[-2] - shift_y))
@@ -353,5 +355,5 @@ def convolution_weight_grad(
             for b in range(batch):
                 grad_rows = grad_output[b, :, out_rows, out_cols].transpose(0, 1)  # [rows, H_out, cols], a view
                 input_rows = conv_input[b, :, in_rows, in_cols].transpose(0, 1)  # [rows, H_in, cols], a view
-                grad_weight[:, :, dy, dx] += torch.bmm(grad_rows, input_rows.transpose(1, 2)).sum(0)
+                grad_weight[:, :, dy, dx] += torch.bmm(grad_rows, input_rows.transpose(1, 2)).sum(0, dtype=accumulator)
     return grad_weight

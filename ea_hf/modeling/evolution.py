@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as hf_init
 
-from .attention_core import EvolvingAttentionCore, attention_scores, compiled_core, full_precision
+from .attention_core import EvolvingAttentionCore, attention_scores, compiled_core, evolution_maps
 from .chain import BACKWARD_SPARES_KEY, REPLAYS_KEY, SHARED_LAYERS, SPARE_KEY
 from .convolution import begin_history, evolve_convolution
 from .history import ConvolutionHistory
@@ -335,7 +335,8 @@ class AttentionMapEvolution(nn.Module):
         last = slice(max(0, query.shape[-2] - self.context_rows), None)
         if position_bias is not None and position_bias.shape[-2] > 1:
             position_bias = position_bias[..., last, :]
-        scores = full_precision(attention_scores(query[..., last, :], key, scaling, position_bias, softcap))
+        scores = attention_scores(query[..., last, :], key, scaling, position_bias, softcap)
+        scores = evolution_maps(scores, self.weight)
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
         if keep is not None and keep.shape[-2] > 1:
             keep = keep[..., last, :]

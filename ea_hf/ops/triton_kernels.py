@@ -17,8 +17,8 @@ The module provides the three functions of ``ea_hf.modeling.step.FusedKernel`` w
 
 On a GPU, products of float32 maps run on tensor cores: in TF32 where ``torch.backends.cudnn.allow_tf32`` allows
 it (as the torch operations' cuDNN convolution does; torch's default), else as three TF32 products (float32
-accuracy); half-precision maps are multiplied in their own dtype. Whole models in half precision evolve float32
-maps (the attention core upcasts them), so the float32 kernels are the ones models run.
+accuracy); half-precision maps are multiplied in their own dtype, with float32 accumulators. Whole models in
+half precision evolve maps in their own dtype (see ``ea_hf.modeling.attention_core.evolution_dtype``).
 
 Opt-in only. The kernels pass their tests on an H100 (``tests/ops/test_triton_kernel.py`` runs every test both
 in Triton's CPU interpreter, ``TRITON_INTERPRET=1``, and compiled on CUDA where a GPU is present), but whole EA

@@ -8,6 +8,7 @@ from transformers.masking_utils import bidirectional_mask_function, causal_mask_
 
 import ea_hf
 import ea_hf.modeling.attention as attention_module
+import ea_hf.modeling.attention_core as attention_core
 from ea_hf.modeling.attention import CACHE_KWARG, evolving_attention_forward
 from ea_hf.modeling.attention_core import attend_values, attention_scores
 from ea_hf.modeling.chain import CHAIN_KWARG
@@ -510,9 +511,20 @@ def test_inference_holds_no_weights_where_no_layer_takes_them(monkeypatch):
     assert alive_at_next_layer == [False] * (TINY_BERT["num_hidden_layers"] - 1)
 
 
+@pytest.mark.parametrize("kernels", ["cpu-kernel", "torch-ops"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_with_padding_stays_finite(dtype):
-    """bf16/fp16 models with padded batches: no overflow, no NaN, forward and backward; close to fp32."""
+def test_half_precision_with_padding_stays_finite(monkeypatch, dtype, kernels):
+    """bf16/fp16 models with padded batches: no overflow, no NaN, forward and backward; close to fp32. On torch
+    operations the maps evolve in the model's dtype; for the CPU kernel, in fp32."""
+    monkeypatch.setenv("EA_HF_KERNELS", "1" if kernels == "cpu-kernel" else "0")
+    evolved_dtypes = []
+    evolve_step = attention_core.evolve_step
+
+    def recording(step, maps, *args, **kwargs):
+        evolved_dtypes.append(maps.scores.dtype)
+        return evolve_step(step, maps, *args, **kwargs)
+
+    monkeypatch.setattr(attention_core, "evolve_step", recording)
     torch.manual_seed(0)
     config = BertConfig(**TINY_BERT)
     model = ea_hf.patch(BertModel(config), alpha=0.4, beta=0.4)
@@ -520,9 +532,11 @@ def test_half_precision_with_padding_stays_finite(dtype):
     inputs["attention_mask"][1, 9:] = 0
     inputs["attention_mask"][2, 4:] = 0
     reference = model.eval()(**inputs).last_hidden_state.detach()
+    evolved_dtypes.clear()
     half = model.to(dtype)
     output = half(**inputs).last_hidden_state
     output.float().pow(2).mean().backward()
+    assert evolved_dtypes == [torch.float32 if kernels == "cpu-kernel" else dtype] * TINY_BERT["num_hidden_layers"]
     assert torch.isfinite(output).all()
     assert all(torch.isfinite(p.grad).all() for p in half.parameters() if p.grad is not None)
     real = inputs["attention_mask"].bool()

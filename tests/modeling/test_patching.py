@@ -81,6 +81,22 @@ def test_exactness_and_its_converse_on_every_architecture(model_type):
     assert max_abs_diff(evolved, reference) > 1e-5
 
 
+@pytest.mark.parametrize("kernels", ["cpu-kernel", "torch-ops"])
+@pytest.mark.parametrize("model_type", ["bert", "llama", "t5"])
+def test_exactness_in_bfloat16(monkeypatch, model_type, kernels):
+    """A bf16 model patched with alpha = beta = 0 computes eager attention's numbers, bit for bit: on torch
+    operations its maps stay bf16 (the logits are masked and normalised in fp32, as eager attention's softmax
+    runs); for the CPU kernel they are upcast to fp32 first, which is exact too."""
+    monkeypatch.setenv("EA_HF_KERNELS", "1" if kernels == "cpu-kernel" else "0")
+    model = tiny_model(model_type, attn_implementation="eager").to(torch.bfloat16)
+    inputs = tiny_inputs(model_type)
+    with torch.no_grad():
+        reference = first_output(model(**inputs))
+        exact = first_output(ea_hf.patch(model, alpha=0.0, beta=0.0)(**inputs))
+    assert exact.dtype == torch.bfloat16
+    assert torch.equal(*(defined(model_type, inputs, out) for out in (exact, reference)))
+
+
 def test_only_chosen_layers_evolve():
     model = tiny_model("bert")
     inputs = tiny_inputs("bert")

@@ -281,6 +281,78 @@ def test_half_precision_maps(monkeypatch, calls, device, dtype, kernel_size, cau
         assert relative_error(got_grad, want_grad) <= HALF_TOLERANCE
 
 
+def paper_attention(step, query, key, value, previous, weight, bias, keep, allowed, scaling):
+    """(output, A_logit) of one evolving layer as the paper's equations, one torch operation each (autograd
+    through them is the torch path): the maps in the inputs' dtype, the mask and softmax in fp32 or float64 as
+    eager attention's softmax runs, P back in the values' dtype."""
+    scores = query @ key.transpose(-1, -2) * scaling
+    attention_in = step.alpha * previous + (1.0 - step.alpha) * scores
+    c = step.context_rows
+    padded = F.pad(attention_in * keep, (weight.shape[-1] // 2,) * 2 + (c, weight.shape[-2] - 1 - c))
+    logits = step.beta * F.relu(F.conv2d(padded, weight, bias)) + (1.0 - step.beta) * attention_in
+    softmax_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    masked = logits.to(softmax_dtype).masked_fill(~allowed, torch.finfo(softmax_dtype).min)
+    return masked.softmax(-1).to(value.dtype) @ value, logits
+
+
+@pytest.mark.parametrize("path", ["triton", "torch-ops"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
+def test_half_precision_layer_meets_flash_attentions_accuracy_rule(monkeypatch, calls, device, dtype, causal, path):
+    """A half-precision layer evolves maps in its own dtype, on the kernels and on the attention core's torch
+    operations (A_logit, which backward keeps and the next layer reads, is half the bytes of an fp32 one), and is
+    as accurate as flash-attention's rule asks: against a float64 reference, the error of its output, its A_logit
+    and every gradient is at most twice that of torch's operations in the same dtype (autograd through the
+    paper's equations). With right padding."""
+    from ea_hf.modeling.attention_core import EvolvingAttentionCore
+
+    monkeypatch.setattr(convolution, "FUSED_KERNELS", [kernels] if path == "triton" else [])
+    batch, heads, rows, head_dim, kernel_size = 2, 4, 13, 16, 3
+    step = EvolutionStep(alpha=0.3, beta=0.5, context_rows=kernel_size // 2, causal=causal)
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(batch, heads, rows, head_dim, generator=generator) for _ in range(3))
+    previous = 2 * torch.randn(batch, heads, rows, rows, generator=generator)
+    kernel_rows = kernel_size // 2 + 1 if causal else kernel_size
+    weight = torch.randn(heads, heads, kernel_rows, kernel_size, generator=generator) / (heads * kernel_size)
+    bias = 0.1 * torch.randn(heads, generator=generator)
+    # The attention mask, also the convolution's: right padding, and in a decoder no future keys.
+    allowed = padding_keep(batch, rows, rows).bool()
+    if causal:
+        allowed = allowed & torch.ones(rows, rows, dtype=torch.bool).tril()
+    upstream = torch.randn(batch, heads, rows, head_dim, generator=generator)
+    upstream_logits = torch.randn(batch, heads, rows, rows, generator=generator)
+    leaves = (query, key, value, previous, weight, bias)
+    scaling = head_dim**-0.5
+
+    def run(where, cast, core):
+        tensors = [t.to(where, cast).requires_grad_() for t in leaves]
+        q, k, v, prev, w, b = tensors
+        mask = allowed.to(where)
+        if core:
+            arguments = (step, q, k, v, prev, None, w, b, mask, mask, None, scaling, None, 0.0)
+            output, logits, _ = EvolvingAttentionCore.apply(*arguments)
+        else:
+            output, logits = paper_attention(step, q, k, v, prev, w, b, mask.to(cast), mask, scaling)
+        loss = (output.double() * upstream.to(where, torch.float64)).sum()
+        loss = loss + (logits.double() * upstream_logits.to(where, torch.float64)).sum()
+        loss.backward()
+        return [output, logits, *(t.grad for t in tensors)], logits.dtype
+
+    reference, _ = run("cpu", torch.float64, core=False)
+    ours, logits_dtype = run(device, dtype, core=True)
+    assert calls == (["correlate", "backward"] if path == "triton" else [])  # which path the evolution took
+    assert logits_dtype == dtype  # in the model's precision, not upcast
+    torch_ops, _ = run(device, dtype, core=False)
+    names = ["output", "A_logit", "query", "key", "value", "A_prev", "weight", "bias"]
+    for name, got, baseline, want in zip(names, ours, torch_ops, reference, strict=True):
+        got_error = (got.cpu().double() - want).abs().max().item()
+        torch_error = (baseline.cpu().double() - want).abs().max().item()
+        # Plus what storing the exact result in the dtype costs (flash-attention's tests add the same): both
+        # paths round their results to it last, which decides the error of a tensor of a few entries (the bias).
+        rounding = (want.to(dtype).double() - want).abs().max().item()
+        assert got_error <= 2 * torch_error + rounding, (name, got_error, torch_error, rounding)
+
+
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(
     ("options", "kernel_rows", "kernel_cols", "row_shift"),
@@ -461,6 +533,14 @@ def test_patched_model_on_triton_matches_torch_operations(monkeypatch, calls, de
     for name, value in DEFAULT_TILES.items():
         monkeypatch.setattr(kernels, name, value)
     inputs = tiny_inputs("bert")
+    evolved_dtypes = []
+    correlate = kernels.correlate
+
+    def recording(x, *args, **kwargs):
+        evolved_dtypes.append(x.dtype)
+        return correlate(x, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "correlate", recording)
     results = {}
     for name, fused, where, model_dtype in (("triton", [kernels], device, dtype), ("torch", [], "cpu", None)):
         monkeypatch.setattr(convolution, "FUSED_KERNELS", fused)
@@ -472,6 +552,7 @@ def test_patched_model_on_triton_matches_torch_operations(monkeypatch, calls, de
         (output.float() * torch.linspace(-1, 1, output.shape[-1], device=where)).sum().backward()
         results[name] = output, {key: p.grad for key, p in model.named_parameters() if p.grad is not None}
     assert calls.count("correlate") == calls.count("backward") == 3  # one of each per layer
+    assert evolved_dtypes == [dtype] * 3  # maps in the model's precision
     (got, got_grads), (want, want_grads) = results["triton"], results["torch"]
     assert got.dtype == dtype
     assert relative_error(got, want) <= tolerance
