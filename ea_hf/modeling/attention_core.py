@@ -596,9 +596,10 @@ class EvolvingAttentionCore(torch.autograd.Function):
         return None, *grads, *[None] * 7
 
 
-#: Operators whose outputs :func:`compiled_core` keeps for backward: the fused kernel's A_logit and gate, and
-#: dropout's mask (a random operator: recomputing it would need the same random numbers again).
-KEPT_OPERATORS = ("ea_hf::evolve_with_gate_bits", "aten::native_dropout")
+#: Operators whose outputs :func:`compiled_core` keeps for backward: the fused kernels' A_logit and gate (the CPU
+#: kernel's and the Triton kernels'), and dropout's mask (a random operator: recomputing it would need the same
+#: random numbers again).
+KEPT_OPERATORS = ("ea_hf::evolve_with_gate_bits", "ea_hf::triton_evolve", "aten::native_dropout")
 
 
 def _keep_logits_and_gate(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -13,10 +13,13 @@ none applies, the core runs the same steps as torch operations.
 - :mod:`ea_hf.ops.triton_kernels`: Triton kernels for GPUs (the ``gpu`` extra), opt-in with ``EA_HF_TRITON=1``:
   their tests pass on an H100 and in Triton's CPU interpreter, but whole EA models ran slower on them than on
   torch operations in the one GPU benchmark so far, so they are not the default.
-- :mod:`ea_hf.ops.fused_step`: the step's forward as one pass of a kernel's correlation, shared by both.
+  While torch.compile traces, they run as the torch operators of :mod:`ea_hf.ops.triton_operators`
+  (``torch.ops.ea_hf.triton_evolve``, ``triton_evolve_backward``, ``triton_convolve``).
+- :mod:`ea_hf.ops.fused_step`: the step's forward as one pass of a kernel's correlation, and the operators'
+  schemas, shared by both.
 """
 
-from . import cpu, triton_kernels
+from . import cpu, triton_kernels, triton_operators  # noqa: F401  (triton_operators registers the operators)
 
 #: The kernel modules of this package, in the order they are tried (the CPU kernel takes CPU float32 maps
 #: first, also under Triton's interpreter).

@@ -29,7 +29,7 @@ from .cpu_binding import (
     select_kept,
     using_library,
 )
-from .fused_step import evolve_by_correlation
+from .fused_step import evolve_by_correlation, schema_arguments
 
 __all__ = [  # the kernel's protocol, and the library's controls that benchmarks and tests use
     "applicable",
@@ -78,7 +78,7 @@ def evolve(
             )
         cpu_operators.evolve_in_place(step, maps, weight, bias)
         return maps.scores, None
-    logits, saved = torch.ops.ea_hf.evolve_with_gate_bits(*maps, weight, bias, *cpu_operators.schema_arguments(step))
+    logits, saved = torch.ops.ea_hf.evolve_with_gate_bits(*maps, weight, bias, *schema_arguments(step))
     return logits, saved if gate else None
 
 

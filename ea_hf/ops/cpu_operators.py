@@ -3,9 +3,8 @@ implementations and a registered autograd formula), so that ``torch.compile`` an
 node of the graph instead of stopping at a ctypes call.
 
 The schemas take primitive arguments: an :class:`~ea_hf.modeling.step.EvolutionStep` is unpacked into them by
-:func:`schema_arguments`, and the operators' bodies pack them into one again with :func:`schema_step`, in this
-module only. The schemas' ``blend`` is 1 - beta, as the operators have always taken it: a graph that torch.compile
-cached with an earlier version of an operator keys it by its name and passes the same numbers.
+:func:`~.fused_step.schema_arguments`, and the operators' bodies pack them into one again with
+:func:`~.fused_step.schema_step` (shared with the Triton operators).
 """
 
 from __future__ import annotations
@@ -14,21 +13,7 @@ import torch
 
 from ..modeling.step import EvolutionStep, GradientIn, StepMaps, packed_gate
 from . import cpu_binding
-from .fused_step import evolve_by_correlation
-
-
-def schema_arguments(step: EvolutionStep) -> tuple[float, float, int]:
-    """The operators' primitive arguments for ``step``: (alpha, blend = 1 - beta, context_rows). The operators
-    correlate masked tails (``step.skip_masked_tails`` is left out) and take the kernel's shape from its weight
-    (``step.causal``)."""
-    return step.alpha, 1.0 - step.beta, step.context_rows
-
-
-def schema_step(alpha: float, blend: float, context_rows: int) -> EvolutionStep:
-    """The step that :func:`schema_arguments` unpacked. beta = 1 - blend gives 1 - beta = blend again to the bit
-    for every beta in [0, 2] (Sterbenz's lemma: one of the two subtractions is exact, and so is the result where
-    the other rounded), so an operator computes what the direct call computes."""
-    return EvolutionStep(alpha, 1.0 - blend, context_rows)
+from .fused_step import CONVOLVE_SCHEMA, EVOLVE_SCHEMA, evolve_by_correlation, schema_arguments, schema_step
 
 
 def split_map_gradient(
@@ -67,18 +52,12 @@ def one_map_backward(
     return (*split_map_gradient(grad_map, previous, step.alpha), grad_weight, grad_bias)
 
 
-#: The operators' schemas. Maps are float32 [B, H, Q, K] on CPU; ``keep`` is a float mask broadcastable to
-#: [B, 1, Q, K]; ``weight`` and ``bias`` are the beta-scaled kernel; ``blend`` is 1 - beta (see
-#: :func:`schema_arguments`).
-EVOLVE_SCHEMA = (
-    "(Tensor scores, Tensor? previous, Tensor? keep, Tensor weight, Tensor bias, float alpha, float blend, "
-    "int context_rows) -> (Tensor, Tensor)"
-)
+#: The CPU operators' own schemas (maps float32 [B, H, Q, K] on CPU; the arguments as in
+#: :data:`~.fused_step.EVOLVE_SCHEMA`): the forward written over S, and the backward's one map and kernel gradients.
 EVOLVE_IN_PLACE_SCHEMA = (
     "(Tensor(a!) scores, Tensor? previous, Tensor? keep, Tensor weight, Tensor bias, float alpha, float blend, "
     "int context_rows) -> ()"
 )
-CONVOLVE_SCHEMA = "(Tensor x, Tensor weight, Tensor bias, int row_shift) -> Tensor"
 EVOLVE_BACKWARD_SCHEMA = (
     "(Tensor scores, Tensor? previous, Tensor? keep, Tensor grad, Tensor gate, Tensor weight, float alpha, "
     "float blend, int context_rows) -> (Tensor, Tensor, Tensor)"

@@ -1,5 +1,9 @@
-"""The evolution step's forward in terms of a kernel's general fused correlation, shared by the kernels: where an
-:class:`~ea_hf.modeling.step.EvolutionStep` is unpacked into a correlation's arguments."""
+"""What the kernels share: the evolution step's forward in terms of a kernel's general fused correlation (where an
+:class:`~ea_hf.modeling.step.EvolutionStep` is unpacked into a correlation's arguments), and the primitive
+arguments and schemas of their torch operators (``torch.compile`` and ``torch.export`` see each as one node).
+
+The schemas' ``blend`` is 1 - beta, as the CPU operators have always taken it: a graph that torch.compile cached
+with an earlier version of an operator keys it by its name and passes the same numbers."""
 
 from __future__ import annotations
 
@@ -50,3 +54,27 @@ def evolve_by_correlation(
         in_place=in_place,
     )
     return logits, saved
+
+
+def schema_arguments(step: EvolutionStep) -> tuple[float, float, int]:
+    """The operators' primitive arguments for ``step``: (alpha, blend = 1 - beta, context_rows). The operators
+    correlate masked tails (``step.skip_masked_tails`` is left out) and take the kernel's shape from its weight
+    (``step.causal``)."""
+    return step.alpha, 1.0 - step.beta, step.context_rows
+
+
+def schema_step(alpha: float, blend: float, context_rows: int) -> EvolutionStep:
+    """The step that :func:`schema_arguments` unpacked. beta = 1 - blend gives 1 - beta = blend again to the bit
+    for every beta in [0, 2] (Sterbenz's lemma: one of the two subtractions is exact, and so is the result where
+    the other rounded), so an operator computes what the direct call computes."""
+    return EvolutionStep(alpha, 1.0 - blend, context_rows)
+
+
+#: The forward operators' schema: maps [B, H, Q, K]; ``keep`` a float mask broadcastable to [B, 1, Q, K];
+#: ``weight`` and ``bias`` the beta-scaled kernel; ``blend`` 1 - beta (see :func:`schema_arguments`). Returns
+#: (A_logit, the ReLU gate in the kernel's form).
+EVOLVE_SCHEMA = (
+    "(Tensor scores, Tensor? previous, Tensor? keep, Tensor weight, Tensor bias, float alpha, float blend, "
+    "int context_rows) -> (Tensor, Tensor)"
+)
+CONVOLVE_SCHEMA = "(Tensor x, Tensor weight, Tensor bias, int row_shift) -> Tensor"

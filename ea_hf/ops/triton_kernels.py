@@ -48,7 +48,7 @@ from torch import Tensor
 from ..modeling.convolution import plus_addend
 from ..modeling.step import EvolutionStep, GradientIn, StepMaps
 from ..modeling.versions import release
-from .fused_step import evolve_by_correlation
+from .fused_step import evolve_by_correlation, schema_arguments
 
 #: The oldest triton the kernels compile with (the ``gpu`` extra's floor). An older one, such as the triton 3.2
 #: to 3.5 that torch 2.6 to 2.9 install with themselves, counts as absent: :func:`applicable` declines every
@@ -284,14 +284,13 @@ def correlate(
     return x
 
 
-def backward(
-    step: EvolutionStep, maps: StepMaps, grad: GradientIn, gate: Tensor, weight: Tensor, *, shared_map: bool = False
+def backward_pass(
+    step: EvolutionStep, maps: StepMaps, grad: GradientIn, gate: Tensor, weight: Tensor
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    """The evolution step's backward, as :func:`ea_hf.ops.cpu.backward`; callers check :func:`applicable`.
+    """The evolution step's backward on the kernels (the body of :func:`backward` and of its operator).
     (A spent ``grad.grad`` is not written over: the gradients get new maps; ``grad.addend`` is added to it first,
-    over it where it is spent; ``shared_map`` is not used either: S's and A_prev's gradients are two maps, which
-    callers take as a ScaledMap of scale 1 and a map. Every row is differentiated whole:
-    ``step.skip_masked_tails``, which the CPU kernel takes, is not implemented here.)
+    over it where it is spent. Every row is differentiated whole: ``step.skip_masked_tails``, which the CPU kernel
+    takes, is not implemented here.)
 
     Returns the gradients of S, of A_prev (``None`` without it), and of the beta-scaled kernel's weight and bias
     (float32), for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with A_in = lerp(S, A_prev, alpha), the
@@ -378,8 +377,9 @@ def backward(
         **weight_tiles,
     )
     sums = partial.sum(0)[:heads]
-    grad_weight, grad_bias = sums[:, : columns - 1], sums[:, columns - 1]
-    return grad_scores, grad_previous, grad_weight.reshape(heads, heads, kernel_rows, kernel_cols), grad_bias
+    # Copies, not views of one tensor: an operator's outputs may not alias each other (triton_operators).
+    grad_weight = sums[:, : columns - 1].reshape(heads, heads, kernel_rows, kernel_cols).contiguous()
+    return grad_scores, grad_previous, grad_weight, sums[:, columns - 1].contiguous()
 
 
 def _tiles(dtype: torch.dtype) -> SimpleNamespace:
@@ -763,14 +763,48 @@ if tl is not None:
 def evolve(
     step: EvolutionStep, maps: StepMaps, weight: Tensor, bias: Tensor, *, in_place: bool, gate: bool | None = None
 ) -> tuple[Tensor, Tensor | None]:
-    """The evolution step's forward pass (see ``ea_hf.modeling.step.FusedKernel``) in one launch. Every row is
-    correlated whole (``step.skip_masked_tails``, which the CPU kernel takes, is not implemented here)."""
+    """The evolution step's forward pass (see ``ea_hf.modeling.step.FusedKernel``) in one launch; while
+    torch.compile traces, the operator ``ea_hf::triton_evolve`` (``ea_hf.ops.triton_operators``; never in place:
+    a compiled graph plans its own buffers). Every row is correlated whole (``step.skip_masked_tails``, which the
+    CPU kernel takes, is not implemented here)."""
+    if torch.compiler.is_compiling():
+        logits, saved = torch.ops.ea_hf.triton_evolve(*maps, weight, bias, *schema_arguments(step))
+        return logits, saved if (not in_place if gate is None else gate) else None
     return evolve_by_correlation(correlate, step, maps, weight, bias, in_place=in_place, gate=gate)
 
 
 def convolve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_shift: int) -> torch.Tensor:
-    """A plain correlation plus bias (the kept rows of a decoding step), as :func:`correlate` computes it."""
+    """A plain correlation plus bias (the kept rows of a decoding step), as :func:`correlate` computes it (while
+    torch.compile traces, through the operator ``ea_hf::triton_convolve``)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.ea_hf.triton_convolve(x, weight, bias, row_shift)
     return correlate(x, weight, bias, row_shift=row_shift)
+
+
+def backward(
+    step: EvolutionStep, maps: StepMaps, grad: GradientIn, gate: Tensor, weight: Tensor, *, shared_map: bool = False
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """The evolution step's backward, as :func:`ea_hf.ops.cpu.backward`; callers check :func:`applicable`. The
+    kernels write S's and A_prev's gradients as two maps (``shared_map`` is not used: callers take S's as a
+    ScaledMap of scale 1). While torch.compile traces, the operator ``ea_hf::triton_evolve_backward``.
+
+    Returns the gradients of S, of A_prev (``None`` without it), and of the beta-scaled kernel's weight and bias
+    (float32)."""
+    if not torch.compiler.is_compiling():
+        return backward_pass(step, maps, grad, gate, weight)
+    incoming = grad.grad if grad.addend is None else grad.grad + grad.addend
+    return backward_through_operator(step, maps, incoming, gate, weight)
+
+
+def backward_through_operator(
+    step: EvolutionStep, maps: StepMaps, grad: Tensor, gate: Tensor, weight: Tensor
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """:func:`backward_pass` through the operator ``ea_hf::triton_evolve_backward`` (what compiled graphs call),
+    whose schema returns an empty tensor where A_prev has no gradient: ``None`` here."""
+    grad_scores, grad_previous, grad_weight, grad_bias = torch.ops.ea_hf.triton_evolve_backward(
+        *maps, grad, gate, weight, *schema_arguments(step)
+    )
+    return grad_scores, None if maps.previous is None else grad_previous, grad_weight, grad_bias
 
 
 def select_kept(

@@ -565,6 +565,48 @@ def test_patched_model_on_triton_matches_torch_operations(monkeypatch, calls, de
         assert (got_grads[key].cpu().double() - want_grad.double()).abs().max().item() <= tolerance * scale, key
 
 
+def test_compiled_model_runs_the_kernels_as_operators(monkeypatch, device):
+    """Under ``torch.compile(fullgraph=True)`` the kernels run as the operators of ``ea_hf.ops.triton_operators``
+    (one per layer in each graph, no graph break: traced, dynamo followed the launch into Triton's runtime and
+    failed), and the compiled model gives eager mode's outputs and gradients."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    monkeypatch.setattr(convolution, "FUSED_KERNELS", [kernels])
+    model = patched_model("bert", METHODS["conv"]).to(device)
+    inputs = {key: value.to(device) for key, value in tiny_inputs("bert").items()}
+    called: list[str] = []
+
+    def record(graph, example_inputs):
+        called.extend(str(node.target) for node in graph.graph.nodes if str(node.target).startswith("ea_hf."))
+        return graph
+
+    def step(model):
+        model.zero_grad()
+        output = model(**inputs).last_hidden_state
+        (output * torch.linspace(-1, 1, output.shape[-1], device=device)).sum().backward()
+        named = model.named_parameters()
+        grads = {name.removeprefix("_orig_mod."): p.grad.clone() for name, p in named if p.grad is not None}
+        return output.detach(), grads
+
+    torch._dynamo.reset()
+    try:
+        backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+        with torch.no_grad():
+            inference = torch.compile(model, fullgraph=True, backend=backend)(**inputs).last_hidden_state
+        assert called == ["ea_hf.triton_evolve.default"] * 3
+        called.clear()
+        got, got_grads = step(torch.compile(model, fullgraph=True, backend=backend))
+        assert sorted(called) == ["ea_hf.triton_evolve.default"] * 3 + ["ea_hf.triton_evolve_backward.default"] * 3
+    finally:
+        torch._dynamo.reset()
+    want, want_grads = step(model)
+    assert relative_error(inference, want) <= FP32_TOLERANCE
+    assert relative_error(got, want) <= FP32_TOLERANCE
+    assert sum("evolving_attention" in name for name in want_grads) == 6
+    for name, want_grad in want_grads.items():
+        assert relative_error(got_grads[name], want_grad) <= FP32_TOLERANCE, name
+
+
 def test_float32_precision_follows_cudnn(monkeypatch):
     """Compiled, float32 maps are multiplied in TF32 where cuDNN's convolutions may be (torch's default, as the
     torch operations' F.conv2d), else as three TF32 products; the interpreter always multiplies in float32."""
