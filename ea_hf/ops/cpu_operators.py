@@ -13,7 +13,14 @@ import torch
 
 from ..modeling.step import EvolutionStep, GradientIn, StepMaps, packed_gate
 from . import cpu_binding
-from .fused_step import CONVOLVE_SCHEMA, EVOLVE_SCHEMA, evolve_by_correlation, schema_arguments, schema_step
+from .fused_step import (
+    CONVOLVE_SCHEMA,
+    EVOLVE_SCHEMA,
+    evolve_by_correlation,
+    register_step_autograd,
+    schema_arguments,
+    schema_step,
+)
 
 
 def split_map_gradient(
@@ -80,20 +87,7 @@ def _(scores, previous, keep, weight, bias, alpha, blend, context_rows):
     return scores.new_empty(scores.shape), packed_gate(scores)
 
 
-def _save_for_evolve_backward(ctx, inputs, output):
-    scores, previous, keep, weight, _, alpha, blend, context_rows = inputs
-    ctx.save_for_backward(scores, previous, keep, output[1], weight)
-    ctx.step = schema_step(alpha, blend, context_rows)
-
-
-def _evolve_backward(ctx, grad_logits, _grad_gate):
-    scores, previous, keep, gate, weight = ctx.saved_tensors
-    maps = StepMaps(scores, previous, keep)
-    grad_scores, grad_previous, grad_weight, grad_bias = one_map_backward(ctx.step, maps, grad_logits, gate, weight)
-    return grad_scores, grad_previous, None, grad_weight, grad_bias, None, None, None
-
-
-evolve_operator.register_autograd(_evolve_backward, setup_context=_save_for_evolve_backward)
+register_step_autograd(evolve_operator, one_map_backward)
 
 
 def evolve_in_place(step: EvolutionStep, maps: StepMaps, weight: torch.Tensor, bias: torch.Tensor) -> None:

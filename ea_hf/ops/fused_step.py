@@ -78,3 +78,24 @@ EVOLVE_SCHEMA = (
     "int context_rows) -> (Tensor, Tensor)"
 )
 CONVOLVE_SCHEMA = "(Tensor x, Tensor weight, Tensor bias, int row_shift) -> Tensor"
+
+
+def register_step_autograd(operator, backward: Callable[..., tuple]) -> None:
+    """Register the autograd formula of a kernel's forward operator (of :data:`EVOLVE_SCHEMA`): it keeps S, A_prev,
+    the mask, the gate and the beta-scaled weight, and its backward is ``backward(step, maps, grad, gate, weight)``,
+    which returns the gradients of S, A_prev (or None), the weight and the bias (in the weight's dtype here)."""
+
+    def setup_context(ctx, inputs, output):
+        scores, previous, keep, weight, _, alpha, blend, context_rows = inputs
+        ctx.save_for_backward(scores, previous, keep, output[1], weight)
+        ctx.step = schema_step(alpha, blend, context_rows)
+
+    def formula(ctx, grad_logits, _grad_gate):
+        scores, previous, keep, gate, weight = ctx.saved_tensors
+        grad_scores, grad_previous, grad_weight, grad_bias = backward(
+            ctx.step, StepMaps(scores, previous, keep), grad_logits, gate, weight
+        )
+        kernel_grads = grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
+        return grad_scores, grad_previous, None, *kernel_grads, None, None, None
+
+    operator.register_autograd(formula, setup_context=setup_context)

@@ -14,7 +14,14 @@ import torch
 
 from ..modeling.step import GradientIn, StepMaps
 from . import triton_kernels
-from .fused_step import CONVOLVE_SCHEMA, EVOLVE_SCHEMA, bool_gate, evolve_by_correlation, schema_step
+from .fused_step import (
+    CONVOLVE_SCHEMA,
+    EVOLVE_SCHEMA,
+    bool_gate,
+    evolve_by_correlation,
+    register_step_autograd,
+    schema_step,
+)
 
 #: The backward's schema: the gradients of S and of A_prev (an empty tensor without A_prev: a schema's tensors
 #: cannot be None), and of the beta-scaled kernel's weight and bias (float32).
@@ -57,21 +64,7 @@ def _(scores, previous, keep, grad, gate, weight, alpha, blend, context_rows):
     return scores.new_empty(scores.shape), grad_previous, kernel, weight.new_empty(heads, dtype=torch.float32)
 
 
-def _save_for_backward(ctx, inputs, output):
-    scores, previous, keep, weight, _, alpha, blend, context_rows = inputs
-    ctx.save_for_backward(scores, previous, keep, output[1], weight)
-    ctx.step = schema_step(alpha, blend, context_rows)
-
-
-def _evolve_backward(ctx, grad_logits, _grad_gate):
-    scores, previous, keep, gate, weight = ctx.saved_tensors
-    maps = StepMaps(scores, previous, keep)
-    grads = triton_kernels.backward_through_operator(ctx.step, maps, grad_logits, gate, weight)
-    grad_scores, grad_previous, grad_weight, grad_bias = grads
-    return grad_scores, grad_previous, None, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None, None, None
-
-
-evolve_operator.register_autograd(_evolve_backward, setup_context=_save_for_backward)
+register_step_autograd(evolve_operator, triton_kernels.backward_through_operator)
 
 
 @torch.library.custom_op("ea_hf::triton_convolve", mutates_args=(), device_types=DEVICES, schema=CONVOLVE_SCHEMA)
