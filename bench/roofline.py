@@ -1,0 +1,159 @@
+"""The roofline of one layer's evolution step on a GPU: the bytes it must move and the FLOPs it must do, from the
+shapes, against what the kernels measured (``bench_triton_kernels.py``) and what the targets allow
+(``bench_gpu.py``'s eager step).
+
+    python bench/roofline.py    # the table of docs/performance.md, from bench/results/nvidia-h200/
+
+A fused evolution step reads S and A_prev and writes A_logit and the ReLU gate (a bool map) in its forward pass;
+its backward reads the incoming gradient (and the next layer's, added as it reads), the gate, S and A_prev, and
+writes the gradients of S and A_prev: ten maps in the model's dtype and three bool maps a layer, forward and
+backward. The 3x3 convolution over H heads is 2 * 9 * H FLOPs per element and pass (three passes: the forward,
+the input gradient and the weight gradient). At these shapes the step is bandwidth-bound on both GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "nvidia-h200"
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """Peak HBM bandwidth (bytes/s) and dense tensor-core throughput (FLOP/s) from the vendor's data sheets."""
+
+    name: str
+    bandwidth: float
+    flops: dict[str, float]
+
+
+#: SXM parts. fp32 maps multiply as TF32 on tensor cores (cuDNN's and the kernels' default).
+H100 = Gpu("H100 SXM", 3.35e12, {"bf16": 989e12, "fp32": 495e12})
+H200 = Gpu("H200 SXM", 4.8e12, {"bf16": 989e12, "fp32": 495e12})
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """The least bytes and the FLOPs of one layer's evolution step, forward and backward."""
+
+    forward_bytes: int
+    backward_bytes: int
+    forward_flops: int
+    backward_flops: int
+
+    def seconds(self, gpu: Gpu, dtype: str, passes: str = "both") -> float:
+        """The roofline time: the larger of the memory time and the compute time, per pass."""
+        bytes_flops = {
+            "forward": [(self.forward_bytes, self.forward_flops)],
+            "both": [(self.forward_bytes, self.forward_flops), (self.backward_bytes, self.backward_flops)],
+        }[passes]
+        return sum(max(b / gpu.bandwidth, f / gpu.flops[dtype]) for b, f in bytes_flops)
+
+
+def evolution_traffic(batch: int, heads: int, n: int, dtype: str, kernel: int = 3) -> Traffic:
+    """What one layer's fused evolution step must move and compute (see the module docstring); the padding mask
+    (one map of the model's dtype per sequence) is read once a pass.
+
+    Example:
+        >>> traffic = evolution_traffic(8, 12, 512, "bf16")
+        >>> round(traffic.forward_bytes / 1e6), round(traffic.backward_bytes / 1e6)  # MB
+        (180, 411)
+    """
+    elements = batch * heads * n * n
+    size = DTYPE_BYTES[dtype]
+    mask = batch * n * n * size
+    forward = 3 * size * elements + elements + mask  # S, A_prev in; A_logit, the gate out
+    backward = 7 * size * elements + 2 * elements + 2 * mask  # G, addend, S, A_prev, G again in; 2 grads out
+    flops = 2 * kernel * kernel * heads * elements
+    return Traffic(forward, backward, flops, 2 * flops)
+
+
+def eager_traffic(batch: int, heads: int, n: int, dtype: str, head_dim: int = 64) -> Traffic:
+    """The least that unfused eager attention moves per layer over its maps: S written and read, P written and
+    read by the product with V (forward); P and the gradient of P read, the gradient of S written and read by
+    the products for Q and K (backward); and its products' FLOPs (QK^T and PV, then four products backward).
+
+    Example:
+        >>> round(eager_traffic(8, 12, 512, "bf16").forward_bytes / 1e6)  # MB
+        201
+    """
+    elements = batch * heads * n * n
+    size = DTYPE_BYTES[dtype]
+    products = 2 * 2 * head_dim * elements
+    return Traffic(4 * size * elements, 6 * size * elements, products, 2 * products)
+
+
+def measured(results: Path = RESULTS) -> tuple[dict, dict]:
+    """(the kernel cases of triton_kernels.json, the eager steps of bench_gpu.json), keyed by dtype (and mode)."""
+    kernels = json.loads((results / "triton_kernels.json").read_text())
+    model = json.loads((results / "bench_gpu.json").read_text())
+    cases = {case["dtype"]: dict(case) for case in kernels["cases"] if not case["causal"]}
+    for dtype, case in cases.items():  # the fastest forward of the tile sweep
+        swept = [entry["forward_ms"] for entry in kernels["sweep"] if entry["dtype"] == dtype and "forward_ms" in entry]
+        case["swept_forward_ms"] = min(swept, default=float("nan"))
+    eager = {
+        (case["dtype"], case["mode"]): case["median_s"]
+        for case in model["cases"]
+        if case["variant"] == "eager" and case["status"] == "ok"
+    }
+    return cases, eager
+
+
+def roofline_table(gpu: Gpu = H200, results: Path = RESULTS, layers: int = 12, target: float = 1.15) -> str:
+    """Per layer of BERT-Base (12 heads, N = 512, batch 8): the step's least bytes and its FLOPs, its roofline
+    time, the time the kernels measured and the share of the roofline that is (the fraction of peak bandwidth
+    they reach), and the time a layer may add for a training step within ``target`` x eager's."""
+    cases, eager = measured(results)
+    lines = [
+        "| maps | pass | least bytes | GFLOP | roofline | Triton | torch ops | Triton / torch at roofline |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for dtype in ("bf16", "fp32"):
+        case = cases[dtype]
+        eager_maps = eager_traffic(case["batch"], case["heads"], case["n"], dtype)
+        lines.append(
+            f"| {dtype} | eager attention's maps, forward + backward "
+            f"| {(eager_maps.forward_bytes + eager_maps.backward_bytes) / 1e6:.0f} MB "
+            f"| {(eager_maps.forward_flops + eager_maps.backward_flops) / 1e9:.1f} "
+            f"| {eager_maps.seconds(gpu, dtype) * 1e6:.0f} us | | | |"
+        )
+        traffic = evolution_traffic(case["batch"], case["heads"], case["n"], dtype)
+        for passes, key, total_bytes, flops in (
+            ("forward", "forward_ms", traffic.forward_bytes, traffic.forward_flops),
+            ("both", "forward_backward_ms", traffic.forward_bytes + traffic.backward_bytes,
+             traffic.forward_flops + traffic.backward_flops),
+        ):  # fmt: skip
+            ideal = traffic.seconds(gpu, dtype, passes) * 1e3
+            triton, torch_ops = case[f"triton_{key}"], case[f"torch_{key}"]
+            lines.append(
+                f"| {dtype} | evolution, {'forward' if passes == 'forward' else 'forward + backward'} "
+                f"| {total_bytes / 1e6:.0f} MB | {flops / 1e9:.1f} | {ideal * 1e3:.0f} us | {triton:.2f} ms "
+                f"| {torch_ops:.2f} ms | {ideal / triton:.1%} / {ideal / torch_ops:.1%} |"
+            )
+    budget = {dtype: (target - 1.0) * eager[(dtype, "training")] / layers * 1e3 for dtype in ("bf16", "fp32")}
+    lines.append("")
+    lines.append(
+        f"Within {target}x eager's training step ({eager[('bf16', 'training')] * 1e3:.1f} ms in bf16, "
+        f"{eager[('fp32', 'training')] * 1e3:.1f} ms in fp32, 12 layers), EA may add {budget['bf16'] * 1e3:.0f} us "
+        f"a layer in bf16 and {budget['fp32'] * 1e3:.0f} us in fp32: the step's forward and backward must reach "
+        + " and ".join(
+            f"{required(dtype, gpu, budget[dtype], cases):.0%} of the roofline in {dtype}" for dtype in ("bf16", "fp32")
+        )
+        + ", with nothing else added (the recomputed S and P of the core cost more). The fp32 Triton times are"
+        f" from before the fp32 tiles were swept (forward {cases['fp32']['swept_forward_ms']:.2f} ms after it)."
+    )
+    return "\n".join(lines)
+
+
+def required(dtype: str, gpu: Gpu, budget_ms: float, cases: dict) -> float:
+    """The share of its roofline that a layer's evolution step must reach to fit ``budget_ms``."""
+    case = cases[dtype]
+    traffic = evolution_traffic(case["batch"], case["heads"], case["n"], dtype)
+    return traffic.seconds(gpu, dtype) * 1e3 / budget_ms
+
+
+if __name__ == "__main__":
+    print(roofline_table())
