@@ -525,13 +525,16 @@ def _visible(folder: Path) -> list[Path]:
 
 
 def check_image(path: Path) -> None:
-    """Check that PIL can read an image file: its header, and for formats whose ``verify`` reads further (PNG's
-    chunk checksums), the file; no pixels are decoded, so a few thousand small images take seconds."""
+    """Check that PIL can read an image file: ``verify`` (the header, and PNG's chunk checksums), then its pixels
+    decoded, which is where a JPEG cut short after a good header fails (``verify`` reads a JPEG's header alone).
+    A few thousand small images take about a second."""
     from PIL import Image
 
     try:
         with Image.open(path) as opened:
             opened.verify()
+        with Image.open(path) as opened:  # verify leaves the image unusable: opened again to decode it
+            opened.load()
     except Exception as error:  # PIL raises UnidentifiedImageError, SyntaxError (PNG), OSError (truncated)...
         raise ValueError(f"{path}: not a readable image ({one_line(error)}), expected an image file") from None
 
