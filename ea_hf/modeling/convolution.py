@@ -337,9 +337,12 @@ def convolution_weight_grad(
     its output rows (as many as the map's; a causal kernel's convolution has ``context_rows`` more, which the step
     crops: their gradient is zero).
 
-    Through the convolution's own backward (cuDNN on GPUs, with tensor-core products over every pixel of the
-    batch at once; oneDNN on CPUs), not one small product per kernel tap and batch element (72 a layer at 3x3,
-    batch 8). The padding is the convolution's, not a padded copy of the map.
+    On GPUs, through the convolution's own backward (:func:`weight_grad_by_convolution`: cuDNN's kernels, with
+    tensor-core products over every pixel of the batch at once). On the CPU, whose own path is the fused kernel
+    (this one serves float64, ``EA_HF_KERNELS=0`` and the tests), as one small product per kernel tap and batch
+    element (:func:`weight_grad_by_taps`): oneDNN's convolution backward costs about 30 ms a call on small maps
+    (AMD EPYC, 2 threads), which made the test suite nearly twice as slow, though on [2, 12, 256, 256] it takes
+    a seventh of the products' time.
 
     Example:
         >>> x, g = torch.randn(2, 3, 6, 5, dtype=torch.float64), torch.randn(2, 3, 6, 5, dtype=torch.float64)
@@ -348,6 +351,16 @@ def convolution_weight_grad(
         >>> torch.allclose(convolution_weight_grad(x, g, 3, 3, 1)[0], weight.grad)
         True
     """
+    by = weight_grad_by_taps if grad_output.device.type == "cpu" else weight_grad_by_convolution
+    return by(conv_input, grad_output, kernel_rows, kernel_columns, context_rows)
+
+
+def weight_grad_by_convolution(
+    conv_input: torch.Tensor, grad_output: torch.Tensor, kernel_rows: int, kernel_columns: int, context_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`convolution_weight_grad` through ``aten.convolution_backward``: a few large products (cuDNN on GPUs)
+    instead of one per kernel tap and batch element (72 a layer at 3x3, batch 8). The padding is the
+    convolution's, not a padded copy of the map."""
     heads_out, heads_in = grad_output.shape[1], conv_input.shape[1]
     # A causal kernel (rows i - c .. i) is the top of a centred one (rows i - c .. i + c), whose convolution has
     # as many rows as the map: its gradient needs no padded copy of the incoming one, for 1.5x the products.
@@ -358,3 +371,29 @@ def convolution_weight_grad(
         grad_output, conv_input, weight, [heads_out], [1, 1], padding, [1, 1], False, [0, 0], 1, [False, True, True]
     )
     return grad_weight[:, :, :kernel_rows].contiguous(), grad_bias
+
+
+def weight_grad_by_taps(
+    conv_input: torch.Tensor, grad_output: torch.Tensor, kernel_rows: int, kernel_columns: int, context_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`convolution_weight_grad` as one batched matrix product per kernel tap over the map's rows: each tap
+    pairs the output gradient with the input shifted by the tap's offset, both cropped to where the shifted input
+    exists (the zero padding contributes nothing), so no padded copy is made. The sums over rows and batch
+    elements accumulate in fp32 (or float64), also for half-precision maps."""
+    batch, heads_out, rows, width = grad_output.shape
+    columns = kernel_columns // 2
+    accumulator = torch.float64 if grad_output.dtype == torch.float64 else torch.float32
+    grad_weight = grad_output.new_zeros(heads_out, conv_input.shape[1], kernel_rows, kernel_columns, dtype=accumulator)
+    for dy in range(kernel_rows):
+        shift_y = dy - context_rows  # output row i reads input row i + shift_y
+        out_rows = slice(max(0, -shift_y), min(rows, conv_input.shape[-2] - shift_y))
+        in_rows = slice(out_rows.start + shift_y, out_rows.stop + shift_y)
+        for dx in range(kernel_columns):
+            shift_x = dx - columns
+            out_cols = slice(max(0, -shift_x), min(width, width - shift_x))
+            in_cols = slice(out_cols.start + shift_x, out_cols.stop + shift_x)
+            for b in range(batch):
+                grad_rows = grad_output[b, :, out_rows, out_cols].transpose(0, 1)  # [rows, H_out, cols], a view
+                input_rows = conv_input[b, :, in_rows, in_cols].transpose(0, 1)  # [rows, H_in, cols], a view
+                grad_weight[:, :, dy, dx] += torch.bmm(grad_rows, input_rows.transpose(1, 2)).sum(0, dtype=accumulator)
+    return grad_weight, grad_output.sum((0, 2, 3), dtype=accumulator)

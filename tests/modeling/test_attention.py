@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import BertConfig, BertModel
 from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, padding_mask_function
@@ -12,7 +13,7 @@ import ea_hf.modeling.attention_core as attention_core
 from ea_hf.modeling.attention import CACHE_KWARG, evolving_attention_forward
 from ea_hf.modeling.attention_core import attend_values, attention_scores
 from ea_hf.modeling.chain import CHAIN_KWARG
-from ea_hf.modeling.convolution import EvolveConvolution
+from ea_hf.modeling.convolution import EvolveConvolution, weight_grad_by_convolution, weight_grad_by_taps
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.history import CACHE_ATTRIBUTE, reorder_convolution_histories
 from ea_hf.modeling.masks import evolving_attention_mask, self_attention_conv_mask
@@ -590,3 +591,23 @@ def test_grouped_query_heads_share_keys_and_values_without_copies(evolved, rows,
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="5 query heads cannot share 2 key/value heads"):
         attend(torch.randn(B, 5, rows, D), k, v)
+
+
+@pytest.mark.parametrize(
+    ("kernel_rows", "kernel_columns", "context_rows"), [(3, 3, 1), (2, 3, 1), (5, 5, 2), (3, 5, 2)]
+)
+def test_both_ways_to_the_kernel_gradient_agree(kernel_rows, kernel_columns, context_rows):
+    """The weight and bias gradients of the evolution's convolution through ``aten.convolution_backward`` (GPUs)
+    and as one product per tap (the CPU) are autograd's through F.conv2d, for centred and causal kernels (a causal
+    one's convolution has ``context_rows`` extra rows, which the step crops)."""
+    generator = torch.Generator().manual_seed(0)
+    conv_input = torch.randn(2, 4, 13, 11, dtype=torch.float64, generator=generator)
+    grad_output = torch.randn(2, 4, 13, 11, dtype=torch.float64, generator=generator)
+    weight = torch.zeros(4, 4, kernel_rows, kernel_columns, dtype=torch.float64, requires_grad=True)
+    bias = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    output = F.conv2d(conv_input, weight, bias, padding=(context_rows, kernel_columns // 2))[..., :13, :]
+    (output * grad_output).sum().backward()
+    for way in (weight_grad_by_convolution, weight_grad_by_taps):
+        grad_weight, grad_bias = way(conv_input, grad_output, kernel_rows, kernel_columns, context_rows)
+        assert (grad_weight - weight.grad).abs().max() <= 1e-12, way.__name__
+        assert (grad_bias - bias.grad).abs().max() <= 1e-12, way.__name__
