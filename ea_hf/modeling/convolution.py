@@ -340,9 +340,9 @@ def convolution_weight_grad(
     On GPUs, through the convolution's own backward (:func:`weight_grad_by_convolution`: cuDNN's kernels, with
     tensor-core products over every pixel of the batch at once). On the CPU, whose own path is the fused kernel
     (this one serves float64, ``EA_HF_KERNELS=0`` and the tests), as one small product per kernel tap and batch
-    element (:func:`weight_grad_by_taps`): oneDNN's convolution backward costs about 30 ms a call on small maps
-    (AMD EPYC, 2 threads), which made the test suite nearly twice as slow, though on [2, 12, 256, 256] it takes
-    a seventh of the products' time.
+    element (:func:`weight_grad_by_taps`): on the small maps of tests and short inputs oneDNN's convolution
+    backward took 9 to 47 ms a call where the products took 1 to 2.5 ms ([2, 4, 13, 13], AMD EPYC, 2 busy
+    threads), though on [2, 12, 256, 256] it took a seventh of the products' time.
 
     Example:
         >>> x, g = torch.randn(2, 3, 6, 5, dtype=torch.float64), torch.randn(2, 3, 6, 5, dtype=torch.float64)
