@@ -6,10 +6,15 @@ minute of GPU time. Per case (dtype, N, batch, centred or causal kernel) it reco
 of the forward step out of place (as in training), in place (as in inference) and of forward plus backward, on
 the Triton kernels and on torch operations, and how far the Triton result is from the torch one (float64, on
 the same inputs). ``--sweep`` also times the Triton kernels under each tile setting of ``SWEEP`` (the forward
-tiles, then the weight-gradient tiles).
+tiles, then the weight-gradient tiles). ``--liger`` also times, per centred case, Liger-Kernel's Multi-Token
+Attention (``LigerMultiTokenAttention``: a convolution over attention maps, the nearest published peer of the step)
+forward plus backward on the same maps, in turns with the step's forward plus backward on both paths, and records
+the ratios EA / Liger and what each computes (``LIGER_COMPUTES``, ``EA_COMPUTES``); where liger_kernel cannot be
+imported the report says why and the run goes on without it (``bench/fetch_wheels.sh`` brings its wheel).
 
     python bench/bench_triton_kernels.py                  # on a CUDA GPU: fp32 and bf16, N=512 batch 8, N=2048 batch 2
     python bench/bench_triton_kernels.py --sweep --dtypes fp32
+    python bench/bench_triton_kernels.py --liger --dtypes bf16 --cases 512:8
     python bench/bench_triton_kernels.py --dry-run        # no GPU: tiny maps on CPU in Triton's interpreter
 
 Writes ``bench/results/<gpu name slug>/triton_kernels.json`` (``--out DIR`` elsewhere; the dry run writes
@@ -54,6 +59,24 @@ SWEEP = [
 ]
 #: The dry run's tiles: one tile per tiny map (the interpreter runs every program in Python).
 DRY_RUN_TILES = {"BLOCK_ROWS": 16, "BLOCK_COLS": 16, "WEIGHT_BLOCK_ROWS": 16, "WEIGHT_BLOCK_COLS": 16}
+#: Where ``--liger`` finds Liger-Kernel's Multi-Token Attention module (the import its README shows).
+LIGER_CLASS = ("liger_kernel.transformers", "LigerMultiTokenAttention")
+#: What each side of the Liger comparison computes, recorded beside the times: the two do different work on maps
+#: of one shape, so the ratio is of two steps of one layer's attention maps, not of one computation.
+LIGER_COMPUTES = (
+    "LigerMultiTokenAttention(12, 12, 3, padding=1, bias=True, sparse=False) on scores [B, 12, N, N], weight and "
+    "bias in the maps' dtype: forward, a causal mask (-1e9 above the diagonal, Triton), softmax over the keys "
+    "(Triton), a centred 3x3 conv2d with bias (cuDNN), zeros above the diagonal (Triton); backward, the mask, "
+    "conv_transpose2d and conv2d_weight (cuDNN), the bias sum and the softmax backward (torch operations), the "
+    "mask: gradients of the scores, the weight and the bias"
+)
+EA_COMPUTES = (
+    "ea_hf's evolution step alone (evolve_convolution, the centred 3x3 kernel): A_in = lerp(S, A_prev, alpha), "
+    "A_logit = beta * ReLU(conv(A_in * keep) + bias) + (1 - beta) * A_in, with keep a key-padding mask; no "
+    "softmax (the attention core's softmax follows the step); backward: gradients of S, A_prev, the weight and "
+    "the bias. It reads two maps (S, A_prev) where Liger reads one, and writes two map gradients where Liger "
+    "writes one"
+)
 
 
 def timer(cuda: bool, repeats: int, warmup: int) -> Callable[[Callable[[], Any]], float]:
@@ -145,6 +168,102 @@ def run_case(dtype: str, length: int, batch: int, causal: bool, args: argparse.N
     return case
 
 
+def load_liger() -> tuple[Any, dict[str, Any]]:
+    """(Liger-Kernel's ``LigerMultiTokenAttention`` class or None, what the report says of it: whether it could be
+    imported, and why not, or its class and version)."""
+    import importlib
+    import importlib.metadata
+
+    module_name, class_name = LIGER_CLASS
+    try:
+        liger_class = getattr(importlib.import_module(module_name), class_name)
+    except Exception as error:  # not installed, or its import fails (a triton or transformers it does not know)
+        return None, {"available": False, "reason": f"{type(error).__name__}: {str(error)[:300]}"}
+    try:
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return liger_class, {
+        "available": True,
+        "class": f"{liger_class.__module__}.{liger_class.__qualname__}",
+        "version": version,
+    }
+
+
+def alternating(steps: dict[str, Callable[[], Any]], cuda: bool, repeats: int, warmup: int) -> dict[str, float]:
+    """The median seconds of each of ``steps``, timed in turns: ``warmup`` untimed rounds, then ``repeats`` rounds
+    that call every step once, the order rotating by one each round, so that each step sees the same clocks, heat
+    and neighbours as the others."""
+    names = list(steps)
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for turn in range(repeats):
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            times[name].append(bench_gpu.timed(steps[name], cuda)[0])
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
+
+
+def compare_liger(liger_class: Any, dtype: str, length: int, batch: int, args: argparse.Namespace) -> dict:
+    """Liger's Multi-Token Attention forward plus backward against the evolution step's on both paths (centred
+    3x3 kernel), in turns on the same maps (S and the upstream gradient are Liger's scores and output gradient,
+    the kernel and bias its weights), and the ratios EA / Liger. A failure is recorded, and the run goes on."""
+    import torch
+
+    from ea_hf.modeling import convolution
+    from ea_hf.ops import triton_kernels
+
+    device = "cpu" if args.dry_run else "cuda"
+    inputs = step_inputs(dtype, length, batch, False, device)
+    record: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "heads": HEADS, "rounds": args.repeats}
+    try:
+        kernel = inputs["weight"].shape[-1]
+        module = liger_class(HEADS, HEADS, kernel, padding=kernel // 2, bias=True)
+        module = module.to(device=device, dtype=inputs["scores"].dtype)
+        with torch.no_grad():
+            module.weight.copy_(inputs["weight"])
+            module.bias.copy_(inputs["bias"])
+
+        def liger() -> Any:
+            scores = inputs["scores"].detach().requires_grad_()
+            module.zero_grad(set_to_none=True)  # fresh gradients each call, as the step's
+            output = module(scores)
+            output.backward(inputs["upstream"])
+            return output.detach()
+
+        def ea(kernels: list) -> Callable[[], Any]:
+            def step() -> Any:
+                with bench_gpu.attributes(convolution, {"FUSED_KERNELS": kernels}):
+                    return evolve(inputs, "backward")
+
+            return step
+
+        record["liger_output_shape"] = list(liger().shape)
+        steps = {"liger": liger, "triton": ea([triton_kernels]), "torch": ea([])}
+        medians = alternating(steps, device == "cuda", args.repeats, args.warmup)
+    except Exception as error:  # e.g. Liger's kernels on a triton they were not written for: recorded
+        record["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        return record
+    for name, seconds in medians.items():
+        record[f"{name}_forward_backward_ms"] = 1000 * seconds
+    for path in ("triton", "torch"):
+        record[f"{path}_over_liger"] = record[f"{path}_forward_backward_ms"] / record["liger_forward_backward_ms"]
+    return record
+
+
+def liger_line(record: dict) -> str:
+    """The printed line of a Liger comparison."""
+    head = f"  Liger MTA {record['dtype']} N={record['n']} batch {record['batch']}: "
+    if "error" in record:
+        return head + record["error"]
+    return (
+        f"{head}forward+backward {record['liger_forward_backward_ms']:.3f} ms; EA step "
+        f"{record['triton_forward_backward_ms']:.3f} (Triton), {record['torch_forward_backward_ms']:.3f} (torch) "
+        f"ms: EA / Liger {record['triton_over_liger']:.2f} (Triton), {record['torch_over_liger']:.2f} (torch)"
+    )
+
+
 def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace) -> list[dict]:
     """The Triton step's times (each mode) under each setting of SWEEP (with
     GPU_TILES off, so that each setting is what runs)."""
@@ -186,6 +305,9 @@ def collect(args: argparse.Namespace) -> dict:
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit(bench_gpu.NO_CUDA_MESSAGE.replace("bench_gpu.py", "bench_triton_kernels.py"))
     variables = {"EA_HF_TRITON": "1", **({"TRITON_INTERPRET": "1"} if args.dry_run else {})}
+    liger_class, liger = load_liger() if args.liger else (None, None)
+    if liger is not None and not liger["available"]:
+        print(f"Liger-Kernel not timed: {liger['reason']}", flush=True)
     started = time.time()
     cases, sweeps = [], []
     # Put back afterwards: the tests run this in their own process.
@@ -202,6 +324,9 @@ def collect(args: argparse.Namespace) -> dict:
                         "(Triton vs torch)",
                         flush=True,
                     )
+                    if liger_class is not None and not causal:  # Liger's kernel is centred, 3x3 as the step's
+                        case["liger"] = compare = compare_liger(liger_class, dtype, length, batch, args)
+                        print(liger_line(compare), flush=True)
                 if args.sweep:
                     sweeps.extend(run_sweep(dtype, length, batch, args))
     gpu = None if args.dry_run else torch.cuda.get_device_name()
@@ -220,6 +345,7 @@ def collect(args: argparse.Namespace) -> dict:
         },  # fmt: skip
         "cases": cases,
         "sweep": sweeps,
+        "liger": None if liger is None else {**liger, "liger_computes": LIGER_COMPUTES, "ea_computes": EA_COMPUTES},
         "wall_time_s": time.time() - started,
     }
 
@@ -230,6 +356,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="default fp32 bf16 (dry run: fp32)")
     parser.add_argument("--cases", nargs="+", type=bench_gpu.parse_case, help="N:BATCH (default 512:8 2048:2)")
     parser.add_argument("--sweep", action="store_true", help="also time the Triton kernels under each SWEEP tile")
+    parser.add_argument(
+        "--liger", action="store_true", help="also time Liger-Kernel's Multi-Token Attention (centred cases)"
+    )
     parser.add_argument("--repeats", type=int, help="timed calls (default 20; dry run 2)")
     parser.add_argument("--warmup", type=int, help="untimed calls first (default 3; dry run 1)")
     parser.add_argument("--out", help="output folder (default bench/results/<gpu name slug>, or .../cpu dry)")

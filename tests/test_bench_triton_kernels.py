@@ -2,8 +2,12 @@
 the Triton one on the Triton kernels (in the interpreter), it agrees with the torch operations in float64, the
 sweep times every tile setting, and settings and environment are put back."""
 
+import importlib.util
 import json
 import os
+import subprocess
+import sys
+import types
 
 import pytest
 import torch
@@ -62,3 +66,107 @@ def test_without_cuda_the_full_run_refuses(bench, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="no CUDA device"):
         bench.collect(bench.parse_args([]))
+
+
+class StandInMultiTokenAttention(torch.nn.Module):
+    """Liger-Kernel's ``LigerMultiTokenAttention`` (constructor and call) on torch operations, for the CPU, where
+    its Triton kernels do not run: a causal mask, softmax over the keys, conv2d, zeros above the diagonal."""
+
+    calls = 0
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True,
+                 sparse=False):  # fmt: skip
+        super().__init__()
+        self.settings = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups}
+        self.weight = torch.nn.Parameter(torch.empty(out_channels, in_channels // groups, kernel_size, kernel_size))
+        self.bias = torch.nn.Parameter(torch.zeros(out_channels)) if bias else None
+
+    def forward(self, scores):
+        type(self).calls += 1
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+        probabilities = scores.masked_fill(future, -1e9).softmax(-1)
+        return torch.nn.functional.conv2d(probabilities, self.weight, self.bias, **self.settings).masked_fill(future, 0)
+
+
+def test_liger_is_timed_in_turns_with_both_paths_on_the_centred_case(bench, tmp_path, monkeypatch):
+    package, transformers = types.ModuleType("liger_kernel"), types.ModuleType("liger_kernel.transformers")
+    transformers.LigerMultiTokenAttention = StandInMultiTokenAttention
+    monkeypatch.setitem(sys.modules, "liger_kernel", package)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", transformers)
+    monkeypatch.setattr(StandInMultiTokenAttention, "calls", 0)
+    calls = spy_on(monkeypatch, triton_kernels)
+
+    bench.main(["--dry-run", "--liger", "--out", str(tmp_path)])
+
+    report = json.loads((tmp_path / "triton_kernels_dry_run.json").read_text())
+    liger = report["liger"]
+    assert liger["available"] is True and liger["class"].endswith("StandInMultiTokenAttention")
+    assert liger["liger_computes"] == bench.LIGER_COMPUTES and liger["ea_computes"] == bench.EA_COMPUTES
+    centred, causal = report["cases"]
+    assert "liger" not in causal  # Liger's kernel is centred
+    compare = centred["liger"]
+    assert (compare["dtype"], compare["n"], compare["batch"], compare["heads"]) == ("fp32", 13, 2, 12)
+    assert compare["liger_output_shape"] == [2, 12, 13, 13]
+    for path in ("liger", "triton", "torch"):
+        assert compare[f"{path}_forward_backward_ms"] > 0
+    for path in ("triton", "torch"):
+        assert compare[f"{path}_over_liger"] == (
+            compare[f"{path}_forward_backward_ms"] / compare["liger_forward_backward_ms"]
+        )
+    # The stand-in ran once for its output's shape, then in 1 warm-up and 2 timed rounds; the Triton path's
+    # backward ran in those rounds too (besides the case's 3 calls and its error check).
+    assert StandInMultiTokenAttention.calls == 1 + 1 + 2
+    assert calls.count("backward") == 2 * (3 + 1) + (1 + 2)
+
+
+def test_liger_not_importable_is_recorded_and_the_run_goes_on(bench, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # the import fails, installed or not
+    monkeypatch.delitem(sys.modules, "liger_kernel.transformers", raising=False)
+
+    bench.main(["--dry-run", "--liger", "--cases", "5:1", "--out", str(tmp_path)])
+
+    report = json.loads((tmp_path / "triton_kernels_dry_run.json").read_text())
+    assert report["liger"]["available"] is False
+    assert report["liger"]["reason"].startswith("ModuleNotFoundError") and "liger_kernel" in report["liger"]["reason"]
+    assert [case["n"] for case in report["cases"]] == [5, 5]
+    assert not any("liger" in case for case in report["cases"])
+    assert bench.parse_args([]).liger is False  # off unless asked for
+
+
+def test_alternating_times_each_step_in_rotating_turns(bench):
+    order = []
+    steps = {name: lambda name=name: order.append(name) for name in "abc"}
+
+    medians = bench.alternating(steps, cuda=False, repeats=3, warmup=1)
+
+    assert order == list("abcabcbcacab")
+    assert set(medians) == set("abc") and all(seconds >= 0 for seconds in medians.values())
+
+
+LIGER_SCRIPT = """
+import sys, torch
+from liger_kernel.transformers import LigerMultiTokenAttention
+torch.manual_seed(0)
+module = LigerMultiTokenAttention(4, 4, 3, padding=1)
+scores, upstream = torch.randn(2, 4, 13, 13, requires_grad=True), torch.randn(2, 4, 13, 13)
+output = module(scores)
+output.backward(upstream)
+torch.save({"state": module.state_dict(), "scores": scores.detach(), "upstream": upstream,
+            "output": output.detach(), "scores_grad": scores.grad}, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
+def test_the_stand_in_computes_what_liger_computes(tmp_path):
+    # Liger's kernels in the interpreter, in a process that starts with TRITON_INTERPRET=1: they call the helpers
+    # (tl.max, tl.sum) that triton decorates as it is imported, for the interpreter only if it was set by then.
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
+    subprocess.run([sys.executable, "-c", LIGER_SCRIPT, str(tmp_path / "liger.pt")], env=environment, check=True)
+    liger = torch.load(tmp_path / "liger.pt")
+    stand_in = StandInMultiTokenAttention(4, 4, 3, padding=1)
+    stand_in.load_state_dict(liger["state"])
+    scores = liger["scores"].requires_grad_()
+    output = stand_in(scores)
+    output.backward(liger["upstream"])
+    assert torch.allclose(output, liger["output"], atol=1e-6)
+    assert torch.allclose(scores.grad, liger["scores_grad"], atol=1e-6)
