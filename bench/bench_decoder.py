@@ -12,12 +12,23 @@ and writes a JSON file and a Markdown report.
                                              # and 5 paired rounds per N
     python bench/bench_decoder.py --tiny     # dry run: tiny config, N in {32, 64}, a few seconds per case
 
-Helpers (machine info, RSS and CPU accounting, the result-line protocol) come from bench_attention.py.
+On a GPU (``--device cuda``, bf16 by default) the RSS of fresh processes measures nothing, so only the paired
+processes run, one per N: every variant built on the GPU, timed in turns (``torch.cuda.synchronize`` around each
+prefill and each decoding step), and the peak memory each prefill adds read from the CUDA allocator. The report
+gives each variant's prefill time, prefill memory and ms per decoded token against eager's and sdpa's, and which
+path evolved the maps (``EA_HF_TRITON=1``: ea_hf's Triton kernels; else torch operations).
+
+    python bench/bench_decoder.py --device cuda --paired-rounds 3  # bench/results/<gpu>/bench_decoder_gpu.*
+    python bench/bench_decoder.py --gpu-protocol --tiny            # the same protocol on the CPU, a dry run
+
+Helpers (machine info, RSS and CPU accounting, the result-line protocol) come from bench_attention.py; the kernel
+call counters and the GPU folder names from bench_gpu.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -25,7 +36,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +47,7 @@ REPO_ROOT = BENCH_DIR.parent
 # bench/ is not a package: its scripts share bench_attention.py's helpers (machine info, result lines, ratios).
 sys.path.insert(0, str(BENCH_DIR))
 import bench_attention as attention_bench  # noqa: E402
+import bench_gpu as gpu_bench  # noqa: E402
 
 ratio = attention_bench.ratio
 number = attention_bench.number
@@ -46,6 +58,11 @@ status_mib = attention_bench.status_mib
 reset_peak_rss = attention_bench.reset_peak_rss
 
 VARIANTS = ("eager", "sdpa", "ea", "ea-layers")
+DEVICES = ("cpu", "cuda")
+#: --dtype names and the torch dtypes they stand for, and each device's default.
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DEFAULT_DTYPES = {"cpu": "fp32", "cuda": "bf16"}
+NO_CUDA_MESSAGE = "bench_decoder.py: --device cuda, but no CUDA device is available (--gpu-protocol: a CPU dry run)"
 EA_VARIANTS = ("ea", "ea-layers")
 EA_ALPHA = 0.2
 EA_BETA = 0.2
@@ -93,7 +110,7 @@ def peak_rss_mib() -> float:
 
 
 def model_config(tiny: bool) -> Any:
-    """The random Llama-style config of the benchmark (fp32, no dropout, untied embeddings as Llama's default)."""
+    """The random Llama-style config of the benchmark (no dropout, untied embeddings as Llama's default)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(**(TINY_CONFIG if tiny else FULL_CONFIG), attention_dropout=0.0)
@@ -108,12 +125,15 @@ def evolved_layers(variant: str, num_layers: int) -> list[int] | None:
     return None
 
 
-def build_model(variant: str, tiny: bool) -> Any:
-    """A LlamaForCausalLM with the same random weights for every variant, eval mode, fp32, on the CPU."""
+def build_model(variant: str, tiny: bool, dtype: str = "fp32", device: str = "cpu") -> Any:
+    """A LlamaForCausalLM with the same random weights for every variant, eval mode, in ``dtype`` (a --dtype name)
+    on ``device``."""
     import torch
     from transformers import LlamaForCausalLM
 
     config = model_config(tiny)
+    # Built on the CPU in fp32 and then moved: the CPU generator gives every variant, device and dtype the same
+    # weights (rounded to the dtype).
     torch.manual_seed(0)  # identical Llama weights in every variant
     model = LlamaForCausalLM(config)
     model.set_attn_implementation("sdpa" if variant == "sdpa" else "eager")
@@ -123,7 +143,7 @@ def build_model(variant: str, tiny: bool) -> Any:
         layers = evolved_layers(variant, config.num_hidden_layers)
         # ea patches all layers when layers=None; passing the full list for "ea" would mean the same thing.
         ea_hf.patch(model, alpha=EA_ALPHA, beta=EA_BETA, layers=None if variant == "ea" else layers)
-    return model.to(dtype=torch.float32).eval()
+    return model.to(device=device, dtype=getattr(torch, TORCH_DTYPES[dtype])).eval()
 
 
 def tensor_bytes(tensor: Any) -> int:
@@ -164,42 +184,93 @@ def import_ea_hf() -> None:
         import ea_hf  # noqa: F401
 
 
-def benchmark_input(vocab_size: int, length: int) -> Any:
-    """The prompt every case and variant decodes after: random ids (seed 1), batch 1."""
+def benchmark_input(vocab_size: int, length: int, device: str = "cpu") -> Any:
+    """The prompt every case and variant decodes after: random ids (seed 1, drawn on the CPU whatever the device,
+    so that every device decodes the same prompt), batch 1."""
     import torch
 
-    return torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+    return torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(1)).to(device)
 
 
-def timed_prefill(model: Any, input_ids: Any) -> tuple[float, Any]:
+def nothing_to_wait_for() -> None:
+    """The CPU's synchronisation: its work is done when the call returns."""
+
+
+def synchronizer(device: str) -> Callable[[], None]:
+    """What a timer calls before it starts and before it stops: ``torch.cuda.synchronize`` on CUDA, where a call
+    returns once its kernels are queued (perf_counter alone would time the launches, and the next timer would
+    inherit the queue), nothing on the CPU."""
+    import torch
+
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else nothing_to_wait_for
+
+
+def timed_prefill(
+    model: Any, input_ids: Any, synchronize: Callable[[], None] = nothing_to_wait_for
+) -> tuple[float, Any]:
     """(seconds, output) of ``model(input_ids, use_cache=True)``; call without a previous output alive."""
+    synchronize()
     start = time.perf_counter()
     output = model(input_ids, use_cache=True)
+    synchronize()
     return time.perf_counter() - start, output
 
 
-def timed_decoding(model: Any, cache: Any, next_token: Any, tokens: int) -> tuple[list[float], Any]:
+def timed_decoding(
+    model: Any, cache: Any, next_token: Any, tokens: int, synchronize: Callable[[], None] = nothing_to_wait_for
+) -> tuple[list[float], Any]:
     """(seconds of each step, the cache) of greedy decoding of ``tokens`` tokens, one a call, from ``next_token``
     (the prefill's argmax) and the prefill's ``cache``."""
     times = []
     for _ in range(tokens):
+        synchronize()
         start = time.perf_counter()
         step = model(next_token, past_key_values=cache, use_cache=True)
+        synchronize()
         times.append(time.perf_counter() - start)
         next_token, cache = step.logits[:, -1:].argmax(-1), step.past_key_values
         step = None
     return times, cache
 
 
+def reset_peak_memory(device: str) -> int | None:
+    """Start measuring the peak of the device's allocator: reset it and return the bytes allocated now. None on the
+    CPU, whose allocator keeps no such counts (there memory is the RSS of a fresh process per case)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_memory_added(device: str, allocated_before: int | None) -> int | None:
+    """Bytes the allocator's peak rose above ``allocated_before`` (:func:`reset_peak_memory`'s figure) since then:
+    what the work in between added at its peak, the model and whatever else was alive before not counted."""
+    import torch
+
+    if allocated_before is None:
+        return None
+    return torch.cuda.max_memory_allocated(device) - allocated_before
+
+
 def run_case(
-    variant: str, length: int, repeats: int, warmup: int, decode_tokens: int, threads: int, tiny: bool
+    variant: str,
+    length: int,
+    repeats: int,
+    warmup: int,
+    decode_tokens: int,
+    threads: int,
+    tiny: bool,
+    dtype: str = "fp32",
 ) -> dict:
-    """Time and measure one (variant, N) case in this process; meant to run in a fresh process of its own."""
+    """Time and measure one (variant, N) case on the CPU in this process; meant to run in a fresh process of its
+    own."""
     import torch
 
     import_ea_hf()
     torch.set_num_threads(threads)
-    model = build_model(variant, tiny)
+    model = build_model(variant, tiny, dtype)
     config = model.config
     input_ids = benchmark_input(config.vocab_size, length)
 
@@ -269,6 +340,7 @@ def run_case(
         "batch": 1,
         "threads": threads,
         "tiny": tiny,
+        "dtype": dtype,
         "attn_implementation": config._attn_implementation,
         "evolved_layers": layers,
         # Whether EA's evolution ran on the fused CPU kernel (prefills and decoding steps) or on torch operations.
@@ -313,10 +385,148 @@ def run_case(
     }
 
 
-def run_paired(length: int, rounds: int, decode_tokens: int, threads: int, tiny: bool) -> dict:
-    """Time every variant in this one process, in turns: each round runs each variant's prefill and then its
-    decoding, in an order that rotates from round to round; a first round warms up and is not timed. Returns
-    the times and medians per variant, and the ratios of the medians to eager's and sdpa's.
+@contextlib.contextmanager
+def counted_kernel_calls() -> Iterator[dict[str, int]]:
+    """Counters (yielded) of the correlation passes of ea_hf's fused kernels while the context lasts: ``triton``
+    and ``cpu_kernel``. As in bench_gpu.py: ea_hf calls them through their modules, so replacing the module
+    attributes sees every call; they are put back afterwards."""
+    from ea_hf.ops import cpu_binding, triton_kernels
+
+    counts = {"triton": 0, "cpu_kernel": 0}
+    with contextlib.ExitStack() as stack:
+        for key, module in (("triton", triton_kernels), ("cpu_kernel", cpu_binding)):
+            counted = gpu_bench.counting(module.correlate, counts, key)
+            stack.enter_context(gpu_bench.attributes(module, {"correlate": counted}))
+        yield counts
+
+
+def evolution_path(variant: str, calls: dict[str, int]) -> str | None:
+    """What evolved ``variant``'s maps, judged by the kernel calls of its turns (None for eager and sdpa).
+    ``EA_HF_TRITON=1`` asks for the Triton kernels, but they fall back to torch operations where they do not
+    apply (or triton is missing): the calls tell which ran."""
+    if variant not in EA_VARIANTS:
+        return None
+    if calls["triton"]:
+        return "Triton kernels"
+    if calls["cpu_kernel"]:
+        return "ea_hf CPU kernel"
+    return "torch operations"
+
+
+def paired_turns(models: dict[str, Any], input_ids: Any, rounds: int, decode_tokens: int, device: str) -> dict:
+    """Every variant's prefill and then its decoding, in turns, round after round, in an order that rotates from
+    round to round; a first round warms up (and on CUDA selects and loads its kernels) and is not timed.
+
+    Returns, per variant: the seconds of each timed prefill and decoding step, the bytes each timed prefill added
+    at its peak (None on the CPU), the fused kernels' calls over all its turns, and from its last turn the rows EA
+    kept on the cache after the prefill, the KV cache's bytes per layer and the cache's length after decoding;
+    and the wall time, with the cores other processes kept busy meanwhile.
+    """
+    import torch
+
+    synchronize = synchronizer(device)
+    prefill, decode, memory = ({variant: [] for variant in VARIANTS} for _ in range(3))
+    calls = {variant: {"triton": 0, "cpu_kernel": 0} for variant in VARIANTS}
+    caches = {}
+    measure_start = time.perf_counter()
+    busy_before, _ = attention_bench.system_cpu_seconds()
+    own_before = time.process_time()
+    with torch.no_grad(), counted_kernel_calls() as counts:
+        for round_index in range(rounds + 1):
+            shift = round_index % len(VARIANTS)
+            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+                calls_before = dict(counts)
+                # The previous turn's cache and logits are gone, so the baseline is the models and the prompt.
+                allocated = reset_peak_memory(device)
+                elapsed, output = timed_prefill(models[variant], input_ids, synchronize)
+                added = peak_memory_added(device, allocated)
+                cache, next_token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+                output = None
+                kept, kv_bytes = kept_rows(cache), kv_cache_bytes(cache)
+                steps, cache = timed_decoding(models[variant], cache, next_token, decode_tokens, synchronize)
+                caches[variant] = {
+                    "kept_rows_after_prefill": kept,
+                    "kv_cache_bytes_per_layer": kv_bytes,
+                    "cache_length_after_decode": cache.get_seq_length(),
+                }
+                cache = None
+                for key, count in counts.items():
+                    calls[variant][key] += count - calls_before[key]
+                if round_index > 0:
+                    prefill[variant].append(elapsed)
+                    decode[variant].extend(steps)
+                    memory[variant].append(added)
+    measured_wall = time.perf_counter() - measure_start
+    busy_after, _ = attention_bench.system_cpu_seconds()
+    others = max(0.0, (busy_after - busy_before) - (time.process_time() - own_before))
+    return {
+        "prefill_times_s": prefill,
+        "decode_times_s": decode,
+        "prefill_memory_added_bytes": {variant: None if None in added else added for variant, added in memory.items()},
+        "kernel_calls": calls,
+        **{key: {variant: caches[variant][key] for variant in VARIANTS} for key in caches[VARIANTS[0]]},
+        "measured_wall_s": measured_wall,
+        "other_processes_cores": others / measured_wall,
+    }
+
+
+def baseline_ratios(figures: dict[str, dict[str, float | None]]) -> dict[str, dict[str, float | None]]:
+    """``{what}_over_eager`` and ``{what}_over_sdpa`` for each ``what`` of ``figures`` (``{what: {variant:
+    figure}}``): every variant's figure over eager's and over sdpa's (None where a figure is missing)."""
+    return {
+        f"{what}_over_{baseline}": {variant: ratio(values[variant], values[baseline]) for variant in VARIANTS}
+        for what, values in figures.items()
+        for baseline in ("eager", "sdpa")
+    }
+
+
+def run_device_paired(length: int, rounds: int, decode_tokens: int, dtype: str, device: str, tiny: bool) -> dict:
+    """The paired timing (:func:`paired_turns`) of every variant built in ``dtype`` on ``device``, in this process.
+    Returns the times, their medians per variant (the prefill memory: the largest of the rounds), the ratios of
+    each to eager's and sdpa's, and where and how it ran: the device's name, the dtype, torch's version,
+    ``EA_HF_TRITON`` and the path that evolved each EA variant's maps."""
+    import torch
+
+    import_ea_hf()
+    models = {variant: build_model(variant, tiny, dtype, device) for variant in VARIANTS}
+    config = models["eager"].config
+    turns = paired_turns(models, benchmark_input(config.vocab_size, length, device), rounds, decode_tokens, device)
+    prefill_median = {variant: statistics.median(times) for variant, times in turns["prefill_times_s"].items()}
+    decode_median = {
+        variant: statistics.median(times) if times else None for variant, times in turns["decode_times_s"].items()
+    }
+    memory_mib = {
+        variant: None if added is None else max(added) / MIB
+        for variant, added in turns["prefill_memory_added_bytes"].items()
+    }
+    cuda = torch.device(device).type == "cuda"
+    return {
+        "n": length,
+        "rounds": rounds,
+        "decode_tokens": decode_tokens,
+        "tiny": tiny,
+        "device": torch.device(device).type,
+        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "dtype": dtype,
+        "torch": torch.__version__,
+        # On CUDA ea_hf evolves the maps with torch operations unless EA_HF_TRITON=1 selects its Triton kernels.
+        "ea_hf_triton": os.environ.get("EA_HF_TRITON"),
+        "evolution_path": {variant: evolution_path(variant, turns["kernel_calls"][variant]) for variant in VARIANTS},
+        "evolved_layers": {variant: evolved_layers(variant, config.num_hidden_layers) for variant in VARIANTS},
+        "parameters": sum(p.numel() for p in models["eager"].parameters()),
+        **turns,
+        "prefill_median_s": prefill_median,
+        "decode_median_s": decode_median,
+        "prefill_memory_added_mib": memory_mib,
+        **baseline_ratios({"prefill": prefill_median, "decode": decode_median, "prefill_memory": memory_mib}),
+    }
+
+
+def run_paired(length: int, rounds: int, decode_tokens: int, threads: int, tiny: bool, dtype: str = "fp32") -> dict:
+    """Time every variant on the CPU in this one process, in turns (:func:`run_device_paired`): each round runs
+    each variant's prefill and then its decoding, in an order that rotates from round to round; a first round
+    warms up and is not timed. Returns the times and medians per variant, and the ratios of the medians to
+    eager's and sdpa's.
 
     Separate fresh processes run 10 to 20 % apart in speed on a shared host, more than the cost of EA, and a
     slow spell of the host lasts longer than one case. Here the variants run side by side, so that a spell
@@ -324,62 +534,25 @@ def run_paired(length: int, rounds: int, decode_tokens: int, threads: int, tiny:
     """
     import torch
 
-    import_ea_hf()
     torch.set_num_threads(threads)
-    models = {variant: build_model(variant, tiny) for variant in VARIANTS}
-    input_ids = benchmark_input(models["eager"].config.vocab_size, length)
-    prefill = {variant: [] for variant in VARIANTS}
-    decode = {variant: [] for variant in VARIANTS}
-    measure_start = time.perf_counter()
-    busy_before, _ = attention_bench.system_cpu_seconds()
-    own_before = time.process_time()
-    with torch.no_grad():
-        for round_index in range(rounds + 1):
-            shift = round_index % len(VARIANTS)
-            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                elapsed, output = timed_prefill(models[variant], input_ids)
-                cache, next_token = output.past_key_values, output.logits[:, -1:].argmax(-1)
-                output = None
-                steps, cache = timed_decoding(models[variant], cache, next_token, decode_tokens)
-                cache = None
-                if round_index > 0:
-                    prefill[variant].append(elapsed)
-                    decode[variant].extend(steps)
-    measured_wall = time.perf_counter() - measure_start
-    busy_after, _ = attention_bench.system_cpu_seconds()
-    others = max(0.0, (busy_after - busy_before) - (time.process_time() - own_before))
-    prefill_median = {variant: statistics.median(times) for variant, times in prefill.items()}
-    decode_median = {variant: statistics.median(times) if times else None for variant, times in decode.items()}
-    return {
-        "n": length,
-        "rounds": rounds,
-        "decode_tokens": decode_tokens,
-        "threads": threads,
-        "prefill_times_s": prefill,
-        "decode_times_s": decode,
-        "prefill_median_s": prefill_median,
-        "decode_median_s": decode_median,
-        **{
-            f"{what}_over_{baseline}": {variant: ratio(medians[variant], medians[baseline]) for variant in VARIANTS}
-            for what, medians in (("prefill", prefill_median), ("decode", decode_median))
-            for baseline in ("eager", "sdpa")
-        },
-        "measured_wall_s": measured_wall,
-        "other_processes_cores": others / measured_wall,
-    }
+    return {**run_device_paired(length, rounds, decode_tokens, dtype, "cpu", tiny), "threads": threads}
 
 
 def spawn_paired(length: int, args: argparse.Namespace) -> dict:
-    """:func:`run_paired` in a fresh process of this script."""
+    """The paired timing of ``length`` (:func:`run_paired`, or with ``--gpu-protocol`` :func:`run_device_paired` on
+    ``--device``) in a fresh process of this script."""
     command = [sys.executable, str(Path(__file__).resolve()), "--paired", str(length)]
     command += ["--paired-rounds", str(args.paired_rounds), "--decode-tokens", str(args.decode_tokens)]
-    command += ["--threads", str(args.threads), *(["--tiny"] if args.tiny else [])]
+    command += ["--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype]
+    command += [*(["--gpu-protocol"] if args.gpu_protocol else []), *(["--tiny"] if args.tiny else [])]
     return attention_bench.run_result_process(command, args.threads, f"paired timing N={length}")
 
 
 def run_paired_in_process(length: int, args: argparse.Namespace) -> dict:
-    """:func:`run_paired` in this process (tests)."""
-    return run_paired(length, args.paired_rounds, args.decode_tokens, args.threads, args.tiny)
+    """:func:`spawn_paired`'s timing in this process (the child's work; tests)."""
+    if args.gpu_protocol:
+        return run_device_paired(length, args.paired_rounds, args.decode_tokens, args.dtype, args.device, args.tiny)
+    return run_paired(length, args.paired_rounds, args.decode_tokens, args.threads, args.tiny, args.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -403,6 +576,8 @@ def spawn_case(variant: str, length: int, args: argparse.Namespace) -> dict:
         str(args.decode_tokens),
         "--threads",
         str(args.threads),
+        "--dtype",
+        args.dtype,
         *(["--tiny"] if args.tiny else []),
     ]
     return attention_bench.run_result_process(command, args.threads, f"case {variant} N={length}")
@@ -410,7 +585,7 @@ def spawn_case(variant: str, length: int, args: argparse.Namespace) -> dict:
 
 def run_case_in_process(variant: str, length: int, args: argparse.Namespace) -> dict:
     """:func:`run_case` in this process (tests: no interpreter start-up per case; memory figures less clean)."""
-    return run_case(variant, length, args.repeats, args.warmup, args.decode_tokens, args.threads, args.tiny)
+    return run_case(variant, length, args.repeats, args.warmup, args.decode_tokens, args.threads, args.tiny, args.dtype)
 
 
 def compare(results: list[dict], lengths: list[int], paired: list[dict] | None = None) -> list[dict]:
@@ -445,9 +620,8 @@ def compare(results: list[dict], lengths: list[int], paired: list[dict] | None =
                     "decode_over_eager": ratio(case["decode_median_s"], eager["decode_median_s"]),
                     "kv_cache_bytes_per_layer": case["kv_cache_bytes_per_layer"][0],
                     "kept_rows_layers": len(kept),
-                    # Every evolved layer keeps the same shape of rows; per layer = the first one's.
-                    "kept_rows_bytes_per_layer": next(iter(kept.values()))["bytes"] if kept else 0,
-                    "kept_rows_storage_bytes_per_layer": next(iter(kept.values()))["storage_bytes"] if kept else 0,
+                    "kept_rows_bytes_per_layer": per_layer(kept, "bytes"),
+                    "kept_rows_storage_bytes_per_layer": per_layer(kept, "storage_bytes"),
                     "kept_rows_bytes_total": case["kept_rows_bytes_total"],
                     "kept_rows_storage_bytes_total": case["kept_rows_storage_bytes_total"],
                     "kept_rows_storage_bytes_per_layer_after_decode": max(
@@ -460,6 +634,37 @@ def compare(results: list[dict], lengths: list[int], paired: list[dict] | None =
                     "other_processes_cpu_s": case["other_processes_cpu_s"],
                     "other_processes_cores": case["other_processes_cores"],
                     "contended": case.get("contended", False),
+                }
+            )
+    return rows
+
+
+def per_layer(kept: dict[str, dict], key: str) -> int:
+    """``key`` of the rows one layer keeps (:func:`kept_rows`; 0 where none are kept): every evolved layer keeps
+    the same shape of rows, so per layer = the first one's."""
+    return next(iter(kept.values()))[key] if kept else 0
+
+
+def device_rows(timings: list[dict]) -> list[dict]:
+    """One row per (N, variant) of a --gpu-protocol run (:func:`run_device_paired` per N): the paired cells, the
+    memory the prefill added with its ratios, what evolved the maps, and the rows EA kept on the cache."""
+    rows = []
+    for timing in timings:
+        for variant in VARIANTS:
+            kept = timing["kept_rows_after_prefill"][variant]
+            rows.append(
+                {
+                    **paired_cells(timing, variant),
+                    "variant": variant,
+                    "n": timing["n"],
+                    "evolved_layers": timing["evolved_layers"][variant],
+                    "evolution_path": timing["evolution_path"][variant],
+                    "prefill_memory_added_mib": timing["prefill_memory_added_mib"][variant],
+                    "prefill_memory_over_sdpa": timing["prefill_memory_over_sdpa"][variant],
+                    "prefill_memory_over_eager": timing["prefill_memory_over_eager"][variant],
+                    "kv_cache_bytes_per_layer": timing["kv_cache_bytes_per_layer"][variant][0],
+                    "kept_rows_layers": len(kept),
+                    "kept_rows_bytes_per_layer": per_layer(kept, "bytes"),
                 }
             )
     return rows
@@ -498,18 +703,27 @@ def human_bytes(count: int) -> str:
     return f"{count / 1024.0:.1f} KiB"
 
 
-def paired_table(rows: list[dict]) -> str:
-    """The paired timing as Markdown (empty without paired processes)."""
+def paired_table(rows: list[dict], device: bool = False) -> str:
+    """The paired timing as Markdown (empty without paired processes); ``device``: the rows of a --gpu-protocol run
+    (:func:`device_rows`), with the memory each prefill added, the rows kept per layer and what evolved the maps."""
     if all(r["prefill_ms_paired"] is None for r in rows):
         return ""
-    header = ["variant", "N", "prefill ms", "prefill x sdpa", "prefill x eager", "decode ms/token"]
-    header += ["decode x sdpa", "decode x eager", "others' cores"]
+    header = ["variant", "N", "prefill ms", "prefill x sdpa", "prefill x eager"]
+    header += ["prefill peak added MiB", "peak x sdpa", "peak x eager"] if device else []
+    header += ["decode ms/token", "decode x sdpa", "decode x eager", "others' cores"]
+    header += ["kept rows per layer", "evolution"] if device else []
     table = [table_row(header), "|---|" + "---:|" * (len(header) - 1)]
     for r in rows:
         cells = [variant_label(r), str(r["n"]), number(r["prefill_ms_paired"], 1)]
         cells += [number(r["prefill_over_sdpa_paired"], 3), number(r["prefill_over_eager_paired"], 3)]
+        if device:
+            cells += [number(r["prefill_memory_added_mib"], 1), number(r["prefill_memory_over_sdpa"], 3)]
+            cells += [number(r["prefill_memory_over_eager"], 3)]
         cells += [number(r["decode_ms_per_token_paired"], 1), number(r["decode_over_sdpa_paired"], 3)]
         cells += [number(r["decode_over_eager_paired"], 3), number(r["paired_other_processes_cores"], 2)]
+        if device:
+            kept = human_bytes(r["kept_rows_bytes_per_layer"]) if r["kept_rows_layers"] else "-"
+            cells += [kept, r["evolution_path"] or "-"]
         table.append(table_row(cells))
     return "\n".join(table) + "\n"
 
@@ -600,7 +814,7 @@ def markdown_report(report: dict, cost: str, kept: str, paired: str = "") -> str
     )
     return (
         f"# Decoder cost: eager vs sdpa vs Evolving Attention ({report['model']})\n\n"
-        f"{report['machine_line']}. {report['parameters']:,} parameters, fp32, batch 1, "
+        f"{report['machine_line']}. {report['parameters']:,} parameters, {settings['dtype']}, batch 1, "
         f"{settings['threads']} threads, `torch.no_grad()`, eval mode. EA: alpha = {EA_ALPHA}, beta = {EA_BETA}, "
         f"kernel 3. Prefill = `model(input_ids, use_cache=True)` (logits for all N positions), median of "
         f"{settings['repeats']} after {settings['warmup']} warm-up; decode = {settings['decode_tokens']} greedy "
@@ -681,6 +895,23 @@ def run_quietly(
     return best
 
 
+def protocol_settings(num_layers: int) -> dict[str, Any]:
+    """What every report says of the variants, the inputs, the prefill and the decoding."""
+    return {
+        "variants": {
+            "eager": 'attn_implementation="eager"',
+            "sdpa": 'attn_implementation="sdpa"',
+            "ea": f"ea_hf.patch(model, alpha={EA_ALPHA}, beta={EA_BETA}) (every layer)",
+            "ea-layers": f"ea_hf.patch(model, alpha={EA_ALPHA}, beta={EA_BETA}, "
+            f"layers={evolved_layers('ea-layers', num_layers)}) (the other layers run eager math inside ea_hf's "
+            "attention function)",
+        },
+        "inputs": "random input_ids (seed 1), no attention mask, batch 1",
+        "prefill": "model(input_ids, use_cache=True) under torch.no_grad(); previous output freed before each",
+        "decode": "greedy: model(next_token, past_key_values=cache, use_cache=True), one token per call",
+    }
+
+
 def collect(
     args: argparse.Namespace,
     run: Callable[[str, int, argparse.Namespace], dict] = spawn_case,
@@ -692,9 +923,10 @@ def collect(
     info = attention_bench.machine_info(args.threads)
     info["batch"] = 1
     load_start = os.getloadavg()
-    out = Path(args.out)
+    out = Path(args.out or BENCH_DIR / "results")
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"decoder_{info['device']}{'_tiny' if args.tiny else ''}"
+    dtype = "" if args.dtype == DEFAULT_DTYPES["cpu"] else f"_{args.dtype}"
+    stem = f"decoder_{info['device']}{dtype}{'_tiny' if args.tiny else ''}"
     print(f"machine: {attention_bench.machine_line(info)}; load average {load_start[0]:.2f}", flush=True)
 
     results, paired = [], []
@@ -745,19 +977,9 @@ def collect(
             "quiet_wait_s": args.quiet_wait,
             "max_other_cores": args.max_other_cores,
             "retries": args.retries,
-            "dtype": "float32",
-            "variants": {
-                "eager": 'attn_implementation="eager"',
-                "sdpa": 'attn_implementation="sdpa"',
-                "ea": f"ea_hf.patch(model, alpha={EA_ALPHA}, beta={EA_BETA}) (every layer)",
-                "ea-layers": f"ea_hf.patch(model, alpha={EA_ALPHA}, beta={EA_BETA}, "
-                f"layers={evolved_layers('ea-layers', config.num_hidden_layers)}) (the other layers run eager math "
-                "inside ea_hf's attention function)",
-            },
-            "inputs": "random input_ids (seed 1), no attention mask, batch 1",
-            "prefill": "model(input_ids, use_cache=True) under torch.no_grad(); previous output freed before each",
+            "dtype": TORCH_DTYPES[args.dtype],
+            **protocol_settings(config.num_hidden_layers),
             "prefill_no_cache": "EA variants only: model(input_ids, use_cache=False), same warm-up and repeats",
-            "decode": "greedy: model(next_token, past_key_values=cache, use_cache=True), one token per call",
             "memory": "fresh process per case; VmRSS after model construction; peak RSS (VmHWM, reset after "
             "construction) over the prefills; decode peak reset again before decoding",
             "paired": "one more process per N with all variants, timed in turns (a prefill, then decode_tokens "
@@ -783,13 +1005,119 @@ def collect(
     return report
 
 
+def device_output_paths(args: argparse.Namespace, gpu: str | None) -> tuple[Path, Path]:
+    """(JSON, Markdown) of a --gpu-protocol run: ``bench_decoder_gpu.*`` under ``--out``, by default in the GPU's
+    folder (bench/results/<gpu name slug>, as bench_gpu.py's). On the CPU (a dry run) ``bench_decoder_gpu_dry_run.*``,
+    by default under bench/results/cpu; a dtype other than the device's default and the tiny config add a suffix."""
+    cuda = args.device == "cuda"
+    out = Path(args.out) if args.out else BENCH_DIR / "results" / (gpu_bench.slug(gpu) if cuda and gpu else "cpu")
+    stem = "bench_decoder_gpu" + ("" if cuda else "_dry_run")
+    stem += ("" if args.dtype == DEFAULT_DTYPES[args.device] else f"_{args.dtype}") + ("_tiny" if args.tiny else "")
+    return out / f"{stem}.json", out / f"{stem}.md"
+
+
+def device_markdown_report(report: dict) -> str:
+    """The Markdown file of a --gpu-protocol run: what was run, the table and how to read it."""
+    settings = report["settings"]
+    paths = sorted({path for t in report["paired_timing"] for path in t["evolution_path"].values() if path})
+    triton = report["ea_hf_triton"]
+    return (
+        f"# Decoder cost on {report['device_name']}: eager vs sdpa vs Evolving Attention ({report['model']})\n\n"
+        f"{report['machine_line']}. {report['parameters']:,} parameters, {settings['dtype']}, batch 1, "
+        f"`torch.no_grad()`, eval mode. EA: alpha = {EA_ALPHA}, beta = {EA_BETA}, kernel 3; its maps evolved by "
+        f"{', '.join(paths)} (`EA_HF_TRITON` {'unset' if triton is None else f'= {triton}'}; the kernel calls "
+        "counted tell which path ran). One process per N builds the four models on the device and runs them in "
+        f"turns for {settings['paired_rounds']} rounds after an untimed one, the order rotating from round to round; "
+        "each turn: the prefill `model(input_ids, use_cache=True)` (logits for all N positions), then "
+        f"{settings['decode_tokens']} greedy steps `model(next_token, past_key_values=cache, use_cache=True)`. "
+        "Every call is timed by `time.perf_counter()`, on CUDA between two `torch.cuda.synchronize()`: median "
+        "prefill ms and median ms per decoded token over the rounds. *prefill peak added*: "
+        "`torch.cuda.max_memory_allocated()` during the prefill minus `torch.cuda.memory_allocated()` just before it "
+        "(the peak reset there; the models and the prompt not counted; logits and cache included), the largest of "
+        "the rounds; none on the CPU. *kept rows per layer*: the convolution rows each evolved layer keeps on the "
+        "cache for decoding. *others' cores*: host CPU cores other processes used meanwhile. Total run "
+        f"{report['wall_time_s']:.0f} s.\n\n"
+        f"{report['markdown_table']}"
+    )
+
+
+def collect_device(
+    args: argparse.Namespace, paired_run: Callable[[int, argparse.Namespace], dict] = spawn_paired
+) -> dict:
+    """The --gpu-protocol run: the paired timing of each N on ``--device`` (``paired_run``: a fresh process each
+    by default), compared, written as JSON and Markdown. No fresh process per case: their RSS says nothing of a
+    GPU, and the allocator's peak, reset before each prefill, measures memory in the paired process itself."""
+    start = time.perf_counter()
+    info = attention_bench.machine_info(args.threads)
+    # machine_info says cuda wherever a GPU is visible; the device is what the run used.
+    info["device"], info["batch"] = args.device, 1
+    json_path, markdown_path = device_output_paths(args, info["gpu"])
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {attention_bench.machine_line(info)}; {args.dtype}", flush=True)
+    timings = []
+    for length in args.lengths:
+        timing = paired_run(length, args)
+        timings.append(timing)
+        for variant in VARIANTS:
+            memory = timing["prefill_memory_added_mib"][variant]
+            print(
+                f"  {variant:<9} N={length:<5} prefill {timing['prefill_median_s'][variant] * 1e3:8.2f} ms "
+                f"({timing['prefill_over_eager'][variant]:.3f}x eager)  peak +{number(memory, 1)} MiB  decode "
+                f"{timing['decode_median_s'][variant] * 1e3:7.2f} ms/token "
+                f"({timing['decode_over_eager'][variant]:.3f}x eager)  {timing['evolution_path'][variant] or ''}",
+                flush=True,
+            )
+        print(f"  [N={length}: {timing.get('process_wall_s', timing['measured_wall_s']):.0f} s]", flush=True)
+    config = model_config(args.tiny)
+    rows = device_rows(timings)
+    first = timings[0]
+    report = {
+        "benchmark": "Random Llama-style decoder (~125M) on a GPU: prefill time and memory, and decoding latency, "
+        "of eager vs sdpa vs ea_hf Evolving Attention (all layers and every 4th layer), side by side",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": "LlamaForCausalLM, tiny config" if args.tiny else "LlamaForCausalLM, ~125M",
+        "machine": info,
+        "machine_line": attention_bench.machine_line(info),
+        "device_name": first["device_name"],
+        "torch": first["torch"],
+        "ea_hf_triton": first["ea_hf_triton"],
+        "config": config.to_diff_dict(),
+        "parameters": first["parameters"],
+        "settings": {
+            "lengths": args.lengths,
+            "decode_tokens": args.decode_tokens,
+            "paired_rounds": args.paired_rounds,
+            "threads": args.threads,
+            "tiny": args.tiny,
+            "device": args.device,
+            "dtype": TORCH_DTYPES[args.dtype],
+            **protocol_settings(config.num_hidden_layers),
+            "timing": "one process per N with all variants, timed in turns (a prefill, then decode_tokens steps) "
+            "for paired_rounds rounds after an untimed one, the order rotating; every call between two "
+            "torch.cuda.synchronize() (none on the CPU); medians over the rounds",
+            "memory": "per timed prefill: torch.cuda.max_memory_allocated() minus torch.cuda.memory_allocated() "
+            "before it, the peak reset there; the largest of the rounds (None on the CPU)",
+        },
+        "paired_timing": timings,
+        "comparison": rows,
+        "markdown_table": paired_table(rows, device=True),
+    }
+    report["wall_time_s"] = time.perf_counter() - start
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    markdown_path.write_text(device_markdown_report(report))
+    print()
+    print(report["markdown_table"])
+    print(f"wall time {report['wall_time_s']:.0f} s; wrote {json_path}, {markdown_path}")
+    return report
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--tiny`` replaces the lengths and repeats unless they are given explicitly."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--out",
-        default=str(BENCH_DIR / "results"),
-        help="output folder (default bench/results; a run to keep goes to bench/results/<machine>)",
+        help="output folder (default bench/results, with --gpu-protocol bench/results/<gpu name slug>; a CPU run to "
+        "keep goes to bench/results/<machine>)",
     )
     parser.add_argument("--lengths", type=int, nargs="+", help="context lengths N (default 512 2048; tiny 32 64)")
     parser.add_argument("--repeats", type=int, help="timed prefills per case (default 3; tiny 2)")
@@ -816,6 +1144,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rounds of the paired timing, every variant in one process per N (default 5; tiny 2; 0: none)",
     )
     parser.add_argument("--tiny", action="store_true", help="dry run: tiny config, N in {32, 64}, 2 repeats")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the models run (default cpu); cuda implies --gpu-protocol",
+    )
+    parser.add_argument(
+        "--dtype", choices=tuple(TORCH_DTYPES), help="the models' dtype (default fp32 on the CPU, bf16 on CUDA)"
+    )
+    parser.add_argument(
+        "--gpu-protocol",
+        action="store_true",
+        help="only the paired processes, one per N, with the peak memory each prefill adds by the device's "
+        "allocator (none on the CPU) and no fresh process per case; on the CPU a dry run of a GPU run",
+    )
     parser.add_argument("--case", nargs=2, metavar=("VARIANT", "N"), help="internal: run one case, print its JSON")
     parser.add_argument("--paired", type=int, metavar="N", help="internal: run the paired timing, print its JSON")
     args = parser.parse_args(argv)
@@ -824,6 +1167,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.repeats = args.repeats if args.repeats is not None else defaults[1]
     args.decode_tokens = args.decode_tokens if args.decode_tokens is not None else defaults[2]
     args.paired_rounds = args.paired_rounds if args.paired_rounds is not None else defaults[3]
+    args.dtype = args.dtype or DEFAULT_DTYPES[args.device]
+    args.gpu_protocol = args.gpu_protocol or args.device == "cuda"
+    if args.gpu_protocol and (args.case or args.paired_rounds < 1):
+        parser.error("--gpu-protocol (and --device cuda) runs paired processes only: no --case, --paired-rounds >= 1")
     if args.case:
         if args.case[0] not in VARIANTS:
             parser.error(f"--case expects VARIANT in {VARIANTS}")
@@ -838,15 +1185,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parent run by default; ``--case VARIANT N`` runs one case and prints it as a result line."""
+    """Parent run by default (with ``--gpu-protocol`` or ``--device cuda``, the GPU's); ``--case VARIANT N`` and
+    ``--paired N`` run one case or one paired timing and print it as a result line."""
     args = parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(NO_CUDA_MESSAGE, file=sys.stderr)
+            sys.exit(2)
     if args.case:
-        variant, length = args.case
-        result = run_case(variant, length, args.repeats, args.warmup, args.decode_tokens, args.threads, args.tiny)
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        print(RESULT_PREFIX + json.dumps(run_case_in_process(*args.case, args)), flush=True)
     elif args.paired is not None:
-        result = run_paired(args.paired, args.paired_rounds, args.decode_tokens, args.threads, args.tiny)
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        print(RESULT_PREFIX + json.dumps(run_paired_in_process(args.paired, args)), flush=True)
+    elif args.gpu_protocol:
+        collect_device(args)
     else:
         collect(args)
 
