@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # One call of a lent GPU machine (the device tool), prepared here so that a short lease is spent on measuring:
 #   1. the machine (CPU model, GPU, versions) -> $OUT/machine.txt
-#   2. the CUDA half of tests/ops/test_triton_kernel.py (compiled Triton kernels) -> $OUT/cuda_tests.{log,xml}
-#   3. bench_triton_kernels.py --sweep (one evolution step, both paths, tile sweep) -> $OUT/kernels/
-#   4. bench_gpu.py, bf16 then fp32 at N = 512 (batch 8), without the compiled variant -> $OUT/model/
-#   5. meanwhile, on four other cores, CUDA hidden: the paired CPU timing of bench_attention.py (eager, sdpa, EA
+#   2. the CUDA half of tests/ops/test_triton_{kernel,attention}.py (compiled Triton kernels) -> $OUT/cuda_tests.*
+#   3. bench_gpu.py, bf16 then fp32 at N = 512 (batch 8), without the compiled variant -> $OUT/model/
+#   4. bench_gpu.py, bf16 training at N = 2048 (batch 2) -> $OUT/model_2048/
+#   5. bench_triton_kernels.py --liger: the evolution step beside Liger-Kernel's Multi-Token Attention, bf16,
+#      N = 512, batch 8 (where bench/wheels holds the liger-kernel wheel) -> $OUT/liger/
+#   6. bench_decoder.py --device cuda: the ~125M Llama's prefill, its memory and decoding, bf16 -> $OUT/decoder/
+#   7. meanwhile, on four other cores, CUDA hidden: the paired CPU timing of bench_attention.py (eager, sdpa, EA
 #      alternating, 2 threads) at the issue-18 cases, and the step memory of eager and EA training, so that each
 #      lease also records the CPU ratios on its host's CPU model -> $OUT/cpu_paired.log, $OUT/cpu_memory.log
-# Each step has its own time limit, so that a slow one leaves the others their share; the whole script ends
-# within about 480 s. The device machine has torch, transformers and triton but not ea_hf: it runs from the
-# working tree.
-#     device run: bash bench/gpu_session.sh   (timeout_s 510)
+# In that order of priority. Each step has its own time limit, so that a slow one leaves the others their share;
+# the whole script ends within about 480 s. The device machine has torch, transformers and triton but not ea_hf
+# (it runs from the working tree) and no network: run bench/fetch_wheels.sh here first and carry bench/wheels.
+#     device run: bash bench/gpu_session.sh   (timeout_s 510, carry ["bench/wheels"])
 set -u
 OUT=${OUT:-/tmp/gpu_session}
-mkdir -p "$OUT/kernels" "$OUT/model"
+mkdir -p "$OUT/model" "$OUT/model_2048" "$OUT/liger" "$OUT/decoder"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 EA_HF_CACHE=/tmp/ea_hf_cache TOKENIZERS_PARALLELISM=false
 PYTHON=${PYTHON:-python3}
 
@@ -57,15 +60,29 @@ CPU_JOB=$!
 MEMORY_JOB=$!
 
 on_gpu_cpus() { taskset -c "$OTHER_CPUS" "$@"; }
-on_gpu_cpus timeout 200 $PYTHON -m pytest -q -p no:cacheprovider -rs tests/ops/test_triton_kernel.py -k cuda \
+on_gpu_cpus timeout 130 $PYTHON -m pytest -q -p no:cacheprovider -rs tests/ops/test_triton_kernel.py \
+    tests/ops/test_triton_attention.py -k cuda \
     --junitxml="$OUT/cuda_tests.xml" > "$OUT/cuda_tests.log" 2>&1
 echo "CUDA tests: exit $?"; tail -5 "$OUT/cuda_tests.log"
-on_gpu_cpus timeout 100 $PYTHON bench/bench_triton_kernels.py --sweep --dtypes fp32 bf16 --cases 512:8 \
-    --out "$OUT/kernels" > "$OUT/kernels/log.txt" 2>&1
-echo "kernel bench: exit $?"; tail -25 "$OUT/kernels/log.txt"
 on_gpu_cpus timeout 170 $PYTHON bench/bench_gpu.py --cases 512:8 --dtypes bf16 fp32 \
     --variants eager sdpa ea-torch ea-triton --out "$OUT/model" > "$OUT/model/log.txt" 2>&1
 echo "model bench: exit $?"; tail -30 "$OUT/model/log.txt"
+on_gpu_cpus timeout 55 $PYTHON bench/bench_gpu.py --cases 2048:2 --dtypes bf16 --modes training --no-check \
+    --variants eager sdpa ea-torch ea-triton --out "$OUT/model_2048" > "$OUT/model_2048/log.txt" 2>&1
+echo "model bench N=2048: exit $?"; tail -12 "$OUT/model_2048/log.txt"
+LIGER_WHEEL=$(ls bench/wheels/liger_kernel-*.whl 2>/dev/null | head -1)
+if [ -n "$LIGER_WHEEL" ]; then
+    $PYTHON -m pip install --no-deps --no-index --quiet --target /tmp/liger "$LIGER_WHEEL" \
+        || $PYTHON -m zipfile -e "$LIGER_WHEEL" /tmp/liger
+    PYTHONPATH=$PWD:/tmp/liger on_gpu_cpus timeout 55 $PYTHON bench/bench_triton_kernels.py --liger --dtypes bf16 \
+        --cases 512:8 --out "$OUT/liger" > "$OUT/liger/log.txt" 2>&1
+    echo "Liger bench: exit $?"; grep -i "liger" "$OUT/liger/log.txt" | tail -5
+else
+    echo "no liger-kernel wheel in bench/wheels (run bench/fetch_wheels.sh here, carry bench/wheels): Liger skipped"
+fi
+on_gpu_cpus timeout 70 $PYTHON bench/bench_decoder.py --device cuda --paired-rounds 3 --decode-tokens 16 \
+    --threads 4 --out "$OUT/decoder" > "$OUT/decoder/log.txt" 2>&1
+echo "decoder bench: exit $?"; tail -15 "$OUT/decoder/log.txt"
 wait "$CPU_JOB" "$MEMORY_JOB"
 grep -v '^BENCH_RESULT' "$OUT/cpu_paired.log" | tail -5
 grep -c '^BENCH_RESULT' "$OUT/cpu_paired.log" "$OUT/cpu_memory.log"

@@ -86,6 +86,37 @@ def eager_traffic(batch: int, heads: int, n: int, dtype: str, head_dim: int = 64
     return Traffic(4 * size * elements, 6 * size * elements, products, 2 * products)
 
 
+def tail_traffic(batch: int, heads: int, n: int, dtype: str, fused: bool, head_dim: int = 64) -> Traffic:
+    """What the attention tail after the evolution moves and computes per layer, with attention dropout (as
+    BERT trains): the masked softmax over A_logit, dropout and the product with V, forward and backward.
+
+    On torch operations (the core's path): forward, A_logit read and P written in fp32, P cast to the values'
+    dtype, dropout's mask drawn and applied, dropout(P) read by the product; backward, P recomputed and cast
+    again, dropout applied again and read by the product for dV, dO @ V^T written, dropout's gradient, the
+    softmax's gradient in fp32 (P and G read, written over G), and the casts between. Fused
+    (``ea_hf.ops.triton_attention``): forward, A_logit read and dropout's mask drawn (by torch) and read;
+    backward, A_logit and the mask read twice in half precision (the row terms' pass, then the gradients' one;
+    once in fp32) and A_logit's gradient written. The products: P @ V forward, dV and dP backward (and dP again
+    for the row terms in half precision), 2 * head_dim FLOPs an element each.
+
+    Example:
+        >>> [round(tail_traffic(8, 12, 512, "bf16", fused).backward_bytes / 1e6) for fused in (False, True)]  # MB
+        [1258, 201]
+    """
+    elements = batch * heads * n * n
+    size = DTYPE_BYTES[dtype]
+    half = size != 4
+    product = 2 * head_dim * elements
+    if fused:
+        forward = size + 1 + 1
+        backward = (size + 1) * (2 if half else 1) + size
+        return Traffic(forward * elements, backward * elements, product, (3 if half else 2) * product)
+    cast = (4 + size) if half else 0  # an fp32 map read and written in the values' dtype, or back
+    forward = size + 4 + cast + (1 + 2 * size) + size
+    backward = (size + 4) + cast + (2 * size + 1) + size + size + (2 * size + 1) + cast + 12 + cast
+    return Traffic(forward * elements, backward * elements, product, 2 * product)
+
+
 def measured(results: Path = RESULTS) -> tuple[dict, dict]:
     """(the kernel cases of triton_kernels.json, the eager steps of bench_gpu.json), keyed by dtype (and mode)."""
     kernels = json.loads((results / "triton_kernels.json").read_text())
@@ -120,6 +151,14 @@ def roofline_table(gpu: Gpu = H200, results: Path = RESULTS, layers: int = 12, t
             f"| {(eager_maps.forward_flops + eager_maps.backward_flops) / 1e9:.1f} "
             f"| {eager_maps.seconds(gpu, dtype) * 1e6:.0f} us | | | |"
         )
+        for fused, path in ((False, "torch ops"), (True, "fused, Triton")):
+            tail = tail_traffic(case["batch"], case["heads"], case["n"], dtype, fused)
+            lines.append(
+                f"| {dtype} | attention tail ({path}), forward + backward "
+                f"| {(tail.forward_bytes + tail.backward_bytes) / 1e6:.0f} MB "
+                f"| {(tail.forward_flops + tail.backward_flops) / 1e9:.1f} | {tail.seconds(gpu, dtype) * 1e6:.0f} us "
+                "| | | |"
+            )
         traffic = evolution_traffic(case["batch"], case["heads"], case["n"], dtype)
         for passes, key, total_bytes, flops in (
             ("forward", "forward_ms", traffic.forward_bytes, traffic.forward_flops),

@@ -31,6 +31,7 @@ from .modeling import (
     is_patched,
     patch,
     register_auto_classes,
+    register_fused_attention_tail,
     register_fused_kernel,
     register_hub_publisher,
     summary,
@@ -46,6 +47,8 @@ register_auto_classes()
 register_dc_transformer()
 for _kernel in ops.FUSED_KERNELS:
     register_fused_kernel(_kernel)
+for _tail in ops.FUSED_ATTENTION_TAILS:
+    register_fused_attention_tail(_tail)
 register_hub_publisher(push_model)
 
 

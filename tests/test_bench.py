@@ -1,5 +1,8 @@
 """The benchmark's bookkeeping: ratios, targets and the table from known figures (no model is run)."""
 
+import os
+import sys
+
 import pytest
 from testing import bench_script
 
@@ -203,3 +206,51 @@ def test_the_kernel_alone_against_another_build(bench, tmp_path, monkeypatch):
     ((flags, build),) = result["builds"].items()
     assert flags == "-DEA_HF_PREFETCH_LOCALITY=3"
     assert set(build) == {"forward_ms", "backward_ms"} and all(0 < value < 1e3 for value in build.values())
+
+
+#: A stand-in for the machine's Python: it parses a benchmark's arguments with the script's own parser (and
+#: records them, or the failure) and runs nothing else.
+PARSING_PYTHON = """
+import importlib.util, json, pathlib, sys
+args, folder = sys.argv[1:], pathlib.Path(sys.argv[0]).parent
+if args and args[0].startswith("bench/") and args[0].endswith(".py"):
+    name = pathlib.Path(args[0]).stem
+    spec = importlib.util.spec_from_file_location(name, args[0])
+    sys.modules[name] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.parse_args(args[1:])
+    except SystemExit:
+        (folder / "failed.log").open("a").write(json.dumps(args) + "\\n")
+        raise
+    (folder / "parsed.log").open("a").write(json.dumps(args) + "\\n")
+"""
+
+
+@pytest.mark.parametrize(
+    ("session", "scripts"),
+    [
+        ("gpu_session.sh", {"bench_attention", "bench_gpu", "bench_decoder"}),
+        ("cpu_host_session.sh", {"bench_attention"}),
+    ],
+)
+def test_every_command_of_a_session_script_parses(tmp_path, session, scripts):
+    """A lent machine's minutes are few: the prepared script, run as written with a Python that only parses
+    the benchmarks' arguments, reaches every benchmark step, and each takes its arguments (argparse would exit
+    on one it does not know, and the step would be lost)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "parse.py").write_text(PARSING_PYTHON)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "parse.py"} "$@"\n')
+    python.chmod(0o755)
+    environment = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": str(python)}
+    subprocess.run(["bash", f"bench/{session}"], cwd=repo, env=environment, capture_output=True, timeout=120)
+    assert not (tmp_path / "failed.log").exists(), (tmp_path / "failed.log").read_text()
+    parsed = [json.loads(line) for line in (tmp_path / "parsed.log").read_text().splitlines()]
+    if session == "gpu_session.sh" and list((repo / "bench" / "wheels").glob("liger_kernel-*.whl")):
+        scripts = scripts | {"bench_triton_kernels"}
+    assert {Path(args[0]).stem for args in parsed} == scripts

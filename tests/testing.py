@@ -237,10 +237,15 @@ def spy_on(monkeypatch, module, names=("correlate", "backward")) -> list[str]:
     return called
 
 
-def recorded_triton_launches(monkeypatch, kernels, call) -> list[tuple[str, tuple, dict]]:
+def recorded_triton_launches(
+    monkeypatch, kernels, call, names=("correlate", "input_grad", "weight_grad")
+) -> list[tuple[str, tuple, dict]]:
     """(kernel name, positional arguments, keyword arguments) of every launch that ``call()`` makes through
-    ``ea_hf.ops.triton_kernels`` (passed as ``kernels``) as it would on a GPU (tiles and precision for a compiled
-    kernel), without running any: the outputs are left unwritten."""
+    the kernels ``names`` of a Triton kernel module (``ea_hf.ops.triton_kernels`` or ``triton_attention``,
+    passed as ``kernels``) as it would on a GPU (tiles and precision for a compiled kernel), without running
+    any: the outputs are left unwritten."""
+    from ea_hf.ops import triton_kernels
+
     launches = []
 
     class Launcher:
@@ -251,11 +256,10 @@ def recorded_triton_launches(monkeypatch, kernels, call) -> list[tuple[str, tupl
             return lambda *args, **kwargs: launches.append((self.name, args, kwargs))
 
     with monkeypatch.context() as patch:
-        recorder = types.SimpleNamespace(
-            **{name: Launcher(name) for name in ("correlate", "input_grad", "weight_grad")}
-        )
+        recorder = types.SimpleNamespace(**{name: Launcher(name) for name in names})
         patch.setattr(kernels, "_kernels", lambda: recorder)
-        patch.setattr(kernels, "_interpreting", lambda: False)
+        for module in {kernels, triton_kernels}:  # the precision of float32 products is read there
+            patch.setattr(module, "_interpreting", lambda: False)
         call()
     return launches
 

@@ -17,6 +17,7 @@ and ``dc_transformer`` (EA-DC-Transformer).
 from .architectures import ARCHITECTURES, ArchitectureSpec, supported_model_types
 from .attach import is_patched
 from .attention import ATTENTION_IMPLEMENTATION, evolving_attention_forward, register_attention
+from .attention_core import register_fused_attention_tail
 from .config_classes import evolving_attention_config_class
 from .convolution import register_fused_kernel
 from .echo import EchoAttention
@@ -49,6 +50,7 @@ __all__ = [
     "patch",
     "register_attention",
     "register_auto_classes",
+    "register_fused_attention_tail",
     "register_fused_kernel",
     "register_hub_publisher",
     "summary",

@@ -21,8 +21,10 @@ from transformers.masking_utils import AttentionMaskInterface
 from .attention_core import (
     attend_values,
     attention_scores,
+    attention_weights_read,
     evolution_maps,
     full_precision,
+    fused_attention_tail,
     masked_logits,
     plain_scores,
     scores_stand_in,
@@ -147,6 +149,8 @@ def attend(
                 dropout=dropout,
                 position_bias=position_bias,
                 softcap=softcap,
+                # Sinks rescale the weights (join_sinks); elsewhere only transformers' recording reads them.
+                weights_read=kwargs.get("s_aux") is not None or attention_weights_read(),
             )
             if kwargs.get("s_aux") is not None:
                 output, probs = join_sinks(output, probs, chain[evolution.key], allowed, additive, kwargs["s_aux"])
@@ -163,15 +167,24 @@ def attend(
     if writes_into_weights and SPENT_WEIGHTS_KEY in chain:
         spent = spare_map(chain, scores_stand_in(query, key, query.dtype), SPENT_WEIGHTS_KEY)
     scores = attention_scores(query, key, scaling, position_bias, softcap, out=spent)
-    spare = None
+    spare = tail = None
     if evolution is not None:
         scores = evolution(evolution_maps(scores, evolution.weight), conv_mask, chain, history, query=query, past=past)
-        spare = spare_map(chain, scores)
-    output, probs, _, _ = attend_values(scores, allowed, additive, value, dropout, out=spare)
+        # Inference where nobody reads the weights: a fused tail (see the attention core) may take the softmax
+        # and the product without forming P.
+        inference = dropout == 0.0 and not torch.is_grad_enabled()
+        if inference and kwargs.get("s_aux") is None and not attention_weights_read():
+            tail = fused_attention_tail(scores, allowed, additive, value)
+        spare = None if tail is not None else spare_map(chain, scores)
+    if tail is not None:
+        (output, _), probs = tail.forward(scores, allowed, additive, value, None, 1.0), None
+    else:
+        output, probs, _, _ = attend_values(scores, allowed, additive, value, dropout, out=spare)
     if kwargs.get("s_aux") is not None:
         output, probs = join_sinks(output, probs, scores, allowed, additive, kwargs["s_aux"])
     if (
         writes_into_weights
+        and probs is not None
         and evolution is not None
         and probs.numel() * probs.element_size() >= SPENT_WEIGHTS_MIN_BYTES
     ):

@@ -19,6 +19,9 @@ the layer's keys and values, which the core keeps anyway (N <= 2 * head_dim for 
 and the softmax. On BERT-Base at N = 128, batch 8 (Intel Xeon, profiler), keeping S saves about 30 ms of a
 1.8 s training step and keeping P about 10 ms more.
 
+Where nobody reads the attention weights, a fused attention tail (``ea_hf.ops.triton_attention``, on GPUs with
+the Triton kernels) takes the masked softmax, dropout and the product with V flash-style, without forming P.
+
 While ``torch.compile`` traces, :func:`compiled_core` runs the layer's operators instead, inside a selective
 activation checkpoint that keeps A_logit and the gate and recomputes S and P: the maps this node keeps, in a
 graph that inductor plans. Where the maps are small it keeps S as well, and recomputes P, which this node keeps.
@@ -36,12 +39,94 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Protocol
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .convolution import evolve_backward, evolve_convolution, evolve_step, fused_kernel, scale_kernel, select_kept
 from .step import EvolutionStep, GradientIn, StepMaps
+
+
+class FusedAttentionTail(Protocol):
+    """What a fused implementation of the attention tail after the evolution provides (``ea_hf.ops.triton_attention``):
+    the masked softmax over the evolved logits, dropout and the product with the values, without forming P.
+
+    ``forward`` returns (the output [B, H, Q, D] in the values' dtype, row statistics for ``backward``), masking as
+    :func:`masked_logits` does and dropping where ``dropout_keep`` (bool [B, H, Q, K]) is False, the kept weights
+    scaled by ``dropout_scale``; ``backward`` returns (the logits' gradient in ``grad_dtype``, the values'
+    gradient) from forward's output, its statistics and the output's gradient. ``applicable`` says whether it
+    takes these tensors.
+    """
+
+    def applicable(
+        self, logits: torch.Tensor, allowed: torch.Tensor | None, additive: torch.Tensor | None, value: torch.Tensor
+    ) -> bool: ...
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        allowed: torch.Tensor | None,
+        additive: torch.Tensor | None,
+        value: torch.Tensor,
+        dropout_keep: torch.Tensor | None,
+        dropout_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(
+        self,
+        logits: torch.Tensor,
+        allowed: torch.Tensor | None,
+        additive: torch.Tensor | None,
+        value: torch.Tensor,
+        dropout_keep: torch.Tensor | None,
+        dropout_scale: float,
+        output: torch.Tensor,
+        stats: torch.Tensor,
+        grad_output: torch.Tensor,
+        grad_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+#: Fused attention tails, tried in order; registered by ``ea_hf.ops`` (remote-code copies of this file have none).
+FUSED_ATTENTION_TAILS: list[FusedAttentionTail] = []
+
+
+def register_fused_attention_tail(tail: FusedAttentionTail) -> None:
+    """Use ``tail`` in :class:`EvolvingAttentionCore` wherever it says it is applicable (idempotent)."""
+    if tail not in FUSED_ATTENTION_TAILS:
+        FUSED_ATTENTION_TAILS.append(tail)
+
+
+def fused_attention_tail(
+    logits: torch.Tensor, allowed: torch.Tensor | None, additive: torch.Tensor | None, value: torch.Tensor
+) -> FusedAttentionTail | None:
+    """The first registered tail applicable to these tensors, or None (softmax and product as torch operations;
+    always while torch.compile traces: the tails are no operators a graph could hold)."""
+    if torch.compiler.is_compiling():
+        return None
+    for tail in FUSED_ATTENTION_TAILS:
+        if tail.applicable(logits, allowed, additive, value):
+            return tail
+    return None
+
+
+def attention_weights_read() -> bool:
+    """Whether the attention weights of the running forward pass may be read: a fused attention tail never forms
+    them. transformers records them (``output_attentions``) through hooks that its ``capture_outputs`` sets up,
+    with the outputs wanted in a context variable; where no such record is running, or transformers keeps it
+    elsewhere, the weights count as read.
+
+    Example:
+        >>> attention_weights_read()  # outside a model's forward nothing says they are not
+        True
+    """
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - a transformers without it: assume the weights are read
+        return True
+    collected = _active_collector.get()
+    return not isinstance(collected, dict) or any(name.endswith("attentions") for name in collected)
 
 
 def exact_scaling(scaling: float) -> bool:
@@ -444,14 +529,17 @@ class EvolvingAttentionCore(torch.autograd.Function):
     ``None``), ``allowed`` / ``additive`` (the attention mask, see :func:`~.masks.split_attention_mask`), then
     the constants ``scaling``, ``softcap`` and ``dropout`` (the probability; 0 outside training), and
     ``spare_maps`` (the call's dict of maps that backward passes down the layers, see :func:`leave_spare_map`;
-    or ``None``). Half-precision queries give maps in :func:`evolution_dtype`, as the unfused path does; P is
+    or ``None``) and ``weights_read`` (False where nobody reads the attention weights: a registered
+    :class:`FusedAttentionTail` may then take the softmax, dropout and the product with V without forming P,
+    keeping the output and its row statistics instead of recomputing P in backward, and the weights come back
+    as None). Half-precision queries give maps in :func:`evolution_dtype`, as the unfused path does; P is
     fp32 for them (see :func:`softmax_probabilities`).
     """
 
     @staticmethod
     def forward(
         ctx, step, query, key, value, previous, position_bias, weight, bias, conv_mask, allowed, additive, scaling,
-        softcap, dropout, spare_maps=None,
+        softcap, dropout, spare_maps=None, weights_read=True,
     ):  # fmt: skip
         # Keys and values as contiguous [B, H, K, D] (they arrive as views of the projections' [B, K, H * D]
         # outputs): every product with them, here and in backward, then reads them in place instead of copying
@@ -470,13 +558,25 @@ class EvolvingAttentionCore(torch.autograd.Function):
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
         maps = StepMaps(scores, previous, keep)
         logits, gate, _ = evolve_step(step, maps, weight, bias, for_backward=True, spend_scores=not small)
-        output, probabilities, full, dropout_mask = attend_values(logits, allowed, additive, value, dropout)
-        # Kept: S and P (A_logit is kept by the next layer, as its A_prev). Else A_logit, to recompute P from.
-        kept = (scores, full, None) if small else (None, None, logits)
+        # Where nobody reads the attention weights, a fused tail may take the softmax and the product without
+        # forming P (it returns None for them, as sdpa and flash attention do).
+        tail = None if weights_read else fused_attention_tail(logits, allowed, additive, value)
+        stats = None
+        if tail is None:
+            output, probabilities, full, dropout_mask = attend_values(logits, allowed, additive, value, dropout)
+        else:
+            probabilities = full = dropout_mask = None
+            if dropout > 0.0:  # the draw torch's dropout makes (see dropout_with_mask), kept for backward
+                dropout_mask = torch.empty_like(logits, dtype=torch.bool).bernoulli_(1.0 - dropout)
+            output, stats = tail.forward(logits, allowed, additive, value, dropout_mask, 1.0 / (1.0 - dropout))
+        # Kept: S and P (A_logit is kept by the next layer, as its A_prev). Else A_logit, to recompute P from;
+        # with a fused tail, A_logit (and S where small), the output and the rows' statistics.
+        kept = (scores if small else None, full if small else None, None if full is not None and small else logits)
         ctx.save_for_backward(
             query, key, value, previous, position_bias, weight, bias, gate, conv_mask, allowed, additive, dropout_mask,
-            *kept,
+            *kept, None if tail is None else output, stats,
         )  # fmt: skip
+        ctx.tail = tail
         ctx.plain, ctx.product_scaling = plain, product_scaling
         device = query.device.type
         # S is recomputed under the autocast state it was computed under (a matmul may run in half precision).
@@ -491,47 +591,22 @@ class EvolvingAttentionCore(torch.autograd.Function):
     def backward(ctx, grad_output, grad_logits, grad_probabilities):
         saved = ctx.saved_tensors  # unpacked once: non-reentrant checkpointing refuses a second unpack
         query, key, value, previous, position_bias, weight, bias, gate, conv_mask, allowed, additive, mask = saved[:12]
-        kept_scores, kept_probabilities, logits = saved[12:]  # S and P where forward kept them, else A_logit
+        kept_scores, kept_probabilities, logits = saved[12:15]  # S and P where forward kept them, else A_logit
         step, (scaling, softcap, dropout) = ctx.step, ctx.constants
-        # P again (bit-identical to forward's) where it was not kept; then the gradients of dropout(P) @ V and of
-        # the softmax.
-        if kept_probabilities is not None:
-            full, recomputed = kept_probabilities, None
-        else:
-            handed_down = take_spare_map(ctx.spare_maps, logits)  # the S map the layer above spent, if any
-            full = recomputed = softmax_probabilities(logits, allowed, additive, out=handed_down)
         dropout_scale = 1.0 / (1.0 - dropout) if dropout > 0.0 else 1.0
-        # Outputs without a gradient come as None (see forward): the attention weights usually, the last
-        # layer's A_logit, both without a map of zeros to allocate and add.
-        grad_value, grad_attention = None, grad_probabilities
-        if grad_output is not None:
-            grad_output = grad_output.contiguous()  # a view of [B, Q, H * D]: copied once for both products
-            probabilities = full.to(value.dtype)
-            if mask is not None:
-                probabilities = select_kept(probabilities, mask, dropout_scale)
-            grad_value = grouped_transposed_product(probabilities, grad_output, value.shape[1])
-            # dO @ V^T over dropout(P)'s map where that is a map of its own (spent now), as S goes over P's below.
-            spare = probabilities if probabilities is not full and probabilities.dtype == grad_output.dtype else None
-            del probabilities
-            product = grouped_product(grad_output, value.transpose(-1, -2), out=spare)
-            grad_attention = product if grad_probabilities is None else product.add_(grad_probabilities)
-        elif grad_attention is not None:  # autograd's own tensor: the steps below write over it
-            grad_attention = grad_attention.clone()
-        else:  # only A_logit's gradient flows back: none passes through the softmax
-            grad_attention = torch.zeros_like(full)
-        if mask is not None:  # in place: grad_attention is a map of this function's own by now
-            select_kept(grad_attention, mask, dropout_scale, out=grad_attention)
-        # The softmax's gradient P * (G - rowsum(G * P)), by eager attention's fused kernel, written over G: a
-        # training step then allocates no more [B, H, Q, K] maps in backward than eager attention does (P and
-        # G: S is written over P, the evolution's gradient over G, below).
-        grad_evolved = grad_attention.to(full.dtype)
-        torch.ops.aten._softmax_backward_data.out(grad_evolved, full, -1, full.dtype, grad_input=grad_evolved)
-        del grad_attention
-        if additive is None and allowed is not None:  # masked_fill passes no gradient to the filled entries
-            # In place, in one pass of the kernel where it applies: masked_fill_ with a mask broadcast over the
-            # heads is slower on CPU, and so is torch.where (AMD EPYC, [2, 12, 512, 512]: 3.5, 2.5 to 3.6 and 0.6
-            # ms), with the same result.
-            select_kept(grad_evolved, allowed, out=grad_evolved)
+        grad_value = full = recomputed = None
+        if ctx.tail is not None:  # the softmax's and the product's gradients in the tail's one pass
+            output, stats = saved[15:]
+            if grad_output is not None:
+                grad_evolved, grad_value = ctx.tail.backward(
+                    logits, allowed, additive, value, mask, dropout_scale, output, stats, grad_output, logits.dtype
+                )
+            else:  # only A_logit's gradient flows back: none passes through the softmax
+                grad_evolved = torch.zeros_like(logits)
+        else:
+            full, recomputed, grad_value, grad_evolved = _softmax_and_product_backward(
+                ctx, saved, logits, kept_probabilities, grad_output, grad_probabilities, dropout_scale
+            )
         spent_scores = None  # S's map where it is this function's own, to leave to the layer below
         if kept_scores is not None:
             scores = kept_scores
@@ -593,7 +668,54 @@ class EvolvingAttentionCore(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight, grad_bias = grad_weight.to(weight.dtype), grad_bias.to(bias.dtype)
         grads = (grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias)
-        return None, *grads, *[None] * 7
+        return None, *grads, *[None] * 8
+
+
+def _softmax_and_product_backward(
+    ctx, saved, logits, kept_probabilities, grad_output, grad_probabilities, dropout_scale
+):  # fmt: skip
+    """:meth:`EvolvingAttentionCore.backward`'s gradients of dropout(P) @ V and of the softmax as torch operations:
+    (P, the recomputed P's map or None where P was kept, V's gradient, A_logit's gradient)."""
+    value, allowed, additive, mask = saved[2], saved[9], saved[10], saved[11]
+    # P again (bit-identical to forward's) where it was not kept; then the gradients of dropout(P) @ V and of
+    # the softmax.
+    if kept_probabilities is not None:
+        full, recomputed = kept_probabilities, None
+    else:
+        handed_down = take_spare_map(ctx.spare_maps, logits)  # the S map the layer above spent, if any
+        full = recomputed = softmax_probabilities(logits, allowed, additive, out=handed_down)
+    # Outputs without a gradient come as None (see forward): the attention weights usually, the last
+    # layer's A_logit, both without a map of zeros to allocate and add.
+    grad_value, grad_attention = None, grad_probabilities
+    if grad_output is not None:
+        grad_output = grad_output.contiguous()  # a view of [B, Q, H * D]: copied once for both products
+        probabilities = full.to(value.dtype)
+        if mask is not None:
+            probabilities = select_kept(probabilities, mask, dropout_scale)
+        grad_value = grouped_transposed_product(probabilities, grad_output, value.shape[1])
+        # dO @ V^T over dropout(P)'s map where that is a map of its own (spent now), as S goes over P's below.
+        spare = probabilities if probabilities is not full and probabilities.dtype == grad_output.dtype else None
+        del probabilities
+        product = grouped_product(grad_output, value.transpose(-1, -2), out=spare)
+        grad_attention = product if grad_probabilities is None else product.add_(grad_probabilities)
+    elif grad_attention is not None:  # autograd's own tensor: the steps below write over it
+        grad_attention = grad_attention.clone()
+    else:  # only A_logit's gradient flows back: none passes through the softmax
+        grad_attention = torch.zeros_like(full)
+    if mask is not None:  # in place: grad_attention is a map of this function's own by now
+        select_kept(grad_attention, mask, dropout_scale, out=grad_attention)
+    # The softmax's gradient P * (G - rowsum(G * P)), by eager attention's fused kernel, written over G: a
+    # training step then allocates no more [B, H, Q, K] maps in backward than eager attention does (P and
+    # G: S is written over P, the evolution's gradient over G, below).
+    grad_evolved = grad_attention.to(full.dtype)
+    torch.ops.aten._softmax_backward_data.out(grad_evolved, full, -1, full.dtype, grad_input=grad_evolved)
+    del grad_attention
+    if additive is None and allowed is not None:  # masked_fill passes no gradient to the filled entries
+        # In place, in one pass of the kernel where it applies: masked_fill_ with a mask broadcast over the
+        # heads is slower on CPU, and so is torch.where (AMD EPYC, [2, 12, 512, 512]: 3.5, 2.5 to 3.6 and 0.6
+        # ms), with the same result.
+        select_kept(grad_evolved, allowed, out=grad_evolved)
+    return full, recomputed, grad_value, grad_evolved
 
 
 #: Operators whose outputs :func:`compiled_core` keeps for backward: the fused kernels' A_logit and gate (the CPU
@@ -626,10 +748,12 @@ def compiled_core(
     softcap: float | None,
     dropout: float,
     spare_maps: dict | None = None,
+    weights_read: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What :class:`EvolvingAttentionCore` computes, with the arguments of its ``apply``, in a form ``torch.compile``
     traces (whose kernel operators correlate the masked tails too: the step's ``skip_masked_tails`` is left out here,
-    and ``spare_maps`` unused: a compiled graph plans its own buffers): the layer's operators inside a selective
+    ``spare_maps`` unused: a compiled graph plans its own buffers, and ``weights_read`` too: no fused attention tail
+    runs here, and the weights are returned): the layer's operators inside a selective
     activation checkpoint that keeps A_logit and the gate of the fused CPU kernel (and dropout's mask) and recomputes
     S and P in backward, as the core does. Without it, a compiled training step keeps S, A_logit and P per layer
     (1.5x a compiled eager step's memory at N = 512). Where the maps are small (:func:`keeps_small_maps`), S is kept

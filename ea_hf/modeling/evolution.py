@@ -288,12 +288,14 @@ class AttentionMapEvolution(nn.Module):
         dropout: float = 0.0,
         position_bias: torch.Tensor | None = None,
         softcap: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        weights_read: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output [B, H, Q, D], attention weights) of the layer from its queries, keys and values, through
         :class:`~.attention_core.EvolvingAttentionCore`, which keeps one map for backward instead of three (while
         torch.compile traces, :func:`~.attention_core.compiled_core`, which keeps what the core keeps, less P on
         small maps); records A_logit in ``chain`` as :meth:`forward` does, and a fresh ``history`` its last rows.
-        ``dropout``: the probability (0 in eval)."""
+        ``dropout``: the probability (0 in eval). ``weights_read``: False where nobody reads the attention weights,
+        so that a fused attention tail may take the softmax without forming them (the weights are then None)."""
         previous = self.previous_logits(chain)
         if history is not None:
             self.begin_history(history, query, key, previous, conv_mask, scaling, position_bias, softcap)
@@ -314,6 +316,7 @@ class AttentionMapEvolution(nn.Module):
             softcap,
             dropout,
             chain.setdefault(BACKWARD_SPARES_KEY, {}),
+            weights_read,
         )
         self.record_logits(chain, logits)
         return output, probabilities

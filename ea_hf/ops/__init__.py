@@ -15,14 +15,19 @@ none applies, the core runs the same steps as torch operations.
   torch operations in the one GPU benchmark so far, so they are not the default.
   While torch.compile traces, they run as the torch operators of :mod:`ea_hf.ops.triton_operators`
   (``torch.ops.ea_hf.triton_evolve``, ``triton_evolve_backward``, ``triton_convolve``).
+- :mod:`ea_hf.ops.triton_attention`: Triton kernels of the attention tail after the evolution (the masked softmax
+  and the product with the values, flash-style, without forming P), with the evolution kernels' opt-in, where
+  nobody reads the attention weights.
 - :mod:`ea_hf.ops.fused_step`: the step's forward as one pass of a kernel's correlation, and the operators'
   schemas, shared by both.
 """
 
-from . import cpu, triton_kernels, triton_operators  # noqa: F401  (triton_operators registers the operators)
+from . import cpu, triton_attention, triton_kernels, triton_operators  # noqa: F401  (registers the operators)
 
 #: The kernel modules of this package, in the order they are tried (the CPU kernel takes CPU float32 maps
 #: first, also under Triton's interpreter).
 FUSED_KERNELS = (cpu, triton_kernels)
+#: The fused attention tails (masked softmax and product with the values after the evolution), in order.
+FUSED_ATTENTION_TAILS = (triton_attention,)
 
-__all__ = ["FUSED_KERNELS", "cpu", "triton_kernels"]
+__all__ = ["FUSED_ATTENTION_TAILS", "FUSED_KERNELS", "cpu", "triton_attention", "triton_kernels"]

@@ -421,27 +421,41 @@ def _product_tiles(
 
 def _kernels() -> SimpleNamespace:
     """The jitted kernels for the current ``TRITON_INTERPRET`` setting, wrapped on first use."""
+    return jitted_for_setting(
+        _compiled,
+        {"correlate": _correlate_kernel, "input_grad": _input_grad_kernel, "weight_grad": _weight_grad_kernel},
+        helpers=(_tile_pixels, _input_taps, _gated_gradient, _tile_product),
+    )
+
+
+def jitted_for_setting(
+    cache: dict[bool, SimpleNamespace],
+    kernels: dict[str, FunctionType],
+    helpers: tuple[FunctionType, ...],
+    namespace: dict | None = None,
+) -> SimpleNamespace:
+    """:func:`_jit_together` of ``kernels`` for the current ``TRITON_INTERPRET`` setting, made once per setting
+    and kept in ``cache`` (a kernel module's own): triton.jit reads the setting itself, when it wraps, so the
+    wrappers for one setting are never reused for the other."""
     if triton is None:
         raise RuntimeError("ea_hf Triton kernels need triton installed (check applicable() first)")
     interpret = _interpreting()
     with _lock:
-        if interpret not in _compiled:
-            # triton.jit reads TRITON_INTERPRET itself, now: the wrappers for one setting are never reused for
-            # the other.
-            _compiled[interpret] = _jit_together(
-                {"correlate": _correlate_kernel, "input_grad": _input_grad_kernel, "weight_grad": _weight_grad_kernel},
-                helpers=(_tile_pixels, _input_taps, _gated_gradient, _tile_product),
-            )
-        return _compiled[interpret]
+        if interpret not in cache:
+            cache[interpret] = _jit_together(kernels, helpers, namespace)
+        return cache[interpret]
 
 
-def _jit_together(kernels: dict[str, FunctionType], helpers: tuple[FunctionType, ...]) -> SimpleNamespace:
+def _jit_together(
+    kernels: dict[str, FunctionType], helpers: tuple[FunctionType, ...], namespace: dict | None = None
+) -> SimpleNamespace:
     """``triton.jit`` of ``kernels`` and of the device functions they call, for the current interpreter setting.
 
     A kernel finds a device function by name in its globals, and the two must be jitted for the same setting (a
     compiled kernel cannot call an interpreted function, nor the interpreter a compiled one). So each function is
-    rebuilt over a copy of this module's namespace in which the helpers' names are bound to their jitted forms."""
-    namespace = dict(globals())
+    rebuilt over a copy of its module's namespace (``namespace``: the kernels' module's globals, this module's by
+    default) in which the helpers' names are bound to their jitted forms."""
+    namespace = dict(globals() if namespace is None else namespace)
 
     def rebuilt(fn: FunctionType) -> FunctionType:
         copy = FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)

@@ -13,6 +13,7 @@ import torch
 from testing import compile_for_cuda, recorded_triton_launches
 
 from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps
+from ea_hf.ops import triton_attention
 from ea_hf.ops import triton_kernels as kernels
 
 triton = pytest.importorskip(
@@ -56,8 +57,10 @@ def compile_launch(name: str, args: tuple, launch_kwargs: dict):
 
 
 def tensor_core_products(compiled) -> int:
-    """The tensor-core product instructions in a compiled kernel."""
-    return compiled.asm["ptx"].count("mma.sync")
+    """The tensor-core product instructions in a compiled kernel (Ampere's ``mma.sync`` or Hopper's
+    ``wgmma.mma_async``, which Triton picks for tiles of 64 rows or more)."""
+    ptx = compiled.asm["ptx"]
+    return ptx.count("mma.sync") + ptx.count("wgmma.mma_async")
 
 
 @pytest.mark.slow
@@ -96,3 +99,36 @@ def test_gpu_tiles_are_module_tiles_and_apply_only_where_compiled(monkeypatch, d
     assert vars(kernels._tiles(dtype)) == module_tiles | kernels.GPU_TILES[kind]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert vars(kernels._tiles(dtype)) == module_tiles
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_attention_tail_compiles_for_an_h100(monkeypatch, tmp_path, dtype):
+    """The fused attention tail's launches (forward; the row terms, for half precision, and backward) with a
+    padding mask, dropout and grouped-query values at BERT-Base's head size, on the module's tiles: each compiles
+    to a cubin whose shared memory fits an H100, with its products on tensor cores."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("EA_HF_TRITON", "1")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    batch, heads, rows, head_dim = 2, 12, 40, 64
+    logits = torch.randn(batch, heads, rows, rows).to(dtype)
+    value = torch.randn(batch, 4, rows, head_dim).to(dtype)
+    allowed = torch.ones(batch, 1, 1, rows, dtype=torch.bool)
+    keep = torch.ones(logits.shape, dtype=torch.bool)
+    output = torch.empty(batch, heads, rows, head_dim, dtype=dtype)
+    stats = torch.empty(2, batch, heads, rows)
+
+    def step():
+        triton_attention.forward(logits, allowed, None, value, keep, 1.25)
+        triton_attention.backward(logits, allowed, None, value, keep, 1.25, output, stats, output, dtype)
+
+    names = ("forward", "row_terms", "backward")
+    launches = recorded_triton_launches(monkeypatch, triton_attention, step, names)
+    expected = ["forward", "backward"] if dtype == torch.float32 else ["forward", "row_terms", "backward"]
+    assert [name for name, _, _ in launches] == expected
+    for name, args, launch_kwargs in launches:
+        compiled = compile_for_cuda(getattr(triton_attention._kernels(), name), args, launch_kwargs, capability=H100)
+        assert len(compiled.asm["cubin"]) > 0
+        assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, compiled.metadata.shared)
+        assert tensor_core_products(compiled) > 0, name

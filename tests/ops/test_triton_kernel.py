@@ -11,18 +11,16 @@ import os
 # Set before triton is imported where this module imports it first (the root conftest's ``import ea_hf`` may
 # already have, through torch._dynamo: the kernels use only builtins, which the interpreter patches either way).
 # ea_hf.ops.triton_kernels reads it when it first wraps its kernels; it is restored after this module.
-_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from testing import INTERPRETER_TRITON, METHODS, patched_model, spy_on, tiny_inputs  # noqa: E402
+from testing import METHODS, patched_model, spy_on, tiny_inputs  # noqa: E402
 
 from ea_hf.modeling import convolution  # noqa: E402
 from ea_hf.modeling.history import ConvolutionHistory  # noqa: E402
 from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps, pack_gate, packed_gate  # noqa: E402
-from ea_hf.modeling.versions import release  # noqa: E402
 from ea_hf.ops import cpu, cpu_binding  # noqa: E402
 from ea_hf.ops import triton_kernels as kernels  # noqa: E402
 
@@ -50,41 +48,6 @@ DEFAULT_TILES = {name: getattr(kernels, name) for name in (*TILES, *SMALL_TILES,
 #: Max error relative to the reference's largest magnitude: fp32 kernels, and half-precision maps.
 FP32_TOLERANCE = 1e-5
 HALF_TOLERANCE = 2e-2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def restore_interpret_setting():
-    yield
-    if _INTERPRET_BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
-
-
-#: Triton's interpreter runs these kernels from 3.9 on; 3.6's fails in them ("only 0-dimensional arrays can be
-#: converted to Python scalars"), though 3.6 compiles them for a GPU.
-INTERPRETER_RUNS_THE_KERNELS = release(triton.__version__) >= release(INTERPRETER_TRITON)
-
-
-@pytest.fixture(
-    params=[
-        pytest.param(
-            "cpu",
-            marks=pytest.mark.skipif(
-                not INTERPRETER_RUNS_THE_KERNELS, reason=f"triton {triton.__version__}'s interpreter fails in them"
-            ),
-        ),
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="compiled kernels need a CUDA GPU (the interpreter runs on CPU)"
-            ),
-        ),
-    ]
-)
-def device(request):
-    """Where the kernels run: ``cpu`` in Triton's interpreter, ``cuda`` compiled."""
-    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -602,8 +565,12 @@ def test_compiled_model_runs_the_kernels_as_operators(monkeypatch, device):
     assert relative_error(inference, want) <= FP32_TOLERANCE
     assert relative_error(got, want) <= FP32_TOLERANCE
     assert sum("evolving_attention" in name for name in want_grads) == 6
+    # Relative to the model's largest gradient entry: the last layer's evolution bias sums rows of a softmax
+    # gradient, which sum to zero, so its own entries are rounding noise (eager mode runs the fused attention
+    # tail, the compiled graph torch's softmax).
+    scale = max(grad.abs().max().item() for grad in want_grads.values())
     for name, want_grad in want_grads.items():
-        assert relative_error(got_grads[name], want_grad) <= FP32_TOLERANCE, name
+        assert (got_grads[name].cpu().double() - want_grad.cpu().double()).abs().max() <= FP32_TOLERANCE * scale, name
 
 
 def test_float32_precision_follows_cudnn(monkeypatch):
