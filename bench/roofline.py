@@ -95,9 +95,9 @@ def tail_traffic(batch: int, heads: int, n: int, dtype: str, fused: bool, head_d
     again, dropout applied again and read by the product for dV, dO @ V^T written, dropout's gradient, the
     softmax's gradient in fp32 (P and G read, written over G), and the casts between. Fused
     (``ea_hf.ops.triton_attention``): forward, A_logit read and dropout's mask drawn (by torch) and read;
-    backward, A_logit and the mask read twice in half precision (the row terms' pass, then the gradients' one;
-    once in fp32) and A_logit's gradient written. The products: P @ V forward, dV and dP backward (and dP again
-    for the row terms in half precision), 2 * head_dim FLOPs an element each.
+    backward, A_logit and the mask read twice (the row terms' pass, then the gradients' one) and A_logit's
+    gradient written. The products: P @ V forward, dV and dP backward and dP again for the row terms, 2 *
+    head_dim FLOPs an element each.
 
     Example:
         >>> [round(tail_traffic(8, 12, 512, "bf16", fused).backward_bytes / 1e6) for fused in (False, True)]  # MB
@@ -109,8 +109,8 @@ def tail_traffic(batch: int, heads: int, n: int, dtype: str, fused: bool, head_d
     product = 2 * head_dim * elements
     if fused:
         forward = size + 1 + 1
-        backward = (size + 1) * (2 if half else 1) + size
-        return Traffic(forward * elements, backward * elements, product, (3 if half else 2) * product)
+        backward = (size + 1) * 2 + size
+        return Traffic(forward * elements, backward * elements, product, 3 * product)
     cast = (4 + size) if half else 0  # an fp32 map read and written in the values' dtype, or back
     forward = size + 4 + cast + (1 + 2 * size) + size
     backward = (size + 4) + cast + (2 * size + 1) + size + size + (2 * size + 1) + cast + 12 + cast

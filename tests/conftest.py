@@ -28,6 +28,11 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from testing import IMAGE_SIZE  # noqa: E402
 
+# Under pytest-xdist (the README's test command, -n auto) each worker process takes its share of the cores: torch
+# would otherwise start as many threads per worker as there are cores, and the workers would contend for them.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 import ea_hf  # noqa: E402,F401  (registers the EA Auto classes)
 from ea_hf.modeling import convolution  # noqa: E402
 from ea_hf.modeling.architectures import ARCHITECTURES, installed_release_supports  # noqa: E402

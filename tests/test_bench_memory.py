@@ -36,6 +36,17 @@ def test_the_model_predicts_the_measured_peak(case):
 
 
 @pytest.mark.slow
+def test_the_model_predicts_the_measured_peak_on_the_triton_path():
+    """The Triton kernels and the fused attention tail (interpreted; MemTracker sees the torch allocations a GPU
+    would make): A_logit, the bool gate and two floats a row kept per layer, and a backward that forms no fp32
+    map (2.1 fp32 maps' worth against the torch path's 3.9)."""
+    (row,) = memory_model.check_rows([("bert", 2, None, 128, "bf16", False)], path="triton")
+    assert row["measured"] == pytest.approx(row["predicted"], rel=0.05), row
+    encoder_bf16 = (False, False, "bf16")
+    assert memory_model.TRITON_TRANSIENT_MAPS[encoder_bf16] < memory_model.TRANSIENT_MAPS[encoder_bf16]
+
+
+@pytest.mark.slow
 def test_gradient_checkpointing_keeps_one_map_per_evolving_layer():
     """Each layer deeper adds A_logit alone to the peak (a replayed layer used to keep its recomputed graph, two
     maps and a gate more per layer, until the step ended)."""

@@ -55,7 +55,7 @@ class FusedAttentionTail(Protocol):
     ``forward`` returns (the output [B, H, Q, D] in the values' dtype, row statistics for ``backward``), masking as
     :func:`masked_logits` does and dropping where ``dropout_keep`` (bool [B, H, Q, K]) is False, the kept weights
     scaled by ``dropout_scale``; ``backward`` returns (the logits' gradient in ``grad_dtype``, the values'
-    gradient) from forward's output, its statistics and the output's gradient. ``applicable`` says whether it
+    gradient) from forward's row statistics and the output's gradient. ``applicable`` says whether it
     takes these tensors.
     """
 
@@ -81,7 +81,6 @@ class FusedAttentionTail(Protocol):
         value: torch.Tensor,
         dropout_keep: torch.Tensor | None,
         dropout_scale: float,
-        output: torch.Tensor,
         stats: torch.Tensor,
         grad_output: torch.Tensor,
         grad_dtype: torch.dtype,
@@ -531,7 +530,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
     ``spare_maps`` (the call's dict of maps that backward passes down the layers, see :func:`leave_spare_map`;
     or ``None``) and ``weights_read`` (False where nobody reads the attention weights: a registered
     :class:`FusedAttentionTail` may then take the softmax, dropout and the product with V without forming P,
-    keeping the output and its row statistics instead of recomputing P in backward, and the weights come back
+    keeping two numbers a row (its statistics) to recompute P's tiles from in backward, and the weights come back
     as None). Half-precision queries give maps in :func:`evolution_dtype`, as the unfused path does; P is
     fp32 for them (see :func:`softmax_probabilities`).
     """
@@ -570,11 +569,11 @@ class EvolvingAttentionCore(torch.autograd.Function):
                 dropout_mask = torch.empty_like(logits, dtype=torch.bool).bernoulli_(1.0 - dropout)
             output, stats = tail.forward(logits, allowed, additive, value, dropout_mask, 1.0 / (1.0 - dropout))
         # Kept: S and P (A_logit is kept by the next layer, as its A_prev). Else A_logit, to recompute P from;
-        # with a fused tail, A_logit (and S where small), the output and the rows' statistics.
+        # with a fused tail, A_logit (and S where small) and the rows' statistics.
         kept = (scores if small else None, full if small else None, None if full is not None and small else logits)
         ctx.save_for_backward(
             query, key, value, previous, position_bias, weight, bias, gate, conv_mask, allowed, additive, dropout_mask,
-            *kept, None if tail is None else output, stats,
+            *kept, stats,
         )  # fmt: skip
         ctx.tail = tail
         ctx.plain, ctx.product_scaling = plain, product_scaling
@@ -596,10 +595,9 @@ class EvolvingAttentionCore(torch.autograd.Function):
         dropout_scale = 1.0 / (1.0 - dropout) if dropout > 0.0 else 1.0
         grad_value = full = recomputed = None
         if ctx.tail is not None:  # the softmax's and the product's gradients in the tail's one pass
-            output, stats = saved[15:]
             if grad_output is not None:
                 grad_evolved, grad_value = ctx.tail.backward(
-                    logits, allowed, additive, value, mask, dropout_scale, output, stats, grad_output, logits.dtype
+                    logits, allowed, additive, value, mask, dropout_scale, saved[15], grad_output, logits.dtype
                 )
             else:  # only A_logit's gradient flows back: none passes through the softmax
                 grad_evolved = torch.zeros_like(logits)
