@@ -9,7 +9,7 @@ dO @ V^T and the softmax's gradient: several map passes a layer. Here:
   block, masks them as eager attention does (a bool mask fills with float32's minimum, an additive one is added,
   in float32), keeps a running maximum and sum (online softmax) and accumulates the unnormalised weights times V;
   it writes the output and each row's maximum and sum, not P. With dropout, a bool map of the kept weights (drawn
-  by torch, as the torch path draws it) scales them before the product.
+  by torch's generator, ``bernoulli_``) scales them before the product.
 - :func:`backward`: one program per (batch element, head, block of key columns) recomputes P's tiles from
   A_logit and the rows' maximum and sum (not their log-sum-exp: a fully masked row's is float32's minimum plus
   log K, which rounds to the minimum, and P would come out 1 instead of 1/K), accumulates dV = dropout(P)^T dO,
@@ -17,7 +17,7 @@ dO @ V^T and the softmax's gradient: several map passes a layer. Here:
   where a bool mask filled), in one pass. Each row's delta = sum_j dropout(P)_ij dP_ij equals rowsum(dO * O),
   which is what flash attention computes it from; but O rounded to half precision made A_logit's gradient miss
   the accuracy rule below (bf16, 37 x 45 maps: 0.061 against a bound of 0.046; with the exact O, 0.021), and
-  keeping O for it would keep [B, H, Q, D] more a layer (9 % of a BERT-Base layer's kept maps in bf16 at
+  keeping O for it would keep [B, H, Q, D] more a layer (8 % of a BERT-Base layer's kept maps in bf16 at
   N = 512). So a first pass sums it from the tiles of P and dP (one more read of A_logit, no map written), and
   nothing but the rows' maximum and sum is kept from the forward pass.
   Per-head partial dV are summed by torch over the query heads of a key/value head (grouped-query attention):
