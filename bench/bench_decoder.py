@@ -912,6 +912,17 @@ def protocol_settings(num_layers: int) -> dict[str, Any]:
     }
 
 
+def report_head(benchmark: str, args: argparse.Namespace, info: dict) -> dict:
+    """The first fields of both reports: what was run, when, on which model and machine."""
+    return {
+        "benchmark": benchmark,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": "LlamaForCausalLM, tiny config" if args.tiny else "LlamaForCausalLM, ~125M",
+        "machine": info,
+        "machine_line": attention_bench.machine_line(info),
+    }
+
+
 def collect(
     args: argparse.Namespace,
     run: Callable[[str, int, argparse.Namespace], dict] = spawn_case,
@@ -958,12 +969,12 @@ def collect(
     cost, kept = markdown_tables(rows, config.num_hidden_layers)
     side_by_side = paired_table(rows)
     report = {
-        "benchmark": "Random Llama-style decoder (~125M): prefill, decode and memory of eager vs sdpa vs ea_hf "
-        "Evolving Attention (all layers and every 4th layer)",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": "LlamaForCausalLM, tiny config" if args.tiny else "LlamaForCausalLM, ~125M",
-        "machine": info,
-        "machine_line": attention_bench.machine_line(info),
+        **report_head(
+            "Random Llama-style decoder (~125M): prefill, decode and memory of eager vs sdpa vs ea_hf "
+            "Evolving Attention (all layers and every 4th layer)",
+            args,
+            info,
+        ),
         "config": config.to_diff_dict(),
         "parameters": results[0]["parameters"],
         "settings": {
@@ -1072,12 +1083,12 @@ def collect_device(
     rows = device_rows(timings)
     first = timings[0]
     report = {
-        "benchmark": "Random Llama-style decoder (~125M) on a GPU: prefill time and memory, and decoding latency, "
-        "of eager vs sdpa vs ea_hf Evolving Attention (all layers and every 4th layer), side by side",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": "LlamaForCausalLM, tiny config" if args.tiny else "LlamaForCausalLM, ~125M",
-        "machine": info,
-        "machine_line": attention_bench.machine_line(info),
+        **report_head(
+            "Random Llama-style decoder (~125M) on a GPU: prefill time and memory, and decoding latency, of eager "
+            "vs sdpa vs ea_hf Evolving Attention (all layers and every 4th layer), side by side",
+            args,
+            info,
+        ),
         "device_name": first["device_name"],
         "torch": first["torch"],
         "ea_hf_triton": first["ea_hf_triton"],
