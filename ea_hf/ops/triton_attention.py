@@ -192,7 +192,7 @@ def _kernels() -> SimpleNamespace:
     return jitted_for_setting(
         _compiled,
         {"forward": _forward_kernel, "row_terms": _row_terms_kernel, "backward": _backward_kernel},
-        helpers=(_masked_logits, _map_pointers, _tile_product),
+        helpers=(_masked_logits, _probabilities, _kept_weights, _map_pointers, _tile_product),
         namespace=globals(),
     )
 
@@ -214,6 +214,22 @@ if tl is not None:
         if HAS_ADDITIVE:
             x = x + tl.load(additive_ptr + i[:, None] * d_q + j[None, :] * d_k, mask=inside, other=0.0).to(tl.float32)
         return tl.where(inside, x, float("-inf")), inside
+
+    def _probabilities(
+        logits_ptr, allowed_ptr, a_q, a_k, additive_ptr, d_q, d_k, i, j, rows, cols, fill, row_max, row_sum,
+        HAS_ALLOWED: tl.constexpr, HAS_ADDITIVE: tl.constexpr,
+    ):  # fmt: skip
+        """P's [len(i), len(j)] tile recomputed from the masked logits and the rows' maximum and sum that the
+        forward kernel wrote (0 outside the map, where the logits are -inf), and where the tile lies inside it."""
+        x, inside = _masked_logits(
+            logits_ptr, allowed_ptr, a_q, a_k, additive_ptr, d_q, d_k, i, j, rows, cols, fill, HAS_ALLOWED,
+            HAS_ADDITIVE,
+        )  # fmt: skip
+        return tl.exp(x - row_max[:, None]) / row_sum[:, None], inside
+
+    def _kept_weights(keep_ptr, i, j, cols, inside):
+        """Dropout's bool map at the tile's rows ``i`` and columns ``j``: where the weights are kept."""
+        return tl.load(keep_ptr + i[:, None] * cols + j[None, :], mask=inside, other=0).to(tl.int1)
 
     def _map_pointers(
         bh, heads, group, rows, cols, head_dim, logits_ptr, allowed_ptr, a_b, a_h, additive_ptr, d_b, d_h, keep_ptr,
@@ -266,8 +282,7 @@ if tl is not None:
             p = tl.exp(x - new_max[:, None])
             running_sum = running_sum * rescale + tl.reduce(p, 1, tl.standard._sum_combine)
             if HAS_DROPOUT:
-                kept = tl.load(keep_ptr + i[:, None] * cols + j[None, :], mask=inside, other=0).to(tl.int1)
-                p = tl.where(kept, p * dropout_scale, 0.0)
+                p = tl.where(_kept_weights(keep_ptr, i, j, cols, inside), p * dropout_scale, 0.0)
             v_inside = (j < cols)[:, None] & (d < head_dim)[None, :]
             v = tl.load(v_ptr + j[:, None] * head_dim + d[None, :], mask=v_inside, other=0.0)
             acc = _tile_product(p, v, acc * rescale[:, None], v_ptr, HALF, TENSOR_CORES, FP32_PRECISION)
@@ -305,14 +320,12 @@ if tl is not None:
         delta = tl.full([BLOCK_M], 0.0, tl.float32)
         for start in range(0, cols, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
-            x, inside = _masked_logits(
-                logits_ptr, allowed_ptr, a_q, a_k, additive_ptr, d_q, d_k, i, j, rows, cols, fill, HAS_ALLOWED,
-                HAS_ADDITIVE,
+            p, inside = _probabilities(
+                logits_ptr, allowed_ptr, a_q, a_k, additive_ptr, d_q, d_k, i, j, rows, cols, fill, row_max, row_sum,
+                HAS_ALLOWED, HAS_ADDITIVE,
             )  # fmt: skip
-            p = tl.exp(x - row_max[:, None]) / row_sum[:, None]
             if HAS_DROPOUT:
-                kept = tl.load(keep_ptr + i[:, None] * cols + j[None, :], mask=inside, other=0).to(tl.int1)
-                p = tl.where(kept, p * dropout_scale, 0.0)
+                p = tl.where(_kept_weights(keep_ptr, i, j, cols, inside), p * dropout_scale, 0.0)
             v = tl.load(v_ptr + j[:, None] * head_dim + d[None, :], mask=(j < cols)[:, None] & (d < head_dim)[None, :],
                         other=0.0)  # fmt: skip
             dp = _tile_product(do, tl.trans(v), tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), v_ptr, HALF,
@@ -348,20 +361,19 @@ if tl is not None:
         grad_v = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
         for start in range(0, rows, BLOCK_M):
             i = start + tl.arange(0, BLOCK_M)
-            x, inside = _masked_logits(
-                logits_ptr, allowed_ptr, a_q, a_k, additive_ptr, d_q, d_k, i, j, rows, cols, fill, HAS_ALLOWED,
-                HAS_ADDITIVE,
-            )  # fmt: skip
             row_max = tl.load(stats_ptr + i, mask=i < rows, other=0.0)
             row_sum = tl.load(sum_ptr + i, mask=i < rows, other=1.0)
-            p = tl.exp(x - row_max[:, None]) / row_sum[:, None]  # 0 outside the map (x = -inf there)
+            p, inside = _probabilities(
+                logits_ptr, allowed_ptr, a_q, a_k, additive_ptr, d_q, d_k, i, j, rows, cols, fill, row_max, row_sum,
+                HAS_ALLOWED, HAS_ADDITIVE,
+            )  # fmt: skip
             do_inside = (i < rows)[:, None] & (d < head_dim)[None, :]
             do = tl.load(grad_out_ptr + i[:, None] * head_dim + d[None, :], mask=do_inside, other=0.0)
             dp = _tile_product(do, tl.trans(v), tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32), v_ptr, HALF,
                                TENSOR_CORES, FP32_PRECISION)  # fmt: skip
             dropped = p
             if HAS_DROPOUT:
-                kept = tl.load(keep_ptr + i[:, None] * cols + j[None, :], mask=inside, other=0).to(tl.int1)
+                kept = _kept_weights(keep_ptr, i, j, cols, inside)
                 dropped = tl.where(kept, p * dropout_scale, 0.0)
                 dp = tl.where(kept, dp * dropout_scale, 0.0)
             grad_v = _tile_product(tl.trans(dropped), do, grad_v, v_ptr, HALF, TENSOR_CORES, FP32_PRECISION)
