@@ -27,8 +27,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+
+# bench/ is not a package: the environment and attribute context managers come from bench_gpu.py.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gpu as gpu_bench  # noqa: E402
 
 #: A layer's backward working set above what the step keeps, in fp32 maps of that layer: (causal, checkpointing,
 #: dtype) -> maps, measured with MemTracker on CPU at N = 512 (``--check``); it does not grow with the depth.
@@ -138,24 +143,12 @@ def evolution_path(path: str) -> Iterator[None]:
     from ea_hf.ops import triton_kernels
 
     variables = {"EA_HF_KERNELS": "0"}
+    tiles = {}
     if path == "triton":
         variables |= {"EA_HF_TRITON": "1", "TRITON_INTERPRET": "1"}
-    before = {name: os.environ.get(name) for name in variables}
-    tiles = {name: getattr(triton_kernels, name) for name in INTERPRETER_TILES}
-    os.environ.update(variables)
-    if path == "triton":
-        for name, value in INTERPRETER_TILES.items():
-            setattr(triton_kernels, name, value)
-    try:
+        tiles = INTERPRETER_TILES
+    with gpu_bench.environment(variables), gpu_bench.attributes(triton_kernels, tiles):
         yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        for name, value in tiles.items():
-            setattr(triton_kernels, name, value)
 
 
 def measured_peak(

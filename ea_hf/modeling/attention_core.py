@@ -44,6 +44,11 @@ from typing import Protocol
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+try:  # where transformers' output recording says which outputs the running forward pass records
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover - a transformers without it (see attention_weights_read)
+    _active_collector = None
+
 from .convolution import evolve_backward, evolve_convolution, evolve_step, fused_kernel, scale_kernel, select_kept
 from .step import EvolutionStep, GradientIn, StepMaps
 
@@ -120,9 +125,7 @@ def attention_weights_read() -> bool:
         >>> attention_weights_read()  # outside a model's forward nothing says they are not
         True
     """
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # pragma: no cover - a transformers without it: assume the weights are read
+    if _active_collector is None:  # pragma: no cover - a transformers without it: assume the weights are read
         return True
     collected = _active_collector.get()
     return not isinstance(collected, dict) or any(name.endswith("attentions") for name in collected)
