@@ -16,8 +16,9 @@ and its gradient run in fp32): ``TRANSIENT_MAPS``, measured, in fp32 maps. Eager
 its softmax per layer (Llama-style families upcast the softmax: an fp32 and a model-dtype copy); sdpa keeps no
 map. Layers that ``layers=`` leaves plain run eager attention.
 
-On the Triton path (``EA_HF_TRITON=1``: the evolution kernels and the fused attention tail) a layer keeps the same
-maps (A_logit and the gate as bools) and two floats a query row, and its backward forms no fp32 map:
+On the Triton path (``EA_HF_TRITON=1``: the evolution kernels and the fused attention tail) a layer keeps A_logit,
+the gate bit-packed (an eighth of a byte an element, the fused kernels' form) and two floats a query row, and its
+backward forms no fp32 map:
 ``TRITON_TRANSIENT_MAPS``, measured with the kernels in Triton's interpreter on CPU tensors, where MemTracker
 sees the same torch allocations a GPU would make (the interpreter's own arrays are numpy's).
 """
@@ -97,7 +98,8 @@ def ea_added_bytes(
     if checkpointing:  # every layer recomputed: A_logit alone stays, as the next evolving layer's input
         kept = len(evolving) * map_bytes * elements
     else:
-        per_layer = (map_bytes + 1 + (1 if dropout else 0)) * elements  # A_logit, the gate, dropout's mask
+        gate_bytes = 1 / 8 if path == "triton" else 1  # the Triton kernels keep it bit-packed
+        per_layer = (map_bytes + gate_bytes + (1 if dropout else 0)) * elements  # A_logit, the gate, dropout's mask
         if path == "triton":  # and the fused tail's row statistics: a float32 maximum and sum a query row
             per_layer += 8 * batch * attention.heads * n
         if attention.causal:  # the convolution's causal mask, one per sequence

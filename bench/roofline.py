@@ -4,10 +4,11 @@ shapes, against what the kernels measured (``bench_triton_kernels.py``) and what
 
     python bench/roofline.py    # the table of docs/performance.md, from bench/results/nvidia-h200/
 
-A fused evolution step reads S and A_prev and writes A_logit and the ReLU gate (a bool map) in its forward pass;
-its backward reads the incoming gradient (and the next layer's, added as it reads), the gate, S and A_prev, and
-writes the gradients of S and A_prev: ten maps in the model's dtype and three bool maps a layer, forward and
-backward. The 3x3 convolution over H heads is 2 * 9 * H FLOPs per element and pass (three passes: the forward,
+A fused evolution step reads S and A_prev and writes A_logit and the ReLU gate (bit-packed: an eighth of a byte
+an element, as the fused kernels keep it) in its forward pass; its backward reads the incoming gradient (and the
+next layer's, added as it reads), the gate (twice: the input and the weight gradients), S and A_prev, and writes
+the gradients of S and A_prev: ten maps in the model's dtype and three reads or writes of the packed gate a
+layer, forward and backward. The 3x3 convolution over H heads is 2 * 9 * H FLOPs per element and pass (three passes: the forward,
 the input gradient and the weight gradient). At these shapes the step is bandwidth-bound on both GPUs.
 """
 
@@ -60,13 +61,14 @@ def evolution_traffic(batch: int, heads: int, n: int, dtype: str, kernel: int = 
     Example:
         >>> traffic = evolution_traffic(8, 12, 512, "bf16")
         >>> round(traffic.forward_bytes / 1e6), round(traffic.backward_bytes / 1e6)  # MB
-        (180, 411)
+        (158, 367)
     """
     elements = batch * heads * n * n
     size = DTYPE_BYTES[dtype]
     mask = batch * n * n * size
-    forward = 3 * size * elements + elements + mask  # S, A_prev in; A_logit, the gate out
-    backward = 7 * size * elements + 2 * elements + 2 * mask  # G, addend, S, A_prev, G again in; 2 grads out
+    gate = elements / 8  # bit-packed
+    forward = 3 * size * elements + gate + mask  # S, A_prev in; A_logit, the gate out
+    backward = 7 * size * elements + 2 * gate + 2 * mask  # G, addend, S, A_prev, G again in; 2 grads out
     flops = 2 * kernel * kernel * heads * elements
     return Traffic(forward, backward, flops, 2 * flops)
 

@@ -271,6 +271,7 @@ _TRITON_POINTER_TYPES = {
     torch.float16: "*fp16",
     torch.bool: "*i1",
     torch.int8: "*i8",
+    torch.uint8: "*u8",
 }
 
 

@@ -60,8 +60,9 @@ class FusedAttentionTail(Protocol):
     ``forward`` returns (the output [B, H, Q, D] in the values' dtype, row statistics for ``backward``), masking as
     :func:`masked_logits` does and dropping where ``dropout_keep`` (bool [B, H, Q, K]) is False, the kept weights
     scaled by ``dropout_scale``; ``backward`` returns (the logits' gradient in ``grad_dtype``, the values'
-    gradient) from forward's row statistics and the output's gradient. ``applicable`` says whether it
-    takes these tensors.
+    gradient) from forward's row statistics and the output's gradient (both also while torch.compile traces, as
+    operators); ``attend`` returns forward's output, differentiable in the logits and the values (what
+    :func:`compiled_core` calls). ``applicable`` says whether it takes these tensors.
     """
 
     def applicable(
@@ -91,6 +92,16 @@ class FusedAttentionTail(Protocol):
         grad_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def attend(
+        self,
+        logits: torch.Tensor,
+        allowed: torch.Tensor | None,
+        additive: torch.Tensor | None,
+        value: torch.Tensor,
+        dropout_keep: torch.Tensor | None,
+        dropout_scale: float,
+    ) -> torch.Tensor: ...
+
 
 #: Fused attention tails, tried in order; registered by ``ea_hf.ops`` (remote-code copies of this file have none).
 FUSED_ATTENTION_TAILS: list[FusedAttentionTail] = []
@@ -105,10 +116,7 @@ def register_fused_attention_tail(tail: FusedAttentionTail) -> None:
 def fused_attention_tail(
     logits: torch.Tensor, allowed: torch.Tensor | None, additive: torch.Tensor | None, value: torch.Tensor
 ) -> FusedAttentionTail | None:
-    """The first registered tail applicable to these tensors, or None (softmax and product as torch operations;
-    always while torch.compile traces: the tails are no operators a graph could hold)."""
-    if torch.compiler.is_compiling():
-        return None
+    """The first registered tail applicable to these tensors, or None (softmax and product as torch operations)."""
     for tail in FUSED_ATTENTION_TAILS:
         if tail.applicable(logits, allowed, additive, value):
             return tail
@@ -720,9 +728,15 @@ def _softmax_and_product_backward(
 
 
 #: Operators whose outputs :func:`compiled_core` keeps for backward: the fused kernels' A_logit and gate (the CPU
-#: kernel's and the Triton kernels'), and dropout's mask (a random operator: recomputing it would need the same
+#: kernel's and the Triton kernels'), the fused attention tail's output and row statistics (recomputing them would
+#: repeat its pass over A_logit), and dropout's mask (a random operator: recomputing it would need the same
 #: random numbers again).
-KEPT_OPERATORS = ("ea_hf::evolve_with_gate_bits", "ea_hf::triton_evolve", "aten::native_dropout")
+KEPT_OPERATORS = (
+    "ea_hf::evolve_with_gate_bits",
+    "ea_hf::triton_evolve_with_gate_bits",
+    "ea_hf::triton_attention_tail",
+    "aten::native_dropout",
+)
 
 
 def _keep_logits_and_gate(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -753,13 +767,15 @@ def compiled_core(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What :class:`EvolvingAttentionCore` computes, with the arguments of its ``apply``, in a form ``torch.compile``
     traces (whose kernel operators correlate the masked tails too: the step's ``skip_masked_tails`` is left out here,
-    ``spare_maps`` unused: a compiled graph plans its own buffers, and ``weights_read`` too: no fused attention tail
-    runs here, and the weights are returned): the layer's operators inside a selective
-    activation checkpoint that keeps A_logit and the gate of the fused CPU kernel (and dropout's mask) and recomputes
-    S and P in backward, as the core does. Without it, a compiled training step keeps S, A_logit and P per layer
-    (1.5x a compiled eager step's memory at N = 512). Where the maps are small (:func:`keeps_small_maps`), S is kept
-    (computed before the checkpoint) and only P is recomputed. Where no fused kernel applies (the torch-operation
-    path: recomputing would repeat its convolution), the operators run without a checkpoint.
+    ``spare_maps`` unused: a compiled graph plans its own buffers): the layer's operators inside a selective
+    activation checkpoint that keeps A_logit and the gate of the fused kernel (and dropout's mask) and recomputes
+    S and P in backward, as the core does. Without the checkpoint, a compiled training step keeps S, A_logit and P
+    per layer (1.5x a compiled eager step's memory at N = 512). Where the maps are small (:func:`keeps_small_maps`),
+    S is kept (computed before the checkpoint) and only P is recomputed. Where no fused kernel applies (the
+    torch-operation path: recomputing would repeat its convolution), the operators run without a checkpoint. Where
+    nobody reads the weights (``weights_read`` False), a fused attention tail takes the softmax and the product as
+    its operator, which keeps its rows' statistics, not P (dropout's mask is drawn before the checkpoint, which
+    keeps it as an input), and the weights come back as None.
 
     Example:
         >>> q, k, v = (torch.randn(1, 2, 20, 4) for _ in range(3))
@@ -777,18 +793,26 @@ def compiled_core(
     # The masked tails correlated as the operators correlate them, also where this runs uncompiled.
     whole_rows = EvolutionStep(step.alpha, step.beta, step.context_rows, step.causal)
 
-    def after_scores(scores, value, previous, weight, bias):
+    # A stand-in with S's (and A_logit's) shape, device and dtype to ask whether a fused kernel takes the maps.
+    maps = scores_stand_in(query, key, evolution_dtype(scores_stand_in(query, key, query.dtype), weight))
+    tail = None if weights_read else fused_attention_tail(maps, allowed, additive, value)
+    dropout_keep = None
+    if tail is not None and dropout > 0.0:  # drawn outside the checkpoint, whose replay would draw anew
+        dropout_keep = torch.empty_like(maps, dtype=torch.bool).bernoulli_(1.0 - dropout)
+
+    def after_scores(scores, value, previous, weight, bias, dropout_keep):
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
         logits = evolve_convolution(whole_rows, StepMaps(scores, previous, keep), weight, bias)
+        if tail is not None:
+            dropout_scale = 1.0 / (1.0 - dropout) if dropout > 0.0 else 1.0
+            return tail.attend(logits, allowed, additive, value, dropout_keep, dropout_scale), logits, None
         output, probabilities, _, _ = attend_values(logits, allowed, additive, value, dropout)
         return output, logits, probabilities
 
-    def core(query, key, value, previous, position_bias, weight, bias):
-        return after_scores(scores_of(query, key, position_bias), value, previous, weight, bias)
+    def core(query, key, value, previous, position_bias, weight, bias, dropout_keep):
+        return after_scores(scores_of(query, key, position_bias), value, previous, weight, bias, dropout_keep)
 
-    tensors = (query, key, value, previous, position_bias, weight, bias)
-    # A stand-in with S's shape, device and dtype to ask whether a fused kernel takes the maps.
-    maps = scores_stand_in(query, key, evolution_dtype(scores_stand_in(query, key, query.dtype), weight))
+    tensors = (query, key, value, previous, position_bias, weight, bias, dropout_keep)
     if fused_kernel(maps, previous, keep=conv_mask, weight=weight) is None:
         return core(*tensors)
     policy = functools.partial(create_selective_checkpoint_contexts, _keep_logits_and_gate)
@@ -799,5 +823,7 @@ def compiled_core(
         # maps takes 1.05x its time and 1.11x its step memory, recomputing P 1.05x and 1.07x, recomputing S as
         # well 1.07x and 1.03x).
         scores = scores_of(query, key, position_bias)
-        return checkpoint(after_scores, scores, value, previous, weight, bias, use_reentrant=False, context_fn=policy)
+        return checkpoint(
+            after_scores, scores, value, previous, weight, bias, dropout_keep, use_reentrant=False, context_fn=policy
+        )
     return checkpoint(core, *tensors, use_reentrant=False, context_fn=policy)

@@ -112,13 +112,13 @@ class FusedKernel(Protocol):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The CPU kernel's ReLU gate format, which torch operations also read (and the Triton kernels' bool gates are
-# packed into for comparison).
+# The fused kernels' ReLU gate format (the CPU and the Triton kernels write and read it), which torch operations
+# also read.
 # --------------------------------------------------------------------------------------------------------------
 
 
 def packed_gate(scores: Tensor) -> Tensor:
-    """A bit-packed ReLU gate for maps like ``scores`` [B, H, Q, K], the form the CPU kernel writes and reads:
+    """A bit-packed ReLU gate for maps like ``scores`` [B, H, Q, K], the form the fused kernels write and read:
     per row, ceil(K / 16) little-endian 16-bit words (as bytes), bit j % 16 of word j // 16 for column j, and
     zeros past the last column. An eighth of a bool map's memory. Zeros until written (a kernel with 8-column
     vectors writes a byte a vector and leaves a row's last byte alone where its vectors are odd in number).
@@ -154,6 +154,24 @@ def pack_gate(gate: Tensor) -> Tensor:
     padded[..., : gate.shape[-1]] = gate
     bits = padded.unflatten(-1, (-1, 8)).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=gate.device)
     return bits.sum(-1, dtype=torch.uint8)
+
+
+def checked_packed_gate(gate: Tensor | None, like: Tensor) -> Tensor | None:
+    """``gate`` if it is a contiguous :func:`packed_gate` for maps like ``like`` (or None); else a ValueError.
+
+    Example:
+        >>> scores = torch.zeros(1, 2, 3, 20)
+        >>> checked_packed_gate(packed_gate(scores), scores).shape
+        torch.Size([1, 2, 3, 4])
+    """
+    if gate is not None:
+        shape = packed_gate_shape(like.shape)
+        if gate.dtype != torch.uint8 or gate.shape != shape or not gate.is_contiguous():
+            raise ValueError(
+                f"the fused kernels' ReLU gate is bit-packed (packed_gate): a contiguous torch.uint8 map of shape "
+                f"{tuple(shape)}, not {gate.dtype} {tuple(gate.shape)}"
+            )
+    return gate
 
 
 def unpacked_gate(gate: Tensor, cols: int) -> Tensor:

@@ -14,7 +14,7 @@ none applies, the core runs the same steps as torch operations.
   their tests pass on an H100 and in Triton's CPU interpreter, but whole EA models ran slower on them than on
   torch operations in the one GPU benchmark so far, so they are not the default.
   While torch.compile traces, they run as the torch operators of :mod:`ea_hf.ops.triton_operators`
-  (``torch.ops.ea_hf.triton_evolve``, ``triton_evolve_backward``, ``triton_convolve``).
+  (``torch.ops.ea_hf.triton_evolve_with_gate_bits``, ``triton_evolve_backward``, ``triton_convolve``).
 - :mod:`ea_hf.ops.triton_attention`: Triton kernels of the attention tail after the evolution (the masked softmax
   and the product with the values, flash-style, without forming P), with the evolution kernels' opt-in, where
   nobody reads the attention weights.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..modeling.step import EvolutionStep, GradientIn, ScaledMap, StepMaps, packed_gate
+from ..modeling.step import EvolutionStep, GradientIn, ScaledMap, StepMaps
 from . import cpu_binding, cpu_operators
 from .cpu_binding import (
     MAX_HEADS,
@@ -73,9 +73,7 @@ def evolve(
     if in_place and not torch.compiler.is_compiling():
         if gate:  # the attention core's forward (never compiled): S is spent, A_logit and the gate are kept
             correlation = cpu_binding.forward_correlation(step.skip_masked_tails)
-            return evolve_by_correlation(
-                correlation, step, maps, weight, bias, in_place=True, gate=True, new_gate=packed_gate
-            )
+            return evolve_by_correlation(correlation, step, maps, weight, bias, in_place=True, gate=True)
         cpu_operators.evolve_in_place(step, maps, weight, bias)
         return maps.scores, None
     logits, saved = torch.ops.ea_hf.evolve_with_gate_bits(*maps, weight, bias, *schema_arguments(step))

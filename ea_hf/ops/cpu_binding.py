@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..modeling.step import EvolutionStep, GradientIn, ScaledMap, StepMaps, pack_gate, packed_gate_shape
+from ..modeling.step import EvolutionStep, GradientIn, ScaledMap, StepMaps, checked_packed_gate, pack_gate
 from . import native_build
 
 logger = logging.getLogger(__name__)
@@ -133,18 +133,6 @@ def using_library(library: ctypes.CDLL | None) -> Iterator[None]:
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
-
-
-def _checked_gate(gate: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    """``gate`` if it is a contiguous :func:`~ea_hf.modeling.step.packed_gate` for maps like ``like``."""
-    if gate is not None:
-        shape = packed_gate_shape(like.shape)
-        if gate.dtype != torch.uint8 or gate.shape != shape or not gate.is_contiguous():
-            raise ValueError(
-                f"the CPU kernel's ReLU gate is bit-packed (packed_gate): a contiguous torch.uint8 map of shape "
-                f"{tuple(shape)}, not {gate.dtype} {tuple(gate.shape)}"
-            )
-    return gate
 
 
 def kernel_keep(keep: torch.Tensor | None, batch: int, rows: int, cols: int) -> torch.Tensor | None:
@@ -280,7 +268,7 @@ def correlate(
         weight.shape[-1],
         row_shift,
         int(relu),
-        _pointer(_checked_gate(saved, x)),
+        _pointer(checked_packed_gate(saved, x)),
         _pointer(out_keep),
         _pointer(blend),
         float(blend_coef),
@@ -356,7 +344,7 @@ def backward_pass(
     batch, heads, rows, cols = scores.shape
     kernel_rows, kernel_cols = weight.shape[-2:]
     transposed = weight.detach().to(torch.float32).flip(-2, -1).transpose(0, 1).contiguous()
-    gate = _checked_gate(pack_gate(gate).contiguous(), scores)
+    gate = checked_packed_gate(pack_gate(gate).contiguous(), scores)
     scores, incoming = scores.contiguous(), grad.grad.contiguous()
     previous = None if previous is None else previous.contiguous()
     addend = None if grad.addend is None else grad.addend.contiguous()

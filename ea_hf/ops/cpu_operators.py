@@ -79,7 +79,7 @@ def evolve_operator(scores, previous, keep, weight, bias, alpha, blend, context_
     """(ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, its bit-packed ReLU gate), A_in = lerp(S, A_prev, alpha): the
     evolution step's forward pass, differentiable (its backward is ``ea_hf::evolve_backward_one_map``)."""
     step, maps = schema_step(alpha, blend, context_rows), StepMaps(scores, previous, keep)
-    return evolve_by_correlation(cpu_binding.correlate, step, maps, weight, bias, in_place=False, new_gate=packed_gate)
+    return evolve_by_correlation(cpu_binding.correlate, step, maps, weight, bias, in_place=False)
 
 
 @evolve_operator.register_fake

@@ -122,7 +122,10 @@ def forward(
     """(softmax(mask(logits)) with dropout @ value [B, H, Q, D] in the values' dtype, the rows' statistics
     [2, B, H, Q] in float32: each row's maximum and its sum of exp(logit - maximum)); callers check
     :func:`applicable` first. ``dropout_keep``: bool [B, H, Q, K], the kept
-    weights, which are scaled by ``dropout_scale``."""
+    weights, which are scaled by ``dropout_scale``. While torch.compile traces, the operator
+    ``ea_hf::triton_attention_tail`` (``ea_hf.ops.triton_operators``)."""
+    if torch.compiler.is_compiling():  # (the operator's body, run outside tracing, comes back here)
+        return torch.ops.ea_hf.triton_attention_tail(logits, allowed, additive, value, dropout_keep, dropout_scale)
     kernels = _kernels()
     batch, heads, rows, cols = logits.shape
     head_dim = value.shape[-1]
@@ -154,7 +157,13 @@ def backward(
     grad_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     """(the gradient of ``logits`` in ``grad_dtype``, the gradient of ``value``) of :func:`forward`, from its
-    ``stats`` and the output's gradient."""
+    ``stats`` and the output's gradient; while torch.compile traces, through the operator
+    ``ea_hf::triton_attention_tail_backward`` (which gives the logits' gradient in their dtype)."""
+    if torch.compiler.is_compiling():
+        grad_logits, grad_value = torch.ops.ea_hf.triton_attention_tail_backward(
+            logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output
+        )
+        return grad_logits.to(grad_dtype), grad_value
     kernels = _kernels()
     batch, heads, rows, cols = logits.shape
     value_heads, head_dim = value.shape[1], value.shape[-1]
@@ -185,6 +194,20 @@ def backward(
     group = heads // value_heads
     grad_value = grad_value.view(batch, value_heads, group, cols, head_dim).sum(2)
     return grad_logits, grad_value.to(value.dtype)
+
+
+def attend(
+    logits: Tensor,
+    allowed: Tensor | None,
+    additive: Tensor | None,
+    value: Tensor,
+    dropout_keep: Tensor | None,
+    dropout_scale: float,
+) -> Tensor:
+    """:func:`forward`'s output, differentiable in ``logits`` and ``value`` through the operator
+    ``ea_hf::triton_attention_tail`` (whose backward is :func:`backward`'s operator): the tail of a layer that
+    autograd differentiates op by op, as a compiled graph does."""
+    return torch.ops.ea_hf.triton_attention_tail(logits, allowed, additive, value, dropout_keep, dropout_scale)[0]
 
 
 def _kernels() -> SimpleNamespace:

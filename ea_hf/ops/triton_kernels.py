@@ -6,11 +6,13 @@ The module provides the three functions of ``ea_hf.modeling.step.FusedKernel`` w
 - :func:`correlate`: one Triton program per (batch element, tile of pixels) computes every output head of its
   tile as one matrix product (``tl.dot``): the [H, H*kh*kw] weights times the input's taps, gathered as they
   are loaded (an implicit im2col: each value mixed with ``lerp_end`` and masked as it is read, zeros outside
-  the map), in blocks of (input head, tap) pairs; then it adds the bias, applies ReLU, writes the bool gate,
-  masks and blends in the same pass. Maps may be float32, bfloat16 or float16, with float32 accumulators.
+  the map), in blocks of (input head, tap) pairs; then it adds the bias, applies ReLU, writes the gate
+  (bit-packed, ``ea_hf.modeling.step.packed_gate``: the CPU kernel's form, an eighth of a bool map, which is
+  what a training step keeps of it a layer), masks and blends in the same pass. Maps may be float32, bfloat16
+  or float16, with float32 accumulators.
 - :func:`backward`: one kernel computes the input gradient the same way (the transposed weights times the
   gated gradient's taps; masked, blended with the incoming gradient and split by the residual weights)
-  straight from ``grad`` and the bool gate; a second computes the weight and bias gradients as products of
+  straight from ``grad`` and the packed gate; a second computes the weight and bias gradients as products of
   the gated gradient and the masked A_in's taps (plus a column of ones: the bias), per block of (input head,
   tap) pairs and run of tiles, with per-program partial sums reduced by torch (deterministic, no atomics).
   Neither materialises A_in, the gated gradient or the masked input.
@@ -46,7 +48,7 @@ import torch
 from torch import Tensor
 
 from ..modeling.convolution import plus_addend
-from ..modeling.step import EvolutionStep, GradientIn, StepMaps
+from ..modeling.step import EvolutionStep, GradientIn, StepMaps, checked_packed_gate, pack_gate, packed_gate_shape
 from ..modeling.versions import release
 from .fused_step import evolve_by_correlation, schema_arguments
 
@@ -212,8 +214,9 @@ def correlate(
 
     Output row i reads rows ``i + row_shift .. i + row_shift + kh - 1`` of ``x`` (zeros outside) and columns
     ``j - kw // 2 .. j + kw // 2``. With ``lerp_end``, ``x`` and ``blend`` are first mixed with it:
-    ``x + lerp_weight * (lerp_end - x)``. Masks broadcast to [B, 1, Q, K]; ``saved`` (bool, like ``x``)
-    receives where the (ReLU) output is positive. ``in_place`` writes the result over ``x`` and returns it.
+    ``x + lerp_weight * (lerp_end - x)``. Masks broadcast to [B, 1, Q, K]; ``saved`` (a
+    :func:`~ea_hf.modeling.step.packed_gate` for ``x``) receives where the (ReLU) output is positive.
+    ``in_place`` writes the result over ``x`` and returns it.
 
     In place, programs still reading ``x`` would race with those writing it, so the result is computed a few
     batch elements at a time into a scratch map (an output element reads only its own batch element of ``x``)
@@ -228,8 +231,11 @@ def correlate(
     bias = _float32(bias, x.device)
     lerp_end = None if lerp_end is None else lerp_end.contiguous()
     blend = None if blend is None else blend.contiguous()
-    if saved is not None and not saved.is_contiguous():
-        raise ValueError("saved must be a contiguous bool map")
+    saved = checked_packed_gate(saved, x)
+    if saved is not None and tiles.BLOCK_COLS % 8:
+        raise ValueError(
+            f"a tile writes whole bytes of the packed gate: BLOCK_COLS must be a multiple of 8, not {tiles.BLOCK_COLS}"
+        )
     in_keep, *in_strides = _keep_view(in_keep, batch, rows, cols)
     out_keep, *out_strides = _keep_view(out_keep, batch, rows, cols)
 
@@ -256,6 +262,7 @@ def correlate(
             heads,
             rows,
             cols,
+            packed_gate_shape(x.shape)[-1],
             row_shift,
             KERNEL_ROWS=weight.shape[-2],
             KERNEL_COLS=weight.shape[-1],
@@ -294,8 +301,9 @@ def backward_pass(
 
     Returns the gradients of S, of A_prev (``None`` without it), and of the beta-scaled kernel's weight and bias
     (float32), for A_logit = ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with A_in = lerp(S, A_prev, alpha), the
-    bool ReLU gate ``gate``, the beta-scaled ``weight`` and the incoming gradient. Output row i of the forward
-    step read input rows ``i - context_rows .. i - context_rows + kh - 1``.
+    ReLU gate ``gate`` (packed as :func:`correlate` writes it; a bool map is packed first), the beta-scaled
+    ``weight`` and the incoming gradient. Output row i of the forward step read input rows
+    ``i - context_rows .. i - context_rows + kh - 1``.
     """
     kernels = _kernels()
     alpha, context_rows = step.alpha, step.context_rows
@@ -305,7 +313,9 @@ def backward_pass(
     device = scores.device
     weight = _float32(weight, device)
     incoming = plus_addend(grad.grad, grad.addend, owned=grad.spent)
-    scores, incoming, gate = scores.contiguous(), incoming.contiguous(), gate.contiguous()
+    scores, incoming = scores.contiguous(), incoming.contiguous()
+    gate = checked_packed_gate(pack_gate(gate).contiguous(), scores)
+    gate_cols = gate.shape[-1]
     previous = None if previous is None else previous.contiguous()
     keep, *keep_strides = _keep_view(keep, batch, rows, cols)
     grad_scores = torch.empty_like(scores)
@@ -326,6 +336,7 @@ def backward_pass(
         heads,
         rows,
         cols,
+        gate_cols,
         context_rows,
         KERNEL_ROWS=kernel_rows,
         KERNEL_COLS=kernel_cols,
@@ -365,6 +376,7 @@ def backward_pass(
         heads,
         rows,
         cols,
+        gate_cols,
         context_rows,
         row_blocks,
         col_blocks,
@@ -496,11 +508,12 @@ if tl is not None:
         pixel = tl.arange(0, BLOCK_Q * BLOCK_K)
         return tl.program_id(1) * BLOCK_Q + pixel // BLOCK_K, tl.program_id(2) * BLOCK_K + pixel % BLOCK_K
 
-    def _gated_gradient(grad_ptr, gate_ptr, at, inside):
-        """The incoming gradient at ``at`` where the ReLU gate is open, else zero, as float32."""
+    def _gated_gradient(grad_ptr, gate_ptr, at, gate_at, column, inside):
+        """The incoming gradient at ``at`` where the ReLU gate is open, else zero, as float32: the gate is
+        bit-packed (``packed_gate``), its byte at ``gate_at`` holding the pixel's ``column`` at bit column % 8."""
         g = tl.load(grad_ptr + at, mask=inside, other=0.0)
-        open_gate = tl.load(gate_ptr + at, mask=inside, other=0).to(tl.int1)
-        return tl.where(open_gate, g, 0.0).to(tl.float32)
+        byte = tl.load(gate_ptr + gate_at, mask=inside, other=0).to(tl.int32)
+        return tl.where(((byte >> (column & 7)) & 1) != 0, g, 0.0).to(tl.float32)
 
     def _tile_product(
         left, right, acc, map_ptr, HALF: tl.constexpr, TENSOR_CORES: tl.constexpr, FP32_PRECISION: tl.constexpr
@@ -540,6 +553,7 @@ if tl is not None:
         heads,
         rows,
         cols,
+        gate_cols,
         row_shift,
         KERNEL_ROWS: tl.constexpr,
         KERNEL_COLS: tl.constexpr,
@@ -575,7 +589,7 @@ if tl is not None:
         if HAS_END:
             end_ptr += element
         if HAS_SAVED:
-            saved_ptr += element
+            saved_ptr += b * heads * rows * gate_cols
         if HAS_BLEND:
             blend_ptr += element
         if HAS_IN_KEEP:
@@ -612,7 +626,16 @@ if tl is not None:
         inside = (o < heads)[:, None] & pixel_inside[None, :]
         at = o[:, None] * plane + (i * cols + j)[None, :]
         if HAS_SAVED:
-            tl.store(saved_ptr + at, acc > 0.0, mask=inside)
+            # The gate bit-packed (packed_gate's form): a row's 8 columns from a multiple of 8 to a byte (a tile
+            # starts at one: BLOCK_K is a multiple of 8), bit j % 8, zero outside the map.
+            bits = tl.where(inside & (acc > 0.0), 1, 0) << (j % 8)[None, :]
+            packed = tl.reduce(tl.reshape(bits, [BLOCK_H, BLOCK_Q * BLOCK_K // 8, 8]), 2, tl.standard._sum_combine)
+            byte = tl.arange(0, BLOCK_Q * BLOCK_K // 8)
+            byte_row = tl.program_id(1) * BLOCK_Q + byte // (BLOCK_K // 8)
+            byte_col = tl.program_id(2) * (BLOCK_K // 8) + byte % (BLOCK_K // 8)
+            byte_inside = (o < heads)[:, None] & ((byte_row < rows) & (byte_col < gate_cols))[None, :]
+            byte_at = o[:, None] * (rows * gate_cols) + (byte_row * gate_cols + byte_col)[None, :]
+            tl.store(saved_ptr + byte_at, packed.to(tl.uint8), mask=byte_inside)
         if HAS_OUT_KEEP:
             keep_at = i * out_keep_row_stride + j * out_keep_col_stride
             acc = acc * tl.load(out_keep_ptr + keep_at, mask=pixel_inside, other=0.0).to(tl.float32)[None, :]
@@ -640,6 +663,7 @@ if tl is not None:
         heads,
         rows,
         cols,
+        gate_cols,
         context_rows,
         KERNEL_ROWS: tl.constexpr,
         KERNEL_COLS: tl.constexpr,
@@ -662,7 +686,7 @@ if tl is not None:
         b = tl.program_id(0).to(tl.int64)  # int64 to the batch element, int32 within it (see above)
         element = b * heads * rows * cols
         grad_ptr += element
-        gate_ptr += element
+        gate_ptr += b * heads * rows * gate_cols
         out_ptr += element
         if HAS_SECOND:
             out2_ptr += element
@@ -682,7 +706,8 @@ if tl is not None:
             s = j[None, :] + (KERNEL_COLS // 2 - k % KERNEL_COLS)[:, None]
             inside = (k < reduction)[:, None] & (r >= 0) & (r < rows) & (s >= 0) & (s < cols)
             at = o[:, None] * plane + r * cols + s
-            g = _gated_gradient(grad_ptr, gate_ptr, at, inside)
+            gate_at = o[:, None] * (rows * gate_cols) + r * gate_cols + (s >> 3)
+            g = _gated_gradient(grad_ptr, gate_ptr, at, gate_at, s, inside)
             w_inside = (c < heads)[:, None] & (k < reduction)[None, :]
             w_at = (o[None, :] * heads + c[:, None]) * taps_per_head + tap[None, :]
             w = tl.load(w_ptr + w_at, mask=w_inside, other=0.0)
@@ -712,6 +737,7 @@ if tl is not None:
         heads,
         rows,
         cols,
+        gate_cols,
         context_rows,
         row_blocks,
         col_blocks,
@@ -759,7 +785,9 @@ if tl is not None:
             pixel_inside = (i < rows) & (j < cols)
             grad_inside = (o < heads)[:, None] & pixel_inside[None, :]
             grad_at = o[:, None] * plane + (i * cols + j)[None, :]
-            g = _gated_gradient(grad_ptr + element, gate_ptr + element, grad_at, grad_inside)
+            gate_at = o[:, None] * (rows * gate_cols) + (i * gate_cols + (j >> 3))[None, :]
+            gate_element = b * heads * rows * gate_cols
+            g = _gated_gradient(grad_ptr + element, gate_ptr + gate_element, grad_at, gate_at, j[None, :], grad_inside)
             r = i[:, None] + (dy - context_rows)[None, :]
             s = j[:, None] + (dx - KERNEL_COLS // 2)[None, :]
             inside = pixel_inside[:, None] & (k < reduction)[None, :] & (r >= 0) & (r < rows) & (s >= 0) & (s < cols)
@@ -778,11 +806,11 @@ def evolve(
     step: EvolutionStep, maps: StepMaps, weight: Tensor, bias: Tensor, *, in_place: bool, gate: bool | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """The evolution step's forward pass (see ``ea_hf.modeling.step.FusedKernel``) in one launch; while
-    torch.compile traces, the operator ``ea_hf::triton_evolve`` (``ea_hf.ops.triton_operators``; never in place:
-    a compiled graph plans its own buffers). Every row is correlated whole (``step.skip_masked_tails``, which the
-    CPU kernel takes, is not implemented here)."""
+    torch.compile traces, the operator ``ea_hf::triton_evolve_with_gate_bits`` (``ea_hf.ops.triton_operators``;
+    never in place: a compiled graph plans its own buffers). Every row is correlated whole
+    (``step.skip_masked_tails``, which the CPU kernel takes, is not implemented here)."""
     if torch.compiler.is_compiling():
-        logits, saved = torch.ops.ea_hf.triton_evolve(*maps, weight, bias, *schema_arguments(step))
+        logits, saved = torch.ops.ea_hf.triton_evolve_with_gate_bits(*maps, weight, bias, *schema_arguments(step))
         return logits, saved if (not in_place if gate is None else gate) else None
     return evolve_by_correlation(correlate, step, maps, weight, bias, in_place=in_place, gate=gate)
 

@@ -219,3 +219,76 @@ def test_inference_runs_the_tail(monkeypatch, device, model_type):
     else:
         assert len(calls) == 3 * 3  # three layers, a prefill and two decoding steps
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_compiled_model_runs_the_tail_as_operators(monkeypatch, device, dropout):
+    """Under ``torch.compile(fullgraph=True)`` the tail runs as the operators of ``ea_hf.ops.triton_operators``:
+    in inference one per layer; in training one per layer in the forward graph and its backward operator in the
+    backward graph, the forward one not recomputed there (the selective checkpoint keeps its row statistics).
+    Without dropout the compiled model gives the torch tail's outputs and gradients within 1e-5; with it (whose
+    draws compiled and eager graphs make apart), dropout's mask is drawn once, in the forward graph, and not
+    again in the backward graph's replay."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    monkeypatch.setattr(convolution, "FUSED_KERNELS", [triton_kernels])
+    model = patched_model("bert", METHODS["conv"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=dropout)
+    model = model.to(device).train()
+    inputs = {key: value.to(device) for key, value in tiny_inputs("bert").items()}
+    graphs: list[list[str]] = []
+
+    def record(graph, example_inputs):
+        names = ("attention_tail", "bernoulli")
+        calls = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+        graphs.append([target for target in calls if any(name in target for name in names)])
+        return graph
+
+    def step(run, tails):
+        monkeypatch.setattr(attention_core, "FUSED_ATTENTION_TAILS", tails)
+        model.zero_grad()
+        output = run(**inputs).last_hidden_state
+        (output * torch.linspace(-1, 1, output.shape[-1], device=device)).sum().backward()
+        named = model.named_parameters()
+        return output.detach(), {name: p.grad.clone() for name, p in named if p.grad is not None}
+
+    forward_op, backward_op = "ea_hf.triton_attention_tail.default", "ea_hf.triton_attention_tail_backward.default"
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+    torch._dynamo.reset()
+    try:
+        monkeypatch.setattr(attention_core, "FUSED_ATTENTION_TAILS", [tail])
+        with torch.no_grad():
+            torch.compile(model.eval(), fullgraph=True, backend=backend)(**inputs)
+        assert graphs == [[forward_op] * 3]
+        graphs.clear()
+        got, got_grads = step(torch.compile(model.train(), fullgraph=True, backend=backend), [tail])
+        draws = ["aten.bernoulli.p"] if dropout else []
+        assert graphs == [(draws + [forward_op]) * 3, [backward_op] * 3]
+    finally:
+        torch._dynamo.reset()
+    if dropout:
+        return
+    want, want_grads = step(model, [])
+    assert max_error(got, want) <= FP32_TOLERANCE * want.abs().max().item()
+    scale = max(grad.abs().max().item() for grad in want_grads.values())
+    for name, want_grad in want_grads.items():  # (compiled, the unused pooler gets zeros, not None)
+        assert max_error(got_grads[name], want_grad) <= FP32_TOLERANCE * scale, name
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_the_tail_operators_pass_opcheck(device, requires_grad):
+    """torch.library's checks of the tail's operators: schema, fake implementation (shapes, dtypes), autograd
+    registration, and a traced graph's results against the eager call."""
+    generator = torch.Generator().manual_seed(5)
+    batch, heads, value_heads, rows, cols, head_dim = 2, 4, 2, 5, 7, 8
+    logits = torch.randn(batch, heads, rows, cols, generator=generator)
+    value = torch.randn(batch, value_heads, cols, head_dim, generator=generator)
+    allowed, additive = masks("padding", batch, rows, cols, generator)[0], None
+    keep = torch.rand(batch, heads, rows, cols, generator=generator) > 0.2
+    logits, value, allowed, keep = (t.to(device) for t in (logits, value, allowed, keep))
+    logits.requires_grad_(requires_grad)
+    value.requires_grad_(requires_grad)
+    torch.library.opcheck(torch.ops.ea_hf.triton_attention_tail.default, (logits, allowed, additive, value, keep, 1.25))
+    output, stats = tail.forward(logits.detach(), allowed, additive, value.detach(), keep, 1.25)
+    grad_output = torch.randn_like(output)
+    arguments = (logits.detach(), allowed, additive, value.detach(), keep, 1.25, stats, grad_output)
+    torch.library.opcheck(torch.ops.ea_hf.triton_attention_tail_backward.default, arguments)

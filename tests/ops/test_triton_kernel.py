@@ -31,11 +31,12 @@ triton = pytest.importorskip(
 
 #: Tiles for most tests: one or two tiles per map, few interpreted programs.
 TILES = dict(BLOCK_ROWS=8, BLOCK_COLS=16, WEIGHT_BLOCK_ROWS=8, WEIGHT_BLOCK_COLS=16)
-#: Tiles that split even a 5 x 5 map, a reduction split into several blocks of (head, tap) pairs, and a weight
-#: gradient split into runs of several tiles, the last one shorter (each side of a product at least 16).
+#: Tiles that split a 7 x 11 map (a tile's columns are whole bytes of the packed gate: a multiple of 8), a
+#: reduction split into several blocks of (head, tap) pairs, and a weight gradient split into runs of several
+#: tiles, the last one shorter (each side of a product at least 16).
 SMALL_TILES = dict(
     BLOCK_ROWS=4,
-    BLOCK_COLS=4,
+    BLOCK_COLS=8,
     TAP_BLOCK=16,
     WEIGHT_BLOCK_ROWS=2,
     WEIGHT_BLOCK_COLS=8,
@@ -331,7 +332,7 @@ def test_half_precision_layer_meets_flash_attentions_accuracy_rule(monkeypatch, 
 def test_correlate_options_match_torch(device, options, kernel_rows, kernel_cols, row_shift):
     """Each option of correlate, over tiles that split the map and the heads, against torch and the CPU kernel."""
     generator = torch.Generator().manual_seed(3)
-    batch, heads, rows, cols = 2, 3, 7, 5
+    batch, heads, rows, cols = 2, 3, 7, 11
     x, end = (torch.randn(batch, heads, rows, cols, generator=generator) for _ in range(2))
     weight = torch.randn(heads, heads, kernel_rows, kernel_cols, generator=generator)
     bias = torch.randn(heads, generator=generator)
@@ -342,19 +343,19 @@ def test_correlate_options_match_torch(device, options, kernel_rows, kernel_cols
         "blend": dict(out_keep=padding_keep(batch, rows, cols, "columns"), blend=end, blend_coef=-0.4),
     }[options]
     with_bias = None if options == "bare" else bias
-    saved = torch.empty_like(x, dtype=torch.bool)
+    saved = packed_gate(x)
     on_device = {name: value.to(device) if torch.is_tensor(value) else value for name, value in choices.items()}
     saved_on_device = saved.to(device)
     out = kernels.correlate(*to(device, x, weight, with_bias), row_shift=row_shift, saved=saved_on_device, **on_device)
     want, want_saved = correlate_with_torch(x, weight, with_bias, row_shift, **choices)
     assert relative_error(out, want) <= FP32_TOLERANCE
-    assert torch.equal(saved_on_device.cpu(), want_saved)
     saved = saved_on_device.cpu()
+    assert torch.equal(saved, pack_gate(want_saved))  # bit for bit, zeros past the last column included
     if cpu.applicable(x, keep=keep, weight=weight):
-        cpu_saved = packed_gate(x)  # the CPU kernel's gate is bit-packed
+        cpu_saved = packed_gate(x)
         on_cpu = cpu_binding.correlate(x, weight, with_bias, row_shift=row_shift, saved=cpu_saved, **choices)
         assert relative_error(out, on_cpu) <= FP32_TOLERANCE
-        assert torch.equal(pack_gate(saved), cpu_saved)
+        assert torch.equal(saved, cpu_saved)
 
 
 @pytest.mark.usefixtures("small_tiles")
@@ -362,7 +363,7 @@ def test_correlate_options_match_torch(device, options, kernel_rows, kernel_cols
 def test_backward_over_small_tiles_matches_cpu(device, kernel_size, causal, with_previous):
     """backward with tiles, head blocks and weight-gradient splits that do not divide the map, against the CPU
     kernel's backward on the same arguments and against the float64 torch operations."""
-    batch, heads, rows, cols, alpha, beta = 3, 3, 7, 5, 0.25, 0.4
+    batch, heads, rows, cols, alpha, beta = 3, 3, 7, 11, 0.25, 0.4
     scores, previous, upstream, weight, bias, context = make_inputs(batch, heads, rows, cols, kernel_size, causal)
     previous = previous if with_previous else None
     keep = padding_keep(batch, rows, cols)
@@ -428,13 +429,13 @@ def test_in_place_output_equals_a_separate_one(device, dtype, kernel_rows, row_s
     """Writing over the input gives the same bits as a separate output, though every tile reads rows and heads
     that other tiles write."""
     generator = torch.Generator().manual_seed(0)
-    batch, heads, rows, cols = 3, 3, 7, 5
+    batch, heads, rows, cols = 3, 3, 7, 11
     x, end = (torch.randn(batch, heads, rows, cols, generator=generator).to(dtype) for _ in range(2))
     weight, bias = torch.randn(heads, heads, kernel_rows, 3, generator=generator), torch.randn(heads)
     keep = padding_keep(batch, rows, cols).to(dtype)
     x, end, weight, bias, keep = to(device, x, end, weight, bias, keep)
     options = dict(row_shift=row_shift, lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend_coef=0.6)
-    separate_saved, saved = (torch.empty_like(x, dtype=torch.bool) for _ in range(2))
+    separate_saved, saved = packed_gate(x), packed_gate(x)
     separate = kernels.correlate(x, weight, bias, blend=x, saved=separate_saved, **options)
     overwritten = x.clone()
     result = kernels.correlate(overwritten, weight, bias, blend=overwritten, saved=saved, in_place=True, **options)
@@ -442,6 +443,18 @@ def test_in_place_output_equals_a_separate_one(device, dtype, kernel_rows, row_s
     assert torch.equal(result, separate)
     assert torch.equal(saved, separate_saved)
     assert not torch.equal(result, x)
+
+
+def test_correlate_takes_only_a_packed_gate_in_whole_bytes(monkeypatch, device):
+    """The gate is the CPU kernel's bit-packed form, and a tile writes whole bytes of it: anything else is a
+    ValueError before a launch, not a gate written past its end."""
+    x, weight = to(device, torch.zeros(1, 2, 5, 20), torch.zeros(2, 2, 3, 3))
+    with pytest.raises(ValueError, match=r"bit-packed \(packed_gate\).*\(1, 2, 5, 4\), not torch.bool"):
+        kernels.correlate(x, weight, None, row_shift=-1, saved=torch.zeros_like(x, dtype=torch.bool))
+    monkeypatch.setattr(kernels, "BLOCK_COLS", 4)
+    with pytest.raises(ValueError, match="BLOCK_COLS must be a multiple of 8, not 4"):
+        kernels.correlate(x, weight, None, row_shift=-1, saved=packed_gate(x))
+    assert kernels.correlate(x, weight, None, row_shift=-1).shape == x.shape  # no gate: any tile
 
 
 def test_applicable_needs_the_opt_in_and_on_cpu_the_interpreter(monkeypatch, device):
@@ -539,7 +552,10 @@ def test_compiled_model_runs_the_kernels_as_operators(monkeypatch, device):
     called: list[str] = []
 
     def record(graph, example_inputs):
-        called.extend(str(node.target) for node in graph.graph.nodes if str(node.target).startswith("ea_hf."))
+        # The evolution's operators (the fused attention tail's have a test of their own)
+        called.extend(
+            str(node.target) for node in graph.graph.nodes if str(node.target).startswith("ea_hf.triton_evolve")
+        )
         return graph
 
     def step(model):
@@ -555,10 +571,13 @@ def test_compiled_model_runs_the_kernels_as_operators(monkeypatch, device):
         backend = aot_autograd(fw_compiler=record, bw_compiler=record)
         with torch.no_grad():
             inference = torch.compile(model, fullgraph=True, backend=backend)(**inputs).last_hidden_state
-        assert called == ["ea_hf.triton_evolve.default"] * 3
+        assert called == ["ea_hf.triton_evolve_with_gate_bits.default"] * 3
         called.clear()
         got, got_grads = step(torch.compile(model, fullgraph=True, backend=backend))
-        assert sorted(called) == ["ea_hf.triton_evolve.default"] * 3 + ["ea_hf.triton_evolve_backward.default"] * 3
+        assert (
+            sorted(called)
+            == ["ea_hf.triton_evolve_backward.default"] * 3 + ["ea_hf.triton_evolve_with_gate_bits.default"] * 3
+        )
     finally:
         torch._dynamo.reset()
     want, want_grads = step(model)
