@@ -17,7 +17,7 @@ that a previous, interrupted run with the same settings finished, so a run can b
 
 The dry run (``--tiny`` is the same) uses a 2-layer BERT (hidden 32, 2 heads), N = 16 and 24 with batch 2, fp32,
 1 warm-up and 2 timed steps, ``time.perf_counter`` times and no memory figures (null); ``ea-triton`` runs the Triton
-kernels in Triton's interpreter (``TRITON_INTERPRET=1``) and ``ea-compile`` uses the ``eager`` backend.
+kernels in Triton's interpreter (``TRITON_INTERPRET=1``) and the compiled variants use the ``eager`` backend.
 
 Outputs: ``bench/results/<gpu name slug>/bench_gpu.json`` and ``.md`` (e.g. ``bench/results/nvidia-h100-80gb-hbm3/``;
 ``bench/results/cpu/bench_gpu_dry_run.*`` for the dry run), or under ``--out DIR``. Without CUDA and without
@@ -58,8 +58,11 @@ RESULT_PREFIX = attention_bench.RESULT_PREFIX
 EA_ALPHA = attention_bench.EA_ALPHA
 EA_BETA = attention_bench.EA_BETA
 
-VARIANTS = ("eager", "sdpa", "ea-torch", "ea-triton", "ea-compile")
-EA_VARIANTS = ("ea-torch", "ea-triton", "ea-compile")
+VARIANTS = ("eager", "sdpa", "ea-torch", "ea-triton", "ea-compile", "ea-triton-compile")
+EA_VARIANTS = ("ea-torch", "ea-triton", "ea-compile", "ea-triton-compile")
+#: The EA variants on the Triton kernels (``EA_HF_TRITON=1``), and those under ``torch.compile``.
+TRITON_VARIANTS = ("ea-triton", "ea-triton-compile")
+COMPILED_VARIANTS = ("ea-compile", "ea-triton-compile")
 MODES = ("inference", "training")
 DTYPES = ("bf16", "fp32")
 TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -143,23 +146,27 @@ def variant_environment(variant: str, device_type: str) -> dict[str, str]:
     """The environment that makes ``variant`` run the evolution where its name says (read at call time by ea_hf).
 
     Every EA variant turns ea_hf's CPU kernel off, which would otherwise take the float32 maps of the dry run
-    before Triton or torch operations could; on CUDA it never applies. Only ``ea-triton`` opts in to Triton,
-    and on CPU tensors Triton runs only under its interpreter.
+    before Triton or torch operations could; on CUDA it never applies. Only the :data:`TRITON_VARIANTS` opt in to
+    Triton, and on CPU tensors Triton runs only under its interpreter.
     """
-    environment = {"EA_HF_TRITON": "1" if variant == "ea-triton" else "0"}
+    environment = {"EA_HF_TRITON": "1" if variant in TRITON_VARIANTS else "0"}
     if variant in EA_VARIANTS:
         environment["EA_HF_KERNELS"] = "0"
-    if variant == "ea-triton" and device_type == "cpu":
+    if variant in TRITON_VARIANTS and device_type == "cpu":
         environment["TRITON_INTERPRET"] = "1"
     return environment
 
 
 def counting(function: Callable, counts: dict[str, int], key: str) -> Callable:
-    """``function``, counting its calls in ``counts[key]``."""
+    """``function``, counting its calls in ``counts[key]``: the calls that run it, not torch.compile's tracing of
+    them (where the count would be a side effect dynamo refuses inside an autograd.Function or a checkpoint, and
+    break the graph; a compiled graph's operators run the kernels through their bodies, which count)."""
+    import torch
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        counts[key] += 1
+        if not torch.compiler.is_compiling():
+            counts[key] += 1
         return function(*args, **kwargs)
 
     return wrapper
@@ -205,7 +212,7 @@ def kernel_settings(variant: str, device_type: str) -> Iterator[dict[str, int]]:
     from ea_hf.ops import cpu, cpu_binding, triton_kernels
 
     counts = {"triton_correlate": 0, "triton_backward": 0, "cpu_correlate": 0, "cpu_backward": 0}
-    tiles = DRY_RUN_TILES if variant == "ea-triton" and device_type == "cpu" else {}
+    tiles = DRY_RUN_TILES if variant in TRITON_VARIANTS and device_type == "cpu" else {}
     entry_points = {
         "triton": ((triton_kernels, "correlate"), (triton_kernels, "backward")),
         "cpu": ((cpu_binding, "correlate"), (cpu, "backward")),
@@ -333,7 +340,7 @@ def run_case(variant: str, length: int, batch: int, mode: str, dtype_name: str, 
         "timing": "torch.cuda.Event around each step, synchronised" if cuda else "time.perf_counter (CPU)",
     }
     compile_info: dict[str, Any] | None = None
-    if variant == "ea-compile":
+    if variant in COMPILED_VARIANTS:
         compile_info = {"backend": settings.compile_backend, "mode": "default", "failed": False, "error": None}
         torch._dynamo.reset()  # compile from scratch: no graphs or guards carried over from another case
         compile_counters().clear()
@@ -475,11 +482,12 @@ def evolution_path(variant: str, triton_calls: int, cpu_calls: int) -> str | Non
     """What computed the evolution step, judged by the kernel calls seen (None for the unpatched variants)."""
     if variant not in EA_VARIANTS:
         return None
+    compiled = " under torch.compile" if variant in COMPILED_VARIANTS else ""
     if triton_calls:
-        return "Triton kernels"
+        return "Triton kernels" + compiled
     if cpu_calls:
         return "ea_hf CPU kernel"
-    return "torch operations" + (" under torch.compile" if variant == "ea-compile" else "")
+    return "torch operations" + compiled
 
 
 def run_check(length: int, batch: int, dtype_name: str, settings: argparse.Namespace) -> dict:
@@ -651,7 +659,7 @@ def target_cell(target: float | None, passed: bool | None) -> str:
 
 def notes(row: dict, case: dict) -> str:
     parts = []
-    if row["variant"] == "ea-triton" and row["status"] == "ok" and not row["ran_on_triton"]:
+    if row["variant"] in TRITON_VARIANTS and row["status"] == "ok" and not row["ran_on_triton"]:
         parts.append("FELL BACK to torch operations (0 Triton calls)")
     compiled = case.get("compile")
     if compiled:
@@ -735,8 +743,9 @@ def markdown_report(report: dict) -> str:
         + f". {report['model']}, random weights (seed 0), dropout "
         f"0; random input_ids, all-ones attention mask. EA: `ea_hf.patch(model, alpha={EA_ALPHA}, beta={EA_BETA})` "
         "(3x3 kernel, every layer); `ea-torch` evolves with torch operations, `ea-triton` with the Triton kernels "
-        f"(`EA_HF_TRITON=1`), `ea-compile` is the ea-torch model under `torch.compile` (backend "
-        f"`{settings['compile_backend']}`, default mode). inference = forward (logits) under `torch.no_grad()`; "
+        f"(`EA_HF_TRITON=1`), `ea-compile` and `ea-triton-compile` are those models under `torch.compile` (backend "
+        f"`{settings['compile_backend']}`, default mode; the Triton kernels and the fused attention tail run as torch "
+        "operators). inference = forward (logits) under `torch.no_grad()`; "
         "training = forward with labels, `loss.backward()` (cross-entropy of the 2-label head)"
         + (f", `{settings['optimizer']}` step" if settings["optimizer"] != "none" else ", no optimizer step")
         + f". Median of {settings['repeats']} steps after {settings['warmup']} warm-up step(s). "
@@ -756,7 +765,8 @@ def markdown_report(report: dict) -> str:
     targets = (
         f"Targets (EA variants against eager): training step at most {TIME_TARGETS[512]}x at N = 512 and "
         f"{TIME_TARGETS[2048]}x at N = 2048; peak memory at most {MEMORY_TARGET}x. *Triton calls/step*: calls of "
-        "`triton_kernels.correlate` + `backward` per step (warm-ups included); an `ea-triton` row with 0 fell back "
+        "`triton_kernels.correlate` + `backward` per step (warm-ups included; compiled, the backward runs as an "
+        "operator and only `correlate` is counted); an `ea-triton` row with 0 fell back "
         "to torch operations."
     )
     return (
@@ -983,8 +993,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="untimed steps before them (default 3; dry run 1)")
     parser.add_argument(
         "--compile-backend",
-        help="torch.compile backend of ea-compile (default inductor; dry run eager: dynamo's graph capture only, "
-        "as inductor's C++ build of even a tiny BERT takes minutes on a busy CPU; aot_eager also traces the "
+        help="torch.compile backend of the compiled variants (default inductor; dry run eager: dynamo's graph capture "
+        "only, as inductor's C++ build of even a tiny BERT takes minutes on a busy CPU; aot_eager also traces the "
         "backward, about 6 s more)",
     )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="none", help="training step's optimizer (none)")

@@ -7,7 +7,10 @@
 #   5. bench_triton_kernels.py --liger: the evolution step beside Liger-Kernel's Multi-Token Attention, bf16,
 #      N = 512, batch 8 (where bench/wheels holds the liger-kernel wheel) -> $OUT/liger/
 #   6. bench_decoder.py --device cuda: the ~125M Llama's prefill, its memory and decoding, bf16 -> $OUT/decoder/
-#   7. meanwhile, on four other cores, CUDA hidden: the paired CPU timing of bench_attention.py (eager, sdpa, EA
+#   7. with the time the steps above left (they end early when nothing hangs), bench_gpu.py's ea-triton-compile
+#      (inductor; the Triton kernels and the fused tail as operators) beside eager, bf16
+#      training at N = 512 -> $OUT/model_compiled/
+#   8. meanwhile, on four other cores, CUDA hidden: the paired CPU timing of bench_attention.py (eager, sdpa, EA
 #      alternating, 2 threads) at the issue-18 cases, and the step memory of eager and EA training, so that each
 #      lease also records the CPU ratios on its host's CPU model -> $OUT/cpu_paired.log, $OUT/cpu_memory.log
 # In that order of priority. Each step has its own time limit, so that a slow one leaves the others their share;
@@ -16,7 +19,7 @@
 #     device run: bash bench/gpu_session.sh   (timeout_s 510, carry ["bench/wheels"])
 set -u
 OUT=${OUT:-/tmp/gpu_session}
-mkdir -p "$OUT/model" "$OUT/model_2048" "$OUT/liger" "$OUT/decoder"
+mkdir -p "$OUT/model" "$OUT/model_2048" "$OUT/liger" "$OUT/decoder" "$OUT/model_compiled"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 EA_HF_CACHE=/tmp/ea_hf_cache TOKENIZERS_PARALLELISM=false
 PYTHON=${PYTHON:-python3}
 
@@ -83,6 +86,14 @@ fi
 on_gpu_cpus timeout 70 $PYTHON bench/bench_decoder.py --device cuda --paired-rounds 3 --decode-tokens 16 \
     --threads 4 --out "$OUT/decoder" > "$OUT/decoder/log.txt" 2>&1
 echo "decoder bench: exit $?"; tail -15 "$OUT/decoder/log.txt"
+LEFT=$((465 - SECONDS))  # the whole script within about 480 s: the compiled cases get what is left
+if [ "$LEFT" -gt 40 ]; then
+    on_gpu_cpus timeout "$LEFT" $PYTHON bench/bench_gpu.py --cases 512:8 --dtypes bf16 --modes training --no-check \
+        --variants eager ea-triton-compile --out "$OUT/model_compiled" > "$OUT/model_compiled/log.txt" 2>&1
+    echo "compiled bench ($LEFT s left): exit $?"; tail -8 "$OUT/model_compiled/log.txt"
+else
+    echo "compiled bench skipped: $LEFT s left"
+fi
 wait "$CPU_JOB" "$MEMORY_JOB"
 grep -v '^BENCH_RESULT' "$OUT/cpu_paired.log" | tail -5
 grep -c '^BENCH_RESULT' "$OUT/cpu_paired.log" "$OUT/cpu_memory.log"

@@ -8,8 +8,9 @@ A fused evolution step reads S and A_prev and writes A_logit and the ReLU gate (
 an element, as the fused kernels keep it) in its forward pass; its backward reads the incoming gradient (and the
 next layer's, added as it reads), the gate (twice: the input and the weight gradients), S and A_prev, and writes
 the gradients of S and A_prev: ten maps in the model's dtype and three reads or writes of the packed gate a
-layer, forward and backward. The 3x3 convolution over H heads is 2 * 9 * H FLOPs per element and pass (three passes: the forward,
-the input gradient and the weight gradient). At these shapes the step is bandwidth-bound on both GPUs.
+layer, forward and backward. The 3x3 convolution over H heads is 2 * 9 * H FLOPs per element and pass (three
+passes: the forward, the input gradient and the weight gradient). At these shapes the step is bandwidth-bound on
+both GPUs.
 """
 
 from __future__ import annotations

@@ -74,14 +74,21 @@ def test_the_triton_variant_ran_on_the_triton_kernels_and_the_others_did_not(ben
             assert case["ran_on_triton"] is True and case["evolution_path"] == "Triton kernels"
             assert calls["triton_backward"] == (LAYERS * 3 if mode == "training" else 0)
             assert case["environment"] == {"EA_HF_TRITON": "1", "EA_HF_KERNELS": "0", "TRITON_INTERPRET": "1"}
+        elif variant == "ea-triton-compile":
+            # Compiled, the kernels run as operators: one correlation per layer and step in both modes (the
+            # backward operator runs the kernels' backward body, which is not the counted entry point).
+            assert case["triton_calls"] == LAYERS * 3 and calls["triton_backward"] == 0
+            assert case["ran_on_triton"] is True and case["evolution_path"] == "Triton kernels under torch.compile"
+            assert case["environment"] == {"EA_HF_TRITON": "1", "EA_HF_KERNELS": "0", "TRITON_INTERPRET": "1"}
         else:
             assert case["triton_calls"] == 0 and case["ran_on_triton"] is False
         if variant == "ea-torch":
             assert case["evolution_path"] == "torch operations"
-        if variant == "ea-compile":
+        if variant in ("ea-compile", "ea-triton-compile"):
             compiled = case["compile"]
             assert compiled["backend"] == "eager" and compiled["failed"] is False and compiled["error"] is None
             assert compiled["unique_graphs"] > 0 and compiled["graphs_compiled_in_timed_steps"] == 0
+            assert compiled["graph_breaks"] == 0, compiled["graph_break_reasons"]
         else:
             assert case["compile"] is None
     assert result["environment_changed"] == {}  # the settings of a case do not outlive it
@@ -101,7 +108,7 @@ def test_ea_torch_and_ea_triton_agree(report):
     cases = cases_by_key(result)
     for n in LENGTHS:
         reference = cases[("ea-torch", n, "inference")]["output_checksum"]
-        for variant in ("ea-triton", "ea-compile"):
+        for variant in ("ea-triton", "ea-compile", "ea-triton-compile"):
             assert cases[(variant, n, "inference")]["output_checksum"] == pytest.approx(reference, abs=1e-4)
 
 
@@ -137,7 +144,8 @@ def test_files_are_written(bench, report):
     markdown = (out / "bench_gpu_dry_run.md").read_text()
     assert "| " + " | ".join(bench.TABLE_HEADER) + " |" in markdown
     assert "Dry run on CPU" in markdown and "ea-torch vs ea-triton" in markdown
-    assert sum(line.startswith("| 16 | 2 | fp32 |") for line in markdown.splitlines()) == 10 + 1  # + agreement
+    rows = len(bench.VARIANTS) * len(bench.MODES) + 1  # + agreement
+    assert sum(line.startswith("| 16 | 2 | fp32 |") for line in markdown.splitlines()) == rows
     assert "FELL BACK" not in markdown and "FAILED" not in markdown
 
 
