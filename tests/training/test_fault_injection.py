@@ -11,9 +11,11 @@ machine's speed)."""
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -46,10 +48,32 @@ KILL_POINTS = {
     "writing the evaluation": ("ea_hf.training.run_dir", "write_atomically", 1, "after"),
 }
 
-CHILD = """
-import functools, importlib, os, signal, sys
+#: A fork server: it imports ea-hf and what a run imports (about 15 seconds, most of a short run) once, then for
+#: each request forks a child process that wraps the kill point, runs ``ea-hf`` with its arguments and exits as
+#: ``python -c`` would (a traceback and status 1 for an uncaught exception, exit handlers run). The server reports
+#: the child's exit status (negative: the signal that killed it). Each child is a separate process killed by a
+#: real SIGKILL; it only starts from modules already imported.
+SERVER = """
+import importlib, json, os, sys
 
-module_name, path, at_call, when = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+for module_name in sys.argv[1:]:
+    importlib.import_module(module_name)
+for request in map(json.loads, sys.stdin):
+    child = os.fork()
+    if child == 0:
+        break
+    _, status = os.waitpid(child, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+else:
+    sys.exit(0)
+
+# The child: stdin from /dev/null, stdout and stderr to the request's files, then the run.
+import functools, signal
+
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+os.dup2(os.open(request["stdout"], os.O_WRONLY), 1)
+os.dup2(os.open(request["stderr"], os.O_WRONLY), 2)
+module_name, path, at_call, when = request["kill_at"]
 owner = importlib.import_module(module_name)
 *parents, name = path.split(".")
 for parent in parents:
@@ -68,15 +92,52 @@ def killing(*args, **kwargs):
 
 setattr(owner, name, killing)
 from ea_hf.cli import main
-sys.exit(main(sys.argv[5:]))
+sys.exit(main(request["arguments"]))
 """
+#: What the server imports before it forks: ea-hf's command line, the modules a run, a push and the kill points
+#: import on first use.
+PRELOAD = ["ea_hf.cli", "ea_hf.cli.commands", "ea_hf.training.trainer", "transformers.trainer", "datasets"]
+PRELOAD += [
+    "evaluate",
+    "sklearn.metrics",
+    "huggingface_hub.hf_api",
+    "ea_hf.training.run_dir",
+    "ea_hf.training.evidence",
+]
 NO_KILL = ("os", "getpid", 0, "before")
+_servers = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_servers():
+    yield
+    while _servers:
+        server = _servers.popitem()[1]
+        server.kill()  # it holds nothing to save: its exit would only spend seconds tearing down its modules
+        server.wait()
 
 
 def ea_hf(arguments, kill_at=NO_KILL, env=None):
-    """Run ``ea-hf ARGUMENTS`` in a child process, killed at ``kill_at`` (a KILL_POINTS value)."""
-    command = [sys.executable, "-c", textwrap.dedent(CHILD), *map(str, kill_at), *arguments]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    """Run ``ea-hf ARGUMENTS`` in a child process, killed at ``kill_at`` (a KILL_POINTS value). A server per
+    environment: huggingface_hub reads its settings when it is imported."""
+    env = {**os.environ, **(env or {})}
+    key = tuple(sorted(env.items()))
+    if key not in _servers:
+        command = [sys.executable, "-c", textwrap.dedent(SERVER), *PRELOAD]
+        _servers[key] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    server = _servers[key]
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        for path in (out, err):
+            open(path, "w").close()
+        request = {"arguments": list(map(str, arguments)), "kill_at": kill_at, "stdout": out, "stderr": err}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        ready, _, _ = select.select([server.stdout], [], [], 600)
+        assert ready, "the run did not end within 10 minutes"
+        returncode = int(server.stdout.readline())
+        with open(out) as stdout, open(err) as stderr:
+            return subprocess.CompletedProcess(arguments, returncode, stdout.read(), stderr.read())
 
 
 def finished(done):
