@@ -30,7 +30,7 @@ from .attention_core import (
     scores_stand_in,
     softmax_probabilities,
 )
-from .chain import CHAIN_KWARG, SPARE_KEY, SPENT_WEIGHTS_KEY
+from .chain import CHAIN_KWARG, SPARE_KEY, SPENT_WEIGHTS_KEY, WEIGHTS_READ_KEY
 from .history import convolution_history
 from .masks import convolution_mask, evolving_attention_mask, split_attention_mask
 from .packing import find_packing
@@ -150,7 +150,7 @@ def attend(
                 position_bias=position_bias,
                 softcap=softcap,
                 # Sinks rescale the weights (join_sinks); elsewhere only transformers' recording reads them.
-                weights_read=kwargs.get("s_aux") is not None or attention_weights_read(),
+                weights_read=kwargs.get("s_aux") is not None or weights_read_in_call(chain),
             )
             if kwargs.get("s_aux") is not None:
                 output, probs = join_sinks(output, probs, chain[evolution.key], allowed, additive, kwargs["s_aux"])
@@ -241,6 +241,22 @@ class SinkShare(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_sinks = slope.sum((0, 2)).neg_().to(ctx.sinks_dtype)
         return grad_logits, grad_sinks, None, None
+
+
+def weights_read_in_call(chain: dict) -> bool:
+    """:func:`~.attention_core.attention_weights_read` as the call's first evolving layer found it, kept in
+    ``chain``. Gradient checkpointing replays a layer in backward, after transformers' recording of the outputs
+    has ended, where the weights would count as read: the replay would take the torch tail where the forward took
+    a fused one, save other tensors, and checkpointing refuses a replay that saves a different number.
+
+    Example:
+        >>> chain = {}
+        >>> weights_read_in_call(chain), chain
+        (True, {'weights_read': True})
+    """
+    if WEIGHTS_READ_KEY not in chain:
+        chain[WEIGHTS_READ_KEY] = attention_weights_read()
+    return chain[WEIGHTS_READ_KEY]
 
 
 def spare_map(chain: dict | None, like: torch.Tensor, key: str = SPARE_KEY) -> torch.Tensor | None:

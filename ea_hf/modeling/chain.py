@@ -35,6 +35,9 @@ BACKWARD_SPARES_KEY = "backward_spares"
 #: Chain entry with the ``position_ids`` the stack was called with, where it got no attention mask: transformers
 #: then looks for packed sequences in them (documents whose positions restart), see packing.py.
 POSITIONS_KEY = "position_ids"
+#: Chain entry that says whether the call's attention weights may be read (attention.weights_read_in_call), as
+#: its first evolving layer found it: replays of its layers in backward see the same.
+WEIGHTS_READ_KEY = "weights_read"
 #: Chain entry with the call's packed-sequence layout (packing.Packing), found by its first evolving layer and
 #: shared by the others, so that every layer's map, and the map passed between layers, has the same layout.
 PACKING_KEY = "packing"
