@@ -32,7 +32,9 @@ def test_dry_run_times_both_paths_and_sweeps_the_tiles(bench, tmp_path, monkeypa
     environment = {name: os.environ.get(name) for name in ("EA_HF_TRITON", "TRITON_INTERPRET")}
     registered = list(convolution.FUSED_KERNELS)
 
-    bench.main(["--dry-run", "--sweep", "--out", str(tmp_path)])
+    # One timed call after the warm-up (the dry run's default is two): each still runs on the kernels and is timed;
+    # the interpreter's times mean nothing, and every call of the sweep costs a second of it.
+    bench.main(["--dry-run", "--sweep", "--repeats", "1", "--out", str(tmp_path)])
 
     report = json.loads((tmp_path / "triton_kernels_dry_run.json").read_text())
     assert [(c["dtype"], c["n"], c["batch"], c["causal"]) for c in report["cases"]] == [
@@ -47,14 +49,16 @@ def test_dry_run_times_both_paths_and_sweeps_the_tiles(bench, tmp_path, monkeypa
         # fp32 Triton kernels against torch operations in float64: output and all four gradients.
         assert set(case["relative_errors"]) == {"output", "scores", "previous", "weight", "bias"}
         assert max(case["relative_errors"].values()) <= 1e-5
-    # Every timed Triton call and the sweep ran on the kernels: per case 3 modes x (1 warm-up + 2) calls, the
-    # error check, then 8 settings x 3 modes x 3 calls; backward once per call of the backward mode.
-    assert calls.count("correlate") == 2 * (3 * 3 + 1) + len(bench.SWEEP) * 3 * 3
-    assert calls.count("backward") == 2 * (3 + 1) + len(bench.SWEEP) * 3
+    # Every timed Triton call and the sweep ran on the kernels: per case 3 modes x (1 warm-up + 1) calls, the
+    # error check, then 8 settings x 3 modes x 2 calls; backward once per call of the backward mode.
+    assert calls.count("correlate") == 2 * (3 * 2 + 1) + len(bench.SWEEP) * 3 * 2
+    assert calls.count("backward") == 2 * (2 + 1) + len(bench.SWEEP) * 2
     assert [row["setting"] for row in report["sweep"]] == bench.SWEEP
     for row in report["sweep"]:
         assert "error" not in row and all(row[f"{mode}_ms"] > 0 for mode in bench.MODES.values())
     assert report["settings"]["dry_run"] is True and report["gpu"] is None
+    defaults = bench.parse_args(["--dry-run"])  # what the dry run times without --repeats
+    assert (report["settings"]["repeats"], defaults.repeats, defaults.warmup) == (1, 2, 1)
     # Put back: tiles, environment, registered kernels.
     assert {name: getattr(triton_kernels, name) for name in triton_kernels._TILE_NAMES} == tiles
     assert {name: os.environ.get(name) for name in environment} == environment
