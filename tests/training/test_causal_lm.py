@@ -195,13 +195,14 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_evolution(tmp_path, minilm_t
 @pytest.mark.slow
 def test_two_processes_train_data_parallel(tmp_path):
     run_dir = tmp_path / "ddp"
-    overrides = [*TINY, "data.max_train_samples=4", "train.max_steps=-1", "train.epochs=1"]
+    overrides = [*TINY, "data.max_train_samples=4", "data.max_eval_samples=2", "train.max_steps=-1", "train.epochs=1"]
     overrides += ["train.save_strategy=epoch", f"output_dir={run_dir}"]
     blocks = len(prepare(load_recipe("causal_lm/quickstart", overrides), tmp_path / "one")[0].train_dataset)
     assert main(["run", "causal_lm/quickstart", "--nproc-per-node", "2", *overrides]) == 0
     (checkpoint,) = (run_dir / "checkpoints").iterdir()
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     # Batches of 8 per process: two processes share the blocks, so an epoch has half the steps of one process.
+    # (Two validation documents: 17 blocks, split unevenly between the processes.)
     assert state["global_step"] == math.ceil(blocks / 16) and state["epoch"] == 1.0
     assert ea_hf.is_patched(transformers.AutoModelForCausalLM.from_pretrained(run_dir))
     metrics = read_metrics(run_dir)["validation"]
