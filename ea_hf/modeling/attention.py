@@ -243,7 +243,7 @@ class SinkShare(torch.autograd.Function):
         return grad_logits, grad_sinks, None, None
 
 
-def weights_read_in_call(chain: dict) -> bool:
+def weights_read_in_call(chain: dict | None) -> bool:
     """:func:`~.attention_core.attention_weights_read` as the call's first evolving layer found it, kept in
     ``chain``. Gradient checkpointing replays a layer in backward, after transformers' recording of the outputs
     has ended, where the weights would count as read: the replay would take the torch tail where the forward took
@@ -254,6 +254,8 @@ def weights_read_in_call(chain: dict) -> bool:
         >>> weights_read_in_call(chain), chain
         (True, {'weights_read': True})
     """
+    if chain is None:  # a layer called on its own: the evolution says so (previous_logits) once this returns
+        return attention_weights_read()
     if WEIGHTS_READ_KEY not in chain:
         chain[WEIGHTS_READ_KEY] = attention_weights_read()
     return chain[WEIGHTS_READ_KEY]
