@@ -382,6 +382,20 @@ def attend_values(
     return grouped_product(weights, value), weights, probabilities, mask
 
 
+def kept_by_dropout(like: torch.Tensor, dropout: float) -> torch.Tensor:
+    """The bool mask of the weights that dropout of probability ``dropout`` keeps, for maps like ``like``: the
+    ``bernoulli_`` draw ``torch.native_dropout`` makes on CPU, so that under one seed both drop the same weights.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> mask = kept_by_dropout(torch.zeros(2, 3), 0.5)
+        >>> _ = torch.manual_seed(0)
+        >>> torch.equal(mask, torch.native_dropout(torch.ones(2, 3), 0.5, True)[1])
+        True
+    """
+    return torch.empty_like(like, dtype=torch.bool).bernoulli_(1.0 - dropout)
+
+
 def dropout_with_mask(weights: torch.Tensor, dropout: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.native_dropout(weights, dropout, True)``: (the dropped weights, the bool mask of the kept ones). On
     CPU outside autograd and compilation (the attention core's forward), the same random numbers (the mask is the
@@ -402,7 +416,7 @@ def dropout_with_mask(weights: torch.Tensor, dropout: float) -> tuple[torch.Tens
     plain = weights.device.type == "cpu" and weights.is_contiguous() and dropout < 1.0
     if recorded or torch.compiler.is_compiling() or not plain:
         return torch.native_dropout(weights, dropout, True)
-    mask = torch.empty_like(weights, dtype=torch.bool).bernoulli_(1.0 - dropout)
+    mask = kept_by_dropout(weights, dropout)
     return select_kept(weights, mask, 1.0 / (1.0 - dropout)), mask
 
 
@@ -576,8 +590,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
             output, probabilities, full, dropout_mask = attend_values(logits, allowed, additive, value, dropout)
         else:
             probabilities = full = dropout_mask = None
-            if dropout > 0.0:  # the draw torch's dropout makes (see dropout_with_mask), kept for backward
-                dropout_mask = torch.empty_like(logits, dtype=torch.bool).bernoulli_(1.0 - dropout)
+            if dropout > 0.0:  # kept for backward
+                dropout_mask = kept_by_dropout(logits, dropout)
             output, stats = tail.forward(logits, allowed, additive, value, dropout_mask, 1.0 / (1.0 - dropout))
         # Kept: S and P (A_logit is kept by the next layer, as its A_prev). Else A_logit, to recompute P from;
         # with a fused tail, A_logit (and S where small) and the rows' statistics.
@@ -798,7 +812,7 @@ def compiled_core(
     tail = None if weights_read else fused_attention_tail(maps, allowed, additive, value)
     dropout_keep = None
     if tail is not None and dropout > 0.0:  # drawn outside the checkpoint, whose replay would draw anew
-        dropout_keep = torch.empty_like(maps, dtype=torch.bool).bernoulli_(1.0 - dropout)
+        dropout_keep = kept_by_dropout(maps, dropout)
 
     def after_scores(scores, value, previous, weight, bias, dropout_keep):
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
