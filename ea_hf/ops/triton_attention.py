@@ -99,6 +99,13 @@ def _mask_view(mask: Tensor | None, shape: torch.Size) -> tuple[Tensor | None, t
     return view, tuple(view.stride())
 
 
+def _pointers(logits: Tensor, *optional: Tensor | None) -> list[Tensor]:
+    """The optional maps, with ``logits`` standing in for each absent one: the kernels' helper that moves the
+    pointers to a program's map returns them all, and Triton 3.6 refuses a jitted function that returns a
+    ``None`` pointer. The kernels never read a stand-in (its ``HAS_*`` switch is off)."""
+    return [logits if tensor is None else tensor for tensor in optional]
+
+
 def _launch_tiles(head_dim: int, dtype: torch.dtype) -> dict[str, object]:
     return {
         "BLOCK_M": BLOCK_QUERIES,
@@ -137,9 +144,10 @@ def forward(
     stats = torch.empty(2, batch, heads, rows, dtype=torch.float32, device=value.device)
     tiles = _launch_tiles(head_dim, value.dtype)
     grid = (batch * heads, triton.cdiv(rows, tiles["BLOCK_M"]))
+    allowed_ptr, additive_ptr, keep_ptr = _pointers(logits, allowed, additive, keep)
     kernels.forward[grid](
-        logits, allowed, *allowed_strides, additive, *additive_strides, keep, float(dropout_scale), value, output,
-        stats, heads, heads // value.shape[1], rows, cols, head_dim, torch.finfo(torch.float32).min,
+        logits, allowed_ptr, *allowed_strides, additive_ptr, *additive_strides, keep_ptr, float(dropout_scale), value,
+        output, stats, heads, heads // value.shape[1], rows, cols, head_dim, torch.finfo(torch.float32).min,
         HAS_ALLOWED=allowed is not None, HAS_ADDITIVE=additive is not None, HAS_DROPOUT=keep is not None, **tiles,
     )  # fmt: skip
     return output, stats
@@ -172,8 +180,9 @@ def backward(
     additive, additive_strides = _mask_view(additive, logits.shape)
     keep = None if dropout_keep is None else dropout_keep.contiguous()
     tiles = _launch_tiles(head_dim, value.dtype)
-    arguments = (logits, allowed, *allowed_strides, additive, *additive_strides, keep, float(dropout_scale), value,
-                 grad_output, stats)  # fmt: skip
+    allowed_ptr, additive_ptr, keep_ptr = _pointers(logits, allowed, additive, keep)
+    arguments = (logits, allowed_ptr, *allowed_strides, additive_ptr, *additive_strides, keep_ptr,
+                 float(dropout_scale), value, grad_output, stats)  # fmt: skip
     sizes = (heads, heads // value_heads, rows, cols, head_dim, torch.finfo(torch.float32).min)
     switches = {
         "HAS_ALLOWED": allowed is not None,
