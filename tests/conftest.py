@@ -34,7 +34,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 import ea_hf  # noqa: E402,F401  (registers the EA Auto classes)
-from ea_hf.modeling import convolution  # noqa: E402
+from ea_hf.modeling import kernels  # noqa: E402
 from ea_hf.modeling.architectures import ARCHITECTURES, installed_release_supports  # noqa: E402
 from ea_hf.ops import cpu, cpu_binding  # noqa: E402
 
@@ -159,7 +159,7 @@ def evolution_path(request, monkeypatch):
     if request.param == "kernel" and cpu.cpu_kernel() is None:
         pytest.skip("no C++ compiler on this machine: the kernel path cannot be built")
     if request.param == "torch":
-        monkeypatch.setattr(convolution, "FUSED_KERNELS", [])
+        monkeypatch.setattr(kernels, "FUSED_KERNELS", [])
     else:  # the tests' small maps take the kernel's masked passes too (select_kept), as large ones do
         monkeypatch.setattr(cpu_binding, "SELECT_KEPT_MIN_ENTRIES", 0)
     return request.param

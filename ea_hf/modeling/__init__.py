@@ -6,22 +6,24 @@ checkpoint, so ``trust_remote_code=True`` loads it where ea_hf is not installed.
 copied; it only gathers the public names.
 
 Bottom to top: ``settings`` (the one definition of every setting), ``versions`` (release numbers), ``chain``
-(the per-call state), ``history`` (decoding), ``masks``, ``step`` (the evolution step's settings and maps, the
-protocol of fused kernels and the CPU kernel's gate format), ``convolution`` (the evolution step and its autograd
-node, fused kernels plug in here), ``evolution`` and ``echo`` (the per-layer modules) with the ``methods``
-registry, ``attention`` (the transformers attention function), ``architectures`` (the table), ``attach`` (sites,
-plans, hooks), ``config_classes`` and ``model_classes`` (the EA classes), ``patching`` (patch, unpatch, summary)
-and ``dc_transformer`` (EA-DC-Transformer).
+(the per-call state), ``history`` (decoding), ``masks`` (the convolution's masks and the attention mask pair),
+``step`` (the evolution step's settings and maps and the kernels' gate format), ``kernels`` (the fused kernels'
+protocols and registries: they plug in here), ``convolution`` (the evolution step and its autograd node),
+``products`` (S and the grouped-query products), ``softmax`` (mask, softmax, dropout and their gradients),
+``map_reuse`` (spent maps taken for new ones), ``attention_core`` (a layer's core as one autograd node),
+``compiled`` (the core while torch.compile traces), ``evolution`` and ``echo`` (the per-layer modules) with the
+``methods`` registry, ``sinks`` (attention sinks), ``attention`` (the transformers attention function),
+``architectures`` (the table), ``attach`` (sites, plans, hooks), ``config_classes`` and ``model_classes`` (the EA
+classes), ``patching`` (patch, unpatch, summary) and ``dc_transformer`` (EA-DC-Transformer).
 """
 
 from .architectures import ARCHITECTURES, ArchitectureSpec, supported_model_types
 from .attach import is_patched
 from .attention import ATTENTION_IMPLEMENTATION, evolving_attention_forward, register_attention
-from .attention_core import register_fused_attention_tail
 from .config_classes import evolving_attention_config_class
-from .convolution import register_fused_kernel
 from .echo import EchoAttention
 from .evolution import AttentionMapEvolution
+from .kernels import register_fused_attention_tail, register_fused_kernel
 from .methods import EVOLUTION_METHODS
 from .model_classes import (
     auto_class_names,

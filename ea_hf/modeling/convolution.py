@@ -2,7 +2,7 @@
 
 :class:`EvolveConvolution` computes A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in with
 A_in = lerp(S, A_prev, alpha) and keeps only S, A_prev and the ReLU gate for backward. Fused kernels (the CPU
-kernel of ``ea_hf.ops``; GPU kernels later) plug in through :func:`register_fused_kernel`; where none is
+and Triton kernels of ``ea_hf.ops``) plug in through :func:`~.kernels.register_fused_kernel`; where none is
 registered or applicable, the same steps run as torch operations.
 
 This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
@@ -15,25 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .history import ConvolutionHistory
-from .step import EvolutionStep, FusedKernel, GradientIn, ScaledMap, StepMaps, unpacked_gate
-
-#: Fused kernels, tried in order; registered by ``ea_hf.ops`` (remote-code copies of this file have none).
-FUSED_KERNELS: list[FusedKernel] = []
-
-
-def register_fused_kernel(kernel: FusedKernel) -> None:
-    """Use ``kernel`` for the evolution step wherever it says it is applicable (idempotent)."""
-    if kernel not in FUSED_KERNELS:
-        FUSED_KERNELS.append(kernel)
-
-
-def fused_kernel(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor):
-    """The first registered kernel applicable to these tensors, or None (torch operations)."""
-    # A loop, not next() over a generator: torch 2.8's dynamo cannot trace that (fullgraph fails).
-    for kernel in FUSED_KERNELS:
-        if kernel.applicable(*tensors, keep=keep, weight=weight):
-            return kernel
-    return None
+from .kernels import fused_kernel, fused_select_kept
+from .step import EvolutionStep, GradientIn, ScaledMap, StepMaps, unpacked_gate
 
 
 def select_kept(
@@ -43,7 +26,7 @@ def select_kept(
     may be ``x``): the attention core's masked passes over its maps (dropout's gradient and dropout(P) with
     dropout's mask; a bool attention mask's zeros in a gradient, or its masked logits). Outside autograd and
     compilation the first registered kernel that takes these tensors runs it in one pass (``select_kept`` of
-    :class:`FusedKernel`); elsewhere torch operations give the same numbers (dropout's gradient by torch's
+    :class:`~.kernels.FusedKernel`); elsewhere torch operations give the same numbers (dropout's gradient by torch's
     ``native_dropout_backward``, whose zeros keep the sign of ``x``).
 
     Example:
@@ -52,11 +35,9 @@ def select_kept(
         [[2.0, -0.0, 6.0]]
     """
     if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad):
-        # A loop, not next() over a generator: torch 2.8's dynamo cannot trace that (see fused_kernel).
-        for kernel in FUSED_KERNELS:
-            result = kernel.select_kept(x, keep, scale, fill, out)
-            if result is not None:
-                return result
+        result = fused_select_kept(x, keep, scale, fill, out)
+        if result is not None:
+            return result
     if fill == 0.0 and scale != 1.0:  # dropout's gradient: one kernel on GPUs, the numbers the CPU kernel gives
         result = torch.ops.aten.native_dropout_backward(x, keep, scale)
         return result if out is None else out.copy_(result)
@@ -71,11 +52,11 @@ class EvolveConvolution(torch.autograd.Function):
     input, the convolution output, the ReLU output and a blend product), runs each blend as its own pass and
     allocates a map for every partial gradient. This function scales the (tiny) weights by beta instead of the
     map and keeps only S, A_prev (alive anyway as the previous layer's output) and the ReLU gate. A registered
-    fused kernel (see :func:`register_fused_kernel`; the CPU one) runs the residual mix, mask, convolution, ReLU
-    and blend as one pass forward; backward, one pass gives the gradients of S and A_prev (transposed convolution
-    of the gated gradient, mask, blend, split by the residual weights) and one the weight and bias gradients, without
-    materialising A_in, the gated gradient or the masked input. Elsewhere (GPU, float64, no compiler) the
-    same steps run as torch operations.
+    fused kernel (see :func:`~.kernels.register_fused_kernel`; the CPU one) runs the residual mix, mask,
+    convolution, ReLU and blend as one pass forward; backward, one pass gives the gradients of S and A_prev
+    (transposed convolution of the gated gradient, mask, blend, split by the residual weights) and one the weight
+    and bias gradients, without materialising A_in, the gated gradient or the masked input. Elsewhere (GPU,
+    float64, no compiler) the same steps run as torch operations.
 
     The maps are those of :class:`~.step.StepMaps`, one argument each (autograd differentiates arguments).
     """
@@ -176,7 +157,7 @@ def scale_kernel(
     weight: torch.Tensor, bias: torch.Tensor, beta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """beta * weight and beta * bias in the map's dtype: ReLU(beta * x) = beta * ReLU(x) for beta > 0, so
-    the weights are scaled instead of the map (see ``attention_core.evolution_dtype`` for the maps' dtype)."""
+    the weights are scaled instead of the map (see ``products.evolution_dtype`` for the maps' dtype)."""
     return weight.to(dtype) * beta, bias.to(dtype) * beta
 
 
@@ -341,8 +322,8 @@ def convolution_weight_grad(
     tensor-core products over every pixel of the batch at once). On the CPU, whose own path is the fused kernel
     (this one serves float64, ``EA_HF_KERNELS=0`` and the tests), as one small product per kernel tap and batch
     element (:func:`weight_grad_by_taps`): on the small maps of tests and short inputs oneDNN's convolution
-    backward took 9 to 47 ms a call where the products took 1 to 2.5 ms ([2, 4, 13, 13], AMD EPYC, 2 busy
-    threads), though on [2, 12, 256, 256] it took a seventh of the products' time.
+    backward takes many times the products' time, though not on large maps (see docs/performance.md, "Choices in
+    the hot path").
 
     Example:
         >>> x, g = torch.randn(2, 3, 6, 5, dtype=torch.float64), torch.randn(2, 3, 6, 5, dtype=torch.float64)

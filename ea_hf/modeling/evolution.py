@@ -31,10 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as hf_init
 
-from .attention_core import EvolvingAttentionCore, attention_scores, compiled_core, evolution_maps
+from .attention_core import CoreConstants, CoreInputs, CoreMasks
 from .chain import BACKWARD_SPARES_KEY, REPLAYS_KEY, SHARED_LAYERS, SPARE_KEY
+from .compiled import evolving_attention_core
 from .convolution import begin_history, evolve_convolution
 from .history import ConvolutionHistory
+from .masks import AttentionMask
+from .products import attention_scores, evolution_maps
 from .settings import ATTENTION_ROLES, CAUSAL_ROLES, EvolvingAttentionSettings
 from .step import EvolutionStep, StepMaps
 
@@ -270,7 +273,7 @@ class AttentionMapEvolution(nn.Module):
     def fuses_attention(self, history: ConvolutionHistory | None) -> bool:
         """Whether :meth:`attend` should run this layer's whole attention core: with autograd, a convolution and
         no earlier decoding rows (a forward pass with a fresh cache, as training with ``use_cache`` makes, has
-        none). While torch.compile traces, the core is :func:`~.attention_core.compiled_core`."""
+        none). While torch.compile traces, the core is :func:`~.compiled.compiled_core`."""
         return self.beta != 0.0 and (history is None or history.rows is None) and torch.is_grad_enabled()
 
     def attend(
@@ -279,8 +282,7 @@ class AttentionMapEvolution(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         conv_mask: torch.Tensor | None,
-        allowed: torch.Tensor | None,
-        additive: torch.Tensor | None,
+        mask: AttentionMask,
         chain: dict[Any, Any] | None,
         history: ConvolutionHistory | None = None,
         *,
@@ -292,32 +294,18 @@ class AttentionMapEvolution(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output [B, H, Q, D], attention weights) of the layer from its queries, keys and values, through
         :class:`~.attention_core.EvolvingAttentionCore`, which keeps one map for backward instead of three (while
-        torch.compile traces, :func:`~.attention_core.compiled_core`, which keeps what the core keeps, less P on
+        torch.compile traces, :func:`~.compiled.compiled_core`, which keeps what the core keeps, less P on
         small maps); records A_logit in ``chain`` as :meth:`forward` does, and a fresh ``history`` its last rows.
+        ``mask``: the attention mask of the softmax; ``conv_mask``: where entries may enter the convolution.
         ``dropout``: the probability (0 in eval). ``weights_read``: False where nobody reads the attention weights,
         so that a fused attention tail may take the softmax without forming them (the weights are then None)."""
         previous = self.previous_logits(chain)
         if history is not None:
             self.begin_history(history, query, key, previous, conv_mask, scaling, position_bias, softcap)
-        core = compiled_core if torch.compiler.is_compiling() else EvolvingAttentionCore.apply
-        output, logits, probabilities = core(
-            self.step,
-            query,
-            key,
-            value,
-            previous,
-            position_bias,
-            self.weight,
-            self.bias,
-            conv_mask,
-            allowed,
-            additive,
-            scaling,
-            softcap,
-            dropout,
-            chain.setdefault(BACKWARD_SPARES_KEY, {}),
-            weights_read,
-        )
+        spare_maps = chain.setdefault(BACKWARD_SPARES_KEY, {})
+        constants = CoreConstants(self.step, scaling, softcap, dropout, spare_maps, weights_read)
+        inputs = CoreInputs(query, key, value, previous, position_bias, self.weight, self.bias)
+        output, logits, probabilities = evolving_attention_core(constants, CoreMasks(conv_mask, mask), inputs)
         self.record_logits(chain, logits)
         return output, probabilities
 

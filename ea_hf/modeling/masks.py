@@ -7,7 +7,7 @@ transformers and sibling files (single-dot relative imports).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers.masking_utils import sdpa_mask
@@ -18,15 +18,28 @@ from .chain import DECODER_ROWS_KEY
 MASKED_LOGIT_THRESHOLD = -1e4
 
 
-def split_attention_mask(
-    attention_mask: torch.Tensor | None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Return (allowed, additive): a boolean "may attend" mask and, for float masks, the values to add."""
+class AttentionMask(NamedTuple):
+    """The attention mask as the attention paths apply it: ``allowed``, a bool "may attend" mask, and for float
+    masks ``additive``, the values to add (which the softmax then reads instead). Both broadcast to the
+    [B, H, Q, K] maps; both ``None``: no mask."""
+
+    allowed: torch.Tensor | None = None
+    additive: torch.Tensor | None = None
+
+
+def split_attention_mask(attention_mask: torch.Tensor | None) -> AttentionMask:
+    """The :class:`AttentionMask` of transformers' mask: a bool mask as it is, a float one as what it allows and
+    the values it adds.
+
+    Example:
+        >>> split_attention_mask(torch.tensor([0.0, -1e9])).allowed
+        tensor([ True, False])
+    """
     if attention_mask is None:
-        return None, None
+        return AttentionMask()
     if attention_mask.dtype == torch.bool:
-        return attention_mask, None
-    return attention_mask > MASKED_LOGIT_THRESHOLD, attention_mask
+        return AttentionMask(attention_mask)
+    return AttentionMask(attention_mask > MASKED_LOGIT_THRESHOLD, attention_mask)
 
 
 def first_key_position(query_length: int, key_length: int, past: int) -> int:

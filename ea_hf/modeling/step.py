@@ -1,5 +1,5 @@
-"""The evolution step's settings and maps, the protocol of the fused kernels that compute it, and the CPU kernel's
-bit-packed gate format.
+"""The evolution step's settings and maps, and the fused kernels' bit-packed gate format (their protocol is
+:class:`~.kernels.FusedKernel`).
 
 Every path of the step (torch operations in ``convolution``, the attention core, the kernels of ``ea_hf.ops``)
 takes an :class:`EvolutionStep` first, then the step's maps and the kernel, in that order. alpha and beta are the
@@ -18,7 +18,7 @@ transformers and sibling files (single-dot relative imports).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -80,35 +80,6 @@ class ScaledMap(NamedTuple):
 
     map: Tensor
     scale: float
-
-
-class FusedKernel(Protocol):
-    """What a fused implementation of the evolution step provides (``ea_hf.ops.cpu``, ``ea_hf.ops.triton_kernels``).
-
-    ``evolve`` is the forward step with a beta-scaled kernel (``weight`` and ``bias`` times beta):
-    (A_logit, the ReLU gate in the form its ``backward`` reads: a bool map, or :func:`packed_gate`'s), or with
-    ``in_place`` A_logit written over ``maps.scores`` and no gate unless ``gate`` (default: a gate unless in
-    place). ``convolve`` is a plain correlation plus bias whose output row i reads input rows ``i + row_shift ..``.
-    ``backward`` gives the gradients of S, of A_prev (``None`` without it) and of the beta-scaled kernel's weight
-    and bias, from the gate and the beta-scaled ``weight`` of the forward step; with ``shared_map`` it may
-    return S's gradient as a :class:`ScaledMap` of A_prev's. ``select_kept`` runs the attention core's masked
-    passes, ``keep ? scale * x : fill`` (into ``out`` where given), or returns ``None`` where the kernel does not
-    take them. ``applicable`` says whether the kernel takes these maps and this kernel weight.
-    """
-
-    def applicable(self, *tensors: Tensor | None, keep: Tensor | None = None, weight: Tensor) -> bool: ...
-
-    def evolve(
-        self, step: EvolutionStep, maps: StepMaps, weight: Tensor, bias: Tensor, *, in_place: bool, gate: bool | None
-    ) -> tuple[Tensor, Tensor | None]: ...
-
-    def convolve(self, x: Tensor, weight: Tensor, bias: Tensor, *, row_shift: int) -> Tensor: ...
-
-    def backward(
-        self, step: EvolutionStep, maps: StepMaps, grad: GradientIn, gate: Tensor, weight: Tensor, *, shared_map: bool
-    ) -> tuple[Tensor | ScaledMap, Tensor | None, Tensor, Tensor]: ...
-
-    def select_kept(self, x: Tensor, keep: Tensor, scale: float, fill: float, out: Tensor | None) -> Tensor | None: ...
 
 
 # --------------------------------------------------------------------------------------------------------------

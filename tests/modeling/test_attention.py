@@ -10,13 +10,15 @@ from transformers.masking_utils import bidirectional_mask_function, causal_mask_
 import ea_hf
 import ea_hf.modeling.attention as attention_module
 import ea_hf.modeling.attention_core as attention_core
+import ea_hf.modeling.map_reuse as map_reuse
 from ea_hf.modeling.attention import CACHE_KWARG, evolving_attention_forward
-from ea_hf.modeling.attention_core import attend_values, attention_scores
 from ea_hf.modeling.chain import CHAIN_KWARG
 from ea_hf.modeling.convolution import EvolveConvolution, weight_grad_by_convolution, weight_grad_by_taps
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.history import CACHE_ATTRIBUTE, reorder_convolution_histories
-from ea_hf.modeling.masks import evolving_attention_mask, self_attention_conv_mask
+from ea_hf.modeling.masks import AttentionMask, evolving_attention_mask, self_attention_conv_mask
+from ea_hf.modeling.products import attention_scores
+from ea_hf.modeling.softmax import attend_values
 
 B, H, N, D = 2, 3, 7, 5
 TINY_BERT = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37)
@@ -394,7 +396,7 @@ def test_inference_drops_consumed_logits_from_the_chain():
 
 def test_probabilities_go_into_a_spare_map_only_when_nothing_else_holds_it():
     scores = torch.randn(B, H, N, N)
-    spare_map = attention_module.spare_map
+    spare_map = map_reuse.spare_map
 
     def chain_and_pointer():
         chain = {"spare": torch.randn(B, H, N, N)}
@@ -405,7 +407,7 @@ def test_probabilities_go_into_a_spare_map_only_when_nothing_else_holds_it():
         spare = spare_map(chain, scores)
         assert spare is not None and spare.data_ptr() == pointer and "spare" not in chain
         # Passed on through further calls, as the attention function does: counted once, where it was taken.
-        _, _, probabilities, _ = attend_values(scores, None, None, torch.randn(B, H, N, D), 0.0, out=spare)
+        _, _, probabilities, _ = attend_values(scores, AttentionMask(), torch.randn(B, H, N, D), 0.0, out=spare)
         assert probabilities.data_ptr() == pointer and torch.equal(probabilities, scores.softmax(-1))
 
         chain, _ = chain_and_pointer()
@@ -430,17 +432,17 @@ def test_inference_reuses_consumed_logits_without_changing_a_number(monkeypatch)
     inputs = {"input_ids": torch.randint(0, 100, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
     inputs["attention_mask"][1, 6:] = 0
     reuses = []
-    sole_storage_user = attention_module.sole_storage_user
+    sole_storage_user = map_reuse.sole_storage_user
 
     def counting(tensor):
         reuses.append(sole_storage_user(tensor))
         return reuses[-1]
 
-    monkeypatch.setattr(attention_module, "sole_storage_user", counting)
+    monkeypatch.setattr(map_reuse, "sole_storage_user", counting)
     with torch.no_grad():
         reusing = model(**inputs, output_attentions=True)
     assert reuses == [True] * (TINY_BERT["num_hidden_layers"] - 1)
-    monkeypatch.setattr(attention_module, "sole_storage_user", lambda tensor: False)
+    monkeypatch.setattr(map_reuse, "sole_storage_user", lambda tensor: False)
     with torch.no_grad():
         allocating = model(**inputs, output_attentions=True)
     assert torch.equal(reusing.last_hidden_state, allocating.last_hidden_state)
@@ -472,7 +474,7 @@ def test_inference_writes_each_product_into_the_previous_weights(monkeypatch):
     assert [into_spent for _, into_spent in products] == [False] * layers
 
     products.clear()
-    monkeypatch.setattr(attention_module, "SPENT_WEIGHTS_MIN_BYTES", 0)
+    monkeypatch.setattr(map_reuse, "SPENT_WEIGHTS_MIN_BYTES", 0)
     with torch.no_grad():
         reusing = model(**inputs).last_hidden_state
     assert [into_spent for _, into_spent in products] == [False] + [True] * (layers - 1)
@@ -482,7 +484,7 @@ def test_inference_writes_each_product_into_the_previous_weights(monkeypatch):
     with torch.no_grad():  # a caller that keeps the attentions keeps every weights map: nothing is written into them
         attentions = model(**inputs, output_attentions=True).attentions
     assert [into_spent for _, into_spent in products] == [False] * layers
-    monkeypatch.setattr(attention_module, "sole_storage_user", lambda tensor: False)
+    monkeypatch.setattr(map_reuse, "sole_storage_user", lambda tensor: False)
     with torch.no_grad():
         allocating = model(**inputs, output_attentions=True)
     assert torch.equal(reusing, allocating.last_hidden_state)
@@ -497,7 +499,7 @@ def test_inference_holds_no_weights_where_no_layer_takes_them(monkeypatch):
     import weakref
 
     model = ea_hf.patch(BertModel(BertConfig(**TINY_BERT)), alpha=0.3, beta=0.4).to(torch.bfloat16).eval()
-    monkeypatch.setattr(attention_module, "SPENT_WEIGHTS_MIN_BYTES", 0)
+    monkeypatch.setattr(map_reuse, "SPENT_WEIGHTS_MIN_BYTES", 0)
     weights, alive_at_next_layer = [], []
 
     def recording(*args, **kwargs):
@@ -578,7 +580,7 @@ def test_grouped_query_heads_share_keys_and_values_without_copies(evolved, rows,
     for got, want in zip(grouped, expected, strict=True):
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-6
     # The grouped maps are their storage's only users, as plain products are: inference reuses them (spare_map).
-    assert attention_module.sole_storage_user(attention_scores(q, k, 0.5))
+    assert map_reuse.sole_storage_user(attention_scores(q, k, 0.5))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     upstream = torch.randn(B, rows, heads, D)
     with torch.profiler.profile() as training_profile:

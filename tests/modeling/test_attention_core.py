@@ -11,19 +11,20 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import ea_hf
-from ea_hf.modeling import attention_core, convolution
-from ea_hf.modeling.attention_core import (
-    EvolvingAttentionCore,
-    attend_values,
+from ea_hf.modeling import attention_core, kernels, softmax
+from ea_hf.modeling import compiled as compiled_module
+from ea_hf.modeling.attention_core import CoreConstants, CoreMasks, EvolvingAttentionCore
+from ea_hf.modeling.compiled import compiled_core
+from ea_hf.modeling.evolution import AttentionMapEvolution
+from ea_hf.modeling.masks import AttentionMask
+from ea_hf.modeling.products import (
     attention_scores,
-    compiled_core,
     contiguous_query,
     exact_scaling,
     keeps_small_maps,
-    masked_logits,
     scores_backward,
 )
-from ea_hf.modeling.evolution import AttentionMapEvolution
+from ea_hf.modeling.softmax import attend_values, masked_logits
 from ea_hf.ops import cpu, cpu_binding
 
 B, H, D = 2, 3, 5
@@ -53,7 +54,7 @@ def unfused_layer(evolution, q, k, v, previous, position_bias, allowed, additive
     """The layer as the paper's equations, one tensor operation each (AttentionMapEvolution.reference)."""
     scores = attention_scores(q, k, D**-0.5, position_bias, softcap)
     logits = evolution.reference(scores, conv_mask, {(evolution.role, 0): previous})
-    probabilities = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
+    probabilities = torch.softmax(masked_logits(logits, AttentionMask(allowed, additive)), dim=-1)
     if probs_mask is not None:  # dropout, with the mask the core drew
         probabilities = probabilities * probs_mask / (1.0 - DROPOUT)
     return probabilities @ v, logits, probabilities
@@ -72,10 +73,11 @@ def scores_path(request, monkeypatch):
 
 
 def run_core(evolution, q, k, v, previous, position_bias, allowed, additive, conv_mask, softcap, dropout=0.0):
+    constants = CoreConstants(evolution.step, D**-0.5, softcap, dropout)
+    masks = CoreMasks(conv_mask, AttentionMask(allowed, additive))
     return EvolvingAttentionCore.apply(
-        evolution.step, q, k, v, previous, position_bias, evolution.weight, evolution.bias, conv_mask, allowed,
-        additive, D**-0.5, softcap, dropout,
-    )  # fmt: skip
+        constants, masks, q, k, v, previous, position_bias, evolution.weight, evolution.bias
+    )
 
 
 def outputs_and_gradients(function, leaves, evolution, generator_seed=5, used=(0, 1, 2)):
@@ -204,10 +206,11 @@ def test_attention_tail_drops_out_as_eager_attention_does_and_keeps_a_bool_mask(
     logits, value = torch.randn(B, H, length, length), torch.randn(B, H, length, D)
     allowed = torch.rand(B, 1, length, length) > 0.3
     torch.manual_seed(3)
-    output, weights, probabilities, mask = attend_values(logits, allowed, None, value, DROPOUT)
+    attention_mask = AttentionMask(allowed)
+    output, weights, probabilities, mask = attend_values(logits, attention_mask, value, DROPOUT)
     torch.manual_seed(3)
-    eager = torch.nn.functional.dropout(masked_logits(logits, allowed, None).softmax(-1), DROPOUT, training=True)
-    assert torch.equal(probabilities, masked_logits(logits, allowed, None).softmax(-1))
+    eager = torch.nn.functional.dropout(masked_logits(logits, attention_mask).softmax(-1), DROPOUT, training=True)
+    assert torch.equal(probabilities, masked_logits(logits, attention_mask).softmax(-1))
     assert torch.equal(weights, eager) and torch.equal(output, eager @ value)
     assert mask.dtype == torch.bool and torch.equal(mask & (probabilities != 0), eager != 0)
 
@@ -220,13 +223,13 @@ def test_dropout_outside_autograd_is_native_dropout_bit_for_bit(threads, kernel,
     if kernel:
         monkeypatch.setattr(cpu_binding, "SELECT_KEPT_MIN_ENTRIES", 0)
     else:
-        monkeypatch.setattr(convolution, "FUSED_KERNELS", [])
+        monkeypatch.setattr(kernels, "FUSED_KERNELS", [])
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         weights = torch.rand(2, 3, 33, 70)
         torch.manual_seed(11)
-        dropped, mask = attention_core.dropout_with_mask(weights, DROPOUT)
+        dropped, mask = softmax.dropout_with_mask(weights, DROPOUT)
         torch.manual_seed(11)
         expected, expected_mask = torch.native_dropout(weights, DROPOUT, True)
     finally:
@@ -251,7 +254,8 @@ def test_masked_probabilities_written_in_place_are_the_masked_softmax_bit_for_bi
     if mask_kind == "beyond the logits":
         logits = logits[:1]  # [1, H, Q, K] logits and a [B, 1, Q, K] mask: P is [B, H, Q, K]
     before = logits.clone()
-    expected = torch.softmax(masked_logits(logits, allowed, additive), dim=-1)
+    mask = AttentionMask(allowed, additive)
+    expected = torch.softmax(masked_logits(logits, mask), dim=-1)
     out = torch.full_like(expected, float("nan")) if into else None
     if mask_kind != "beyond the logits":  # the in-place path never builds the masked map: it masks into P's
 
@@ -260,9 +264,9 @@ def test_masked_probabilities_written_in_place_are_the_masked_softmax_bit_for_bi
                 raise AssertionError("masked_logits without out: a map of masked logits was allocated")
             return masked_logits(*arguments, out=out)
 
-        monkeypatch.setattr(attention_core, "masked_logits", into_probabilities_only)
+        monkeypatch.setattr(softmax, "masked_logits", into_probabilities_only)
     with torch.no_grad():
-        got = attention_core.softmax_probabilities(logits, allowed, additive, out=out)
+        got = softmax.softmax_probabilities(logits, mask, out=out)
     assert got.shape == expected.shape and torch.equal(got, expected)
     assert got is out if into else got.data_ptr() != logits.data_ptr()
     assert torch.equal(logits, before)  # the logits are read, never written
@@ -274,7 +278,7 @@ def test_masked_probabilities_keep_their_autograd_graph():
     logits = torch.randn(B, H, 5, 5, requires_grad=True)
     allowed = torch.rand(B, 1, 5, 5) > 0.3
     allowed[..., 0] = True
-    probabilities = attention_core.softmax_probabilities(logits, allowed, None)
+    probabilities = softmax.softmax_probabilities(logits, AttentionMask(allowed))
     (grad,) = torch.autograd.grad(probabilities, logits, torch.randn_like(probabilities))
     expected = torch.softmax(logits.detach().masked_fill(~allowed, torch.finfo(logits.dtype).min), -1)
     assert torch.equal(probabilities.detach(), expected)
@@ -298,11 +302,11 @@ def compile_core(evolution, allowed, conv_mask, dropout=0.0):
                 kept.append(f"{producer.target} {value.dtype}")
         return graph
 
+    constants = CoreConstants(evolution.step, D**-0.5, None, dropout)
+    masks = CoreMasks(conv_mask, AttentionMask(allowed))
+
     def layer(q, k, v, previous):
-        return compiled_core(
-            evolution.step, q, k, v, previous, None, evolution.weight, evolution.bias, conv_mask, allowed, None,
-            D**-0.5, None, dropout,
-        )  # fmt: skip
+        return compiled_core(constants, masks, q, k, v, previous, None, evolution.weight, evolution.bias)
 
     torch._dynamo.reset()
     backend = aot_autograd(
@@ -333,7 +337,7 @@ def test_compiled_core_keeps_one_map_and_matches_the_core(role):
     assert kept == [f"{kernel} torch.float32", f"{kernel} torch.uint8"]  # A_logit and the bit-packed gate
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention_core, "keeps_small_maps", lambda *arguments: True)
+        patch.setattr(compiled_module, "keeps_small_maps", lambda *arguments: True)
         compiled, kept = compile_core(evolution, allowed, conv_mask)
         small = outputs_and_gradients(lambda: compiled(q, k, v, previous), leaves[:4], evolution)
     assert sorted(kept) == [
@@ -350,7 +354,7 @@ def test_compiled_core_keeps_one_map_and_matches_the_core(role):
 def test_compiled_core_recomputes_around_one_dropout_mask(small_maps, monkeypatch):
     """Dropout inside the compiled checkpoint draws its mask once: backward uses the mask the returned weights
     show, as the paper's equations with that mask give (within 1e-5), and keeps it rather than drawing again."""
-    monkeypatch.setattr(attention_core, "keeps_small_maps", lambda *arguments: small_maps)
+    monkeypatch.setattr(compiled_module, "keeps_small_maps", lambda *arguments: small_maps)
     torch.manual_seed(0)
     evolution = AttentionMapEvolution(H, alpha=0.3, beta=0.4, kernel_size=3, position=1, previous=0)
     leaves, allowed, conv_mask = layer_inputs("encoder", queries=24)
@@ -418,10 +422,9 @@ def test_core_passes_gradcheck(role, softcap):
     def core(q, k, v, previous, *parameters):
         bias_or_none = parameters[0] if softcap is not None else None
         weight, bias = parameters[-2:]
-        return EvolvingAttentionCore.apply(
-            evolution.step, q, k, v, previous, bias_or_none, weight, bias, conv_mask, allowed, None,
-            D**-0.5, softcap, 0.0,
-        )  # fmt: skip
+        constants = CoreConstants(evolution.step, D**-0.5, softcap, 0.0)
+        masks = CoreMasks(conv_mask, AttentionMask(allowed))
+        return EvolvingAttentionCore.apply(constants, masks, q, k, v, previous, bias_or_none, weight, bias)
 
     assert torch.autograd.gradcheck(core, (*leaves, evolution.weight, evolution.bias))
 
