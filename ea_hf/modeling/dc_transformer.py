@@ -68,6 +68,7 @@ class EADCTransformerConfig(PreTrainedConfig):
 
     def __init__(
         self,
+        *,
         input_size: int = 1,
         hidden_size: int = 64,
         num_layers: int = 3,
