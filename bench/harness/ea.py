@@ -1,0 +1,179 @@
+"""ea_hf as the benchmarks use it: the settings they patch with, its import, the fused kernels' modules, the
+switches that pick the path the maps evolve on, and counters that prove which path ran."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+from harness import REPO_ROOT
+
+#: Every benchmark's EA: ``ea_hf.patch(model, alpha=EA_ALPHA, beta=EA_BETA)``, whose kernel is 3 x 3.
+EA_ALPHA = 0.2
+EA_BETA = 0.2
+EA_KERNEL_SIZE = 3
+#: The paths the maps evolve on (:func:`evolution_on`): torch operations, or ea_hf's Triton kernels.
+PATHS = ("torch", "triton")
+#: Tiles for Triton's interpreter: one program per tiny map, as the interpreter runs every program in Python. The
+#: torch allocations do not depend on them but for the weight gradient's partial sums, a few KiB (memory_model.py
+#: measures under them). On a GPU the kernels' own tiles are used.
+INTERPRETER_TILES = {"BLOCK_ROWS": 32, "BLOCK_COLS": 32, "WEIGHT_BLOCK_ROWS": 32, "WEIGHT_BLOCK_COLS": 32}
+#: The same with one weight-gradient program per head and tap, for dry runs that only time: faster still, but the
+#: weight gradient's partial sums (torch allocations) shrink with the programs.
+DRY_RUN_TILES = {**INTERPRETER_TILES, "WEIGHT_GRAD_PROGRAMS": 1}
+
+
+def import_ea_hf() -> ModuleType:
+    """ea_hf, from this checkout where it is not installed (a lent machine runs the working tree)."""
+    try:
+        import ea_hf
+    except ImportError:
+        sys.path.insert(0, str(REPO_ROOT))
+        import ea_hf
+    return ea_hf
+
+
+def triton_kernels() -> ModuleType:
+    """ea_hf's Triton kernels of the evolution step: the module whose tiles the benchmarks set and whose entry
+    points (``correlate``, ``backward``) they count. The one place the benchmarks name it."""
+    import_ea_hf()
+    try:
+        from ea_hf.ops.triton import evolution as module
+    except ImportError:  # its name in a checkout without the ea_hf.ops.triton package
+        from ea_hf.ops import triton_kernels as module
+    return module
+
+
+def fused_kernels(kernels: list[ModuleType]) -> contextlib.AbstractContextManager[None]:
+    """The evolution step's registered fused kernels set to ``kernels`` for the duration (none: torch
+    operations), then put back."""
+    import_ea_hf()
+    from ea_hf.modeling import kernels as registry
+
+    return attributes(registry, {"FUSED_KERNELS": kernels})
+
+
+def triton_tile_names() -> tuple[str, ...]:
+    """The names of the Triton kernels' tile settings (module attributes, :func:`triton_kernels`)."""
+    module = triton_kernels()
+    return tuple(getattr(module, "TILE_NAMES", None) or module._TILE_NAMES)
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """``variables`` set in ``os.environ`` for the duration; the earlier values (or their absence) put back."""
+    saved = {name: os.environ.get(name) for name in variables}
+    try:
+        os.environ.update(variables)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def attributes(owner: Any, values: dict[str, Any]) -> Iterator[None]:
+    """``owner``'s attributes set to ``values`` for the duration, then put back."""
+    saved = {name: getattr(owner, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(owner, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(owner, name, value)
+
+
+def path_environment(path: str | None, device_type: str) -> dict[str, str]:
+    """The environment (read by ea_hf at call time) that makes EA evolve its maps on ``path``: ``torch``, ``triton``
+    (on CPU tensors only under Triton's interpreter), or None for a model without EA (Triton off).
+
+    Every EA path turns ea_hf's CPU kernel off, which would otherwise take float32 maps on the CPU before Triton or
+    torch operations could; on CUDA it never applies."""
+    variables = {"EA_HF_TRITON": "1" if path == "triton" else "0"}
+    if path is not None:
+        variables["EA_HF_KERNELS"] = "0"
+    if path == "triton" and device_type == "cpu":
+        variables["TRITON_INTERPRET"] = "1"
+    return variables
+
+
+@contextlib.contextmanager
+def evolution_on(
+    path: str | None, device_type: str, interpreter_tiles: dict[str, int] = INTERPRETER_TILES
+) -> Iterator[None]:
+    """:func:`path_environment` for the duration, and ``interpreter_tiles`` where Triton is interpreted; both put
+    back afterwards, so that cases run in one process (and the tests beside them) do not inherit them."""
+    tiles = interpreter_tiles if path == "triton" and device_type == "cpu" else {}
+    with environment(path_environment(path, device_type)), attributes(triton_kernels(), tiles):
+        yield
+
+
+def counting(function: Callable, counts: dict[str, int], key: str) -> Callable:
+    """``function``, counting its calls in ``counts[key]``: the calls that run it, not torch.compile's tracing of
+    them (where the count would be a side effect dynamo refuses inside an autograd.Function or a checkpoint, and
+    break the graph; a compiled graph's operators run the kernels through their bodies, which count)."""
+    import torch
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            counts[key] += 1
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def counted_kernel_calls() -> Iterator[dict[str, int]]:
+    """Counters (yielded) of the fused kernels' entry points while the context lasts: ``triton_correlate``,
+    ``triton_backward``, ``cpu_correlate`` and ``cpu_backward``. ea_hf calls the kernels through their modules
+    (the CPU kernel's correlation through ``cpu_binding``), so replacing the module attributes sees every call;
+    they are put back afterwards."""
+    import_ea_hf()
+    from ea_hf.ops import cpu, cpu_binding
+
+    kernels = triton_kernels()
+    points = {
+        "triton_correlate": (kernels, "correlate"),
+        "triton_backward": (kernels, "backward"),
+        "cpu_correlate": (cpu_binding, "correlate"),
+        "cpu_backward": (cpu, "backward"),
+    }
+    counts = dict.fromkeys(points, 0)
+    with contextlib.ExitStack() as stack:
+        for key, (module, name) in points.items():
+            stack.enter_context(attributes(module, {name: counting(getattr(module, name), counts, key)}))
+        yield counts
+
+
+def triton_calls(counts: dict[str, int]) -> int:
+    """The Triton kernels' calls in :func:`counted_kernel_calls`' counts."""
+    return counts["triton_correlate"] + counts["triton_backward"]
+
+
+def cpu_kernel_calls(counts: dict[str, int]) -> int:
+    """The CPU kernel's calls in :func:`counted_kernel_calls`' counts."""
+    return counts["cpu_correlate"] + counts["cpu_backward"]
+
+
+def evolution_path(evolving: bool, counts: dict[str, int], compiled: bool = False) -> str | None:
+    """What evolved the maps, judged by the kernel calls counted (None where nothing evolves). ``EA_HF_TRITON=1``
+    asks for the Triton kernels, but they fall back to torch operations where they do not apply: the calls tell
+    which ran."""
+    if not evolving:
+        return None
+    under = " under torch.compile" if compiled else ""
+    if triton_calls(counts):
+        return "Triton kernels" + under
+    if cpu_kernel_calls(counts):
+        return "ea_hf CPU kernel"
+    return "torch operations" + under
