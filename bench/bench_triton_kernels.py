@@ -25,28 +25,29 @@ evolves half-precision models' maps in float32 (``ea_hf.modeling.attention_core.
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-import bench_gpu  # noqa: E402  (bench/ is not a package; import_ea_hf, slug, versions)
+if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside the scripts
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import ea  # noqa: E402
+from harness.cli import parse_case  # noqa: E402
+from harness.host import gpu_results_folder, utc_now, versions  # noqa: E402
+from harness.models import TORCH_DTYPES, torch_dtype  # noqa: E402
+from harness.timing import alternating, median_seconds, stopwatch  # noqa: E402
 
 HEADS = 12
-ALPHA, BETA = 0.2, 0.2
 FULL_CASES = ((512, 8), (2048, 2))
 DRY_RUN_CASES = ((13, 2),)
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: evolve()'s modes and the names of their times.
 MODES = {"forward": "forward", "in_place": "forward_in_place", "backward": "forward_backward"}
 #: Tile settings the sweep times, each over the module's own: forward (and input-gradient) tiles, then the
-#: weight-gradient kernel's. Names are ``ea_hf.ops.triton_kernels`` attributes.
+#: weight-gradient kernel's. Names are attributes of the Triton kernels' module (harness.ea.triton_kernels).
 SWEEP = [
     {"BLOCK_ROWS": 4, "BLOCK_COLS": 32, "TAP_BLOCK": 32, "NUM_WARPS": 4},
     {"BLOCK_ROWS": 8, "BLOCK_COLS": 32, "TAP_BLOCK": 16, "NUM_WARPS": 4},
@@ -57,8 +58,6 @@ SWEEP = [
     {"WEIGHT_BLOCK_ROWS": 4, "WEIGHT_BLOCK_COLS": 16, "WEIGHT_TAP_BLOCK": 128, "WEIGHT_NUM_WARPS": 8},
     {"WEIGHT_BLOCK_ROWS": 8, "WEIGHT_BLOCK_COLS": 32, "WEIGHT_TAP_BLOCK": 16, "WEIGHT_NUM_WARPS": 4},
 ]
-#: The dry run's tiles: one tile per tiny map (the interpreter runs every program in Python).
-DRY_RUN_TILES = {"BLOCK_ROWS": 16, "BLOCK_COLS": 16, "WEIGHT_BLOCK_ROWS": 16, "WEIGHT_BLOCK_COLS": 16}
 #: Where ``--liger`` finds Liger-Kernel's Multi-Token Attention module (the import its README shows).
 LIGER_CLASS = ("liger_kernel.transformers", "LigerMultiTokenAttention")
 #: What each side of the Liger comparison computes, recorded beside the times: the two do different work on maps
@@ -77,18 +76,9 @@ EA_COMPUTES = (
     "the bias. It reads two maps (S, A_prev) where Liger reads one, and writes two map gradients where Liger "
     "writes one"
 )
-
-
-def timer(cuda: bool, repeats: int, warmup: int) -> Callable[[Callable[[], Any]], float]:
-    """A function giving the median seconds of ``repeats`` calls after ``warmup`` (each timed by
-    ``bench_gpu.timed``: CUDA events on a GPU)."""
-
-    def median(step: Callable[[], Any]) -> float:
-        for _ in range(warmup):
-            step()
-        return statistics.median(bench_gpu.timed(step, cuda)[0] for _ in range(repeats))
-
-    return median
+NO_CUDA_MESSAGE = (
+    "bench_triton_kernels.py: no CUDA device available; run it on a GPU, or use --dry-run for the CPU dry run"
+)
 
 
 def step_inputs(dtype_name: str, length: int, batch: int, causal: bool, device: str) -> dict[str, Any]:
@@ -97,7 +87,7 @@ def step_inputs(dtype_name: str, length: int, batch: int, causal: bool, device: 
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    dtype = getattr(torch, DTYPES[dtype_name])
+    dtype = torch_dtype(dtype_name)
 
     def randn(*shape: int, scale: float = 1.0) -> Any:
         return (torch.randn(*shape, generator=generator) * scale).to(device)
@@ -124,7 +114,7 @@ def evolve(inputs: dict[str, Any], mode: str, cast: Callable[[Any], Any] | None 
     grad = mode != "in_place"
     scores = given["scores"].detach().requires_grad_() if grad else given["scores"].clone()
     previous, weight, bias = (given[name].detach().requires_grad_(grad) for name in ("previous", "weight", "bias"))
-    step = EvolutionStep(ALPHA, BETA, context_rows=1, causal=given["causal"])
+    step = EvolutionStep(ea.EA_ALPHA, ea.EA_BETA, context_rows=1, causal=given["causal"])
     with torch.set_grad_enabled(grad):
         output = convolution.evolve_convolution(step, StepMaps(scores, previous, given["keep"]), weight, bias)
     if mode != "backward":
@@ -138,31 +128,39 @@ def relative_error(got: Any, want: Any) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+def time_paths(inputs: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
+    """The median milliseconds of every mode of the step on each path, the Triton kernels and torch operations."""
+    device = "cpu" if args.dry_run else "cuda"
+    times = {}
+    for path, kernels in (("triton", [ea.triton_kernels()]), ("torch", [])):
+        with ea.fused_kernels(kernels):
+            for mode, name in MODES.items():
+                step = functools.partial(evolve, inputs, mode)
+                times[f"{path}_{name}_ms"] = 1000 * median_seconds(step, device, args.repeats, args.warmup)
+    return times
+
+
+def path_errors(inputs: dict[str, Any]) -> dict[str, float]:
+    """The Triton step's output and gradients against torch operations' in float64, each its largest error
+    relative to the largest value.
+
+    Relative to the largest value: a ReLU gate that float32 and float64 open differently (an output within rounding
+    of 0) moves single gradient entries by a weight times the upstream gradient, so at large N the map gradients'
+    maximum error is that of a few flipped gates, not of the kernels' arithmetic."""
+    with ea.fused_kernels([ea.triton_kernels()]):
+        got, got_grads = evolve(inputs, "backward")
+    with ea.fused_kernels([]):
+        want, want_grads = evolve(inputs, "backward", cast=lambda t: t.double())
+    errors = [relative_error(a, b) for a, b in zip([got, *got_grads], [want, *want_grads], strict=True)]
+    return dict(zip(["output", "scores", "previous", "weight", "bias"], errors, strict=True))
+
+
 def run_case(dtype: str, length: int, batch: int, causal: bool, args: argparse.Namespace) -> dict:
     """Times of both paths and the Triton step's error against torch operations in float64."""
-    from ea_hf.modeling import convolution
-    from ea_hf.ops import triton_kernels
-
-    device = "cpu" if args.dry_run else "cuda"
-    inputs = step_inputs(dtype, length, batch, causal, device)
-    median = timer(device == "cuda", args.repeats, args.warmup)
-    paths = {"triton": [triton_kernels], "torch": []}
+    inputs = step_inputs(dtype, length, batch, causal, "cpu" if args.dry_run else "cuda")
     case: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "causal": causal, "heads": HEADS}
-    for path, kernels in paths.items():
-        with bench_gpu.attributes(convolution, {"FUSED_KERNELS": kernels}):
-            for mode, name in MODES.items():
-                case[f"{path}_{name}_ms"] = 1000 * median(lambda mode=mode: evolve(inputs, mode))
-    with bench_gpu.attributes(convolution, {"FUSED_KERNELS": paths["triton"]}):
-        got, got_grads = evolve(inputs, "backward")
-    with bench_gpu.attributes(convolution, {"FUSED_KERNELS": paths["torch"]}):
-        want, want_grads = evolve(inputs, "backward", cast=lambda t: t.double())
-    # Max errors relative to the largest value: a ReLU gate that float32 and float64 open differently (an output
-    # within rounding of 0) moves single gradient entries by a weight times the upstream gradient, so at large N
-    # the map gradients' maximum error is that of a few flipped gates, not of the kernels' arithmetic.
-    case["relative_errors"] = dict(
-        zip(["output", "scores", "previous", "weight", "bias"],
-            [relative_error(a, b) for a, b in zip([got, *got_grads], [want, *want_grads], strict=True)], strict=True)
-    )  # fmt: skip
+    case |= time_paths(inputs, args)
+    case["relative_errors"] = path_errors(inputs)
     for name in MODES.values():
         case[f"{name}_triton_over_torch"] = case[f"triton_{name}_ms"] / case[f"torch_{name}_ms"]
     return case
@@ -190,29 +188,11 @@ def load_liger() -> tuple[Any, dict[str, Any]]:
     }
 
 
-def alternating(steps: dict[str, Callable[[], Any]], cuda: bool, repeats: int, warmup: int) -> dict[str, float]:
-    """The median seconds of each of ``steps``, timed in turns: ``warmup`` untimed rounds, then ``repeats`` rounds
-    that call every step once, the order rotating by one each round, so that each step sees the same clocks, heat
-    and neighbours as the others."""
-    names = list(steps)
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for turn in range(repeats):
-        for name in names[turn % len(names) :] + names[: turn % len(names)]:
-            times[name].append(bench_gpu.timed(steps[name], cuda)[0])
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
-
-
 def compare_liger(liger_class: Any, dtype: str, length: int, batch: int, args: argparse.Namespace) -> dict:
     """Liger's Multi-Token Attention forward plus backward against the evolution step's on both paths (centred
     3x3 kernel), in turns on the same maps (S and the upstream gradient are Liger's scores and output gradient,
     the kernel and bias its weights), and the ratios EA / Liger. A failure is recorded, and the run goes on."""
     import torch
-
-    from ea_hf.modeling import convolution
-    from ea_hf.ops import triton_kernels
 
     device = "cpu" if args.dry_run else "cuda"
     inputs = step_inputs(dtype, length, batch, False, device)
@@ -232,16 +212,17 @@ def compare_liger(liger_class: Any, dtype: str, length: int, batch: int, args: a
             output.backward(inputs["upstream"])
             return output.detach()
 
-        def ea(kernels: list) -> Callable[[], Any]:
+        def evolution_step(kernels: list) -> Callable[[], Any]:
             def step() -> Any:
-                with bench_gpu.attributes(convolution, {"FUSED_KERNELS": kernels}):
+                with ea.fused_kernels(kernels):
                     return evolve(inputs, "backward")
 
             return step
 
         record["liger_output_shape"] = list(liger().shape)
-        steps = {"liger": liger, "triton": ea([triton_kernels]), "torch": ea([])}
-        medians = alternating(steps, device == "cuda", args.repeats, args.warmup)
+        steps = {"liger": liger, "triton": evolution_step([ea.triton_kernels()]), "torch": evolution_step([])}
+        runs = alternating(steps, device, args.repeats, args.warmup)
+        medians = {name: statistics.median(run.seconds for run in timings) for name, timings in runs.items()}
     except Exception as error:  # e.g. Liger's kernels on a triton they were not written for: recorded
         record["error"] = f"{type(error).__name__}: {str(error)[:300]}"
         return record
@@ -265,29 +246,21 @@ def liger_line(record: dict) -> str:
 
 
 def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace) -> list[dict]:
-    """The Triton step's times (each mode) under each setting of SWEEP (with
-    GPU_TILES off, so that each setting is what runs)."""
-    from ea_hf.modeling import convolution
-    from ea_hf.ops import triton_kernels
-
+    """The Triton step's times (each mode) under each setting of SWEEP (with GPU_TILES off, so that each setting
+    is what runs)."""
+    kernels = ea.triton_kernels()
     device = "cpu" if args.dry_run else "cuda"
     inputs = step_inputs(dtype, length, batch, False, device)
-    median = timer(device == "cuda", args.repeats, args.warmup)
-    saved = {name: getattr(triton_kernels, name) for name in triton_kernels._TILE_NAMES}
+    saved = {name: getattr(kernels, name) for name in ea.triton_tile_names()}
     rows = []
-    with bench_gpu.attributes(convolution, {"FUSED_KERNELS": [triton_kernels]}):
+    with ea.fused_kernels([kernels]):
         for setting in SWEEP:
-            tiles = {
-                **saved,
-                **(DRY_RUN_TILES if args.dry_run else {}),
-                **setting,
-                "GPU_TILES": triton_kernels.NO_GPU_TILES,
-            }
             row: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "setting": setting}
-            with bench_gpu.attributes(triton_kernels, tiles):
+            with ea.attributes(kernels, {**saved, **setting, "GPU_TILES": kernels.NO_GPU_TILES}):
                 try:
                     for mode, name in MODES.items():
-                        row[f"{name}_ms"] = 1000 * median(lambda mode=mode: evolve(inputs, mode))
+                        step = functools.partial(evolve, inputs, mode)
+                        row[f"{name}_ms"] = 1000 * median_seconds(step, device, args.repeats, args.warmup)
                 except Exception as error:  # e.g. out of shared memory: recorded, the sweep goes on
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             rows.append(row)
@@ -295,50 +268,52 @@ def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace) -> 
     return rows
 
 
+def run_cases(args: argparse.Namespace, liger_class: Any) -> tuple[list[dict], list[dict]]:
+    """(every case, with Liger's comparison where asked for, and every sweep row), printed as they finish."""
+    cases, sweeps = [], []
+    for dtype in args.dtypes:
+        for length, batch in args.cases:
+            for causal in (False, True):
+                case = run_case(dtype, length, batch, causal, args)
+                cases.append(case)
+                print(
+                    f"{dtype} N={length} batch {batch} {'causal' if causal else 'centred'}: forward "
+                    f"{case['triton_forward_ms']:.3f} vs {case['torch_forward_ms']:.3f} ms, forward+backward "
+                    f"{case['triton_forward_backward_ms']:.3f} vs {case['torch_forward_backward_ms']:.3f} ms "
+                    "(Triton vs torch)",
+                    flush=True,
+                )
+                if liger_class is not None and not causal:  # Liger's kernel is centred, 3x3 as the step's
+                    case["liger"] = compare = compare_liger(liger_class, dtype, length, batch, args)
+                    print(liger_line(compare), flush=True)
+            if args.sweep:
+                sweeps.extend(run_sweep(dtype, length, batch, args))
+    return cases, sweeps
+
+
 def collect(args: argparse.Namespace) -> dict:
     """Every case (and sweep), printed as it finishes; the report is written at the end."""
     import torch
 
-    ea_hf = bench_gpu.import_ea_hf()
-    from ea_hf.ops import triton_kernels
-
+    ea.import_ea_hf()
     if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit(bench_gpu.NO_CUDA_MESSAGE.replace("bench_gpu.py", "bench_triton_kernels.py"))
-    variables = {"EA_HF_TRITON": "1", **({"TRITON_INTERPRET": "1"} if args.dry_run else {})}
+        raise SystemExit(NO_CUDA_MESSAGE)
     liger_class, liger = load_liger() if args.liger else (None, None)
     if liger is not None and not liger["available"]:
         print(f"Liger-Kernel not timed: {liger['reason']}", flush=True)
-    started = time.time()
-    cases, sweeps = [], []
+    elapsed = stopwatch()
     # Put back afterwards: the tests run this in their own process.
-    with bench_gpu.environment(variables), bench_gpu.attributes(triton_kernels, DRY_RUN_TILES if args.dry_run else {}):
-        for dtype in args.dtypes:
-            for length, batch in args.cases:
-                for causal in (False, True):
-                    case = run_case(dtype, length, batch, causal, args)
-                    cases.append(case)
-                    print(
-                        f"{dtype} N={length} batch {batch} {'causal' if causal else 'centred'}: forward "
-                        f"{case['triton_forward_ms']:.3f} vs {case['torch_forward_ms']:.3f} ms, forward+backward "
-                        f"{case['triton_forward_backward_ms']:.3f} vs {case['torch_forward_backward_ms']:.3f} ms "
-                        "(Triton vs torch)",
-                        flush=True,
-                    )
-                    if liger_class is not None and not causal:  # Liger's kernel is centred, 3x3 as the step's
-                        case["liger"] = compare = compare_liger(liger_class, dtype, length, batch, args)
-                        print(liger_line(compare), flush=True)
-                if args.sweep:
-                    sweeps.extend(run_sweep(dtype, length, batch, args))
-    gpu = None if args.dry_run else torch.cuda.get_device_name()
+    with ea.evolution_on("triton", "cpu" if args.dry_run else "cuda"):
+        cases, sweeps = run_cases(args, liger_class)
     return {
         "benchmark": "one evolution step: Triton kernels vs torch operations (bench/bench_triton_kernels.py)",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu,
-        "versions": {**bench_gpu.versions(), "ea_hf": getattr(ea_hf, "__version__", None)},
+        "created": utc_now(),
+        "gpu": None if args.dry_run else torch.cuda.get_device_name(),
+        "versions": versions(),
         "settings": {
             "heads": HEADS,
-            "alpha": ALPHA,
-            "beta": BETA,
+            "alpha": ea.EA_ALPHA,
+            "beta": ea.EA_BETA,
             "repeats": args.repeats,
             "warmup": args.warmup,
             "dry_run": args.dry_run,
@@ -346,15 +321,15 @@ def collect(args: argparse.Namespace) -> dict:
         "cases": cases,
         "sweep": sweeps,
         "liger": None if liger is None else {**liger, "liger_computes": LIGER_COMPUTES, "ea_computes": EA_COMPUTES},
-        "wall_time_s": time.time() - started,
+        "wall_time_s": elapsed(),
     }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny maps on CPU in Triton's interpreter")
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="default fp32 bf16 (dry run: fp32)")
-    parser.add_argument("--cases", nargs="+", type=bench_gpu.parse_case, help="N:BATCH (default 512:8 2048:2)")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(TORCH_DTYPES), help="default fp32 bf16 (dry run: fp32)")
+    parser.add_argument("--cases", nargs="+", type=parse_case, help="N:BATCH (default 512:8 2048:2)")
     parser.add_argument("--sweep", action="store_true", help="also time the Triton kernels under each SWEEP tile")
     parser.add_argument(
         "--liger", action="store_true", help="also time Liger-Kernel's Multi-Token Attention (centred cases)"
@@ -374,11 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     report = collect(args)
     name = "triton_kernels_dry_run.json" if args.dry_run else "triton_kernels.json"
-    folder = (
-        Path(args.out)
-        if args.out
-        else BENCH_DIR / "results" / ("cpu" if args.dry_run else bench_gpu.slug(report["gpu"]))
-    )
+    folder = gpu_results_folder(args.out, report["gpu"])
     folder.mkdir(parents=True, exist_ok=True)
     (folder / name).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wall time {report['wall_time_s']:.0f} s; wrote {folder / name}")

@@ -2,7 +2,7 @@
 backward, checked against torch's ``MemTracker`` on real steps, and the longest context that fits one GPU.
 
     python bench/memory_model.py --check    # tiny BERT and Llama steps measured on CPU against the model (and on
-                                            # the Triton path, interpreted: about 10 minutes more)
+                                            # the Triton path, interpreted, which is slow)
     python bench/memory_model.py --size     # the long-context table of docs/performance.md (8B shapes)
 
 The model counts maps of E = batch x heads x queries x keys elements, in bytes. A training step on the
@@ -27,15 +27,15 @@ sees the same torch allocations a GPU would make (the interpreter's own arrays a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-# bench/ is not a package: the environment and attribute context managers come from bench_gpu.py.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_gpu as gpu_bench  # noqa: E402
+if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside the scripts
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.ea import PATHS, evolution_on  # noqa: E402
+from harness.models import DTYPE_BYTES, build_model, random_batch, torch_dtype  # noqa: E402
 
 #: A layer's backward working set above what the step keeps, in fp32 maps of that layer: (causal, checkpointing,
 #: dtype) -> maps, measured with MemTracker on CPU at N = 512 (``--check``); it does not grow with the depth.
@@ -45,13 +45,9 @@ TRANSIENT_MAPS = {
     (True, True, "fp32"): 7.2, (True, True, "bf16"): 4.8,
 }  # fmt: skip
 #: The same on the Triton path (the kernels interpreted), in bf16: an encoder without checkpointing (BERT,
-#: N = 256; 2.0 at N = 128), and a causal decoder (Llama, N = 512) without and with it. The decoder's grows with N
-#: towards it (without checkpointing 1.1, 1.7, 1.9 and 2.0 maps at N = 128, 256, 384 and 512: a term below the
-#: maps' N^2), so it errs high on short maps, by 4 % at N = 384 and 12 % at 256 (``--check``); with
-#: checkpointing 2.1 and 2.2 maps at N = 384 and 512.
+#: N = 256), and a causal decoder (Llama, N = 512) without and with it. The decoder's grows with N towards it (a
+#: term below the maps' N^2), so the model errs high on short maps (docs/performance.md).
 TRITON_TRANSIENT_MAPS = {(False, False, "bf16"): 2.1, (True, False, "bf16"): 2.0, (True, True, "bf16"): 2.2}
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-PATHS = ("torch", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +116,8 @@ def ea_added_bytes(
 # -- measuring --------------------------------------------------------------------------------------------------
 
 
-def tiny_model(family: str, layers: int, heads: int = 4):
+def tiny_model(family: str, layers: int, heads: int = 4) -> tuple[Any, Any]:
+    """(the model class, its config) of a tiny ``family`` (bert or llama) model, dropout off."""
     import transformers
 
     if family == "bert":
@@ -128,32 +125,12 @@ def tiny_model(family: str, layers: int, heads: int = 4):
             hidden_size=64, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=128,
             vocab_size=100, max_position_embeddings=4096, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0,
         )  # fmt: skip
-        return transformers.BertForSequenceClassification(config)
+        return transformers.BertForSequenceClassification, config
     config = transformers.LlamaConfig(
         hidden_size=64, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
         intermediate_size=128, vocab_size=100, max_position_embeddings=4096,
     )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-#: Tiles for the interpreted Triton kernels (fewer, larger programs: the interpreter runs each in numpy); the
-#: torch allocations do not depend on them but for the weight gradient's partial sums, a few KiB.
-INTERPRETER_TILES = {"BLOCK_ROWS": 32, "BLOCK_COLS": 32, "WEIGHT_BLOCK_ROWS": 32, "WEIGHT_BLOCK_COLS": 32}
-
-
-@contextlib.contextmanager
-def evolution_path(path: str) -> Iterator[None]:
-    """The settings under which EA runs ``path`` on CPU tensors: ``torch`` (torch operations, the CPU kernel
-    off: GPUs' default path) or ``triton`` (the Triton kernels and the fused attention tail, interpreted)."""
-    from ea_hf.ops import triton_kernels
-
-    variables = {"EA_HF_KERNELS": "0"}
-    tiles = {}
-    if path == "triton":
-        variables |= {"EA_HF_TRITON": "1", "TRITON_INTERPRET": "1"}
-        tiles = INTERPRETER_TILES
-    with gpu_bench.environment(variables), gpu_bench.attributes(triton_kernels, tiles):
-        yield
+    return transformers.LlamaForCausalLM, config
 
 
 def measured_peak(
@@ -162,26 +139,21 @@ def measured_peak(
 ) -> int:  # fmt: skip
     """The peak of memory allocated during one training step (forward and backward) of a tiny model, by torch's
     MemTracker (every tensor, weights and gradients included), on CPU: ``variant`` is eager, sdpa or ea, EA on
-    ``path`` (see :func:`evolution_path`)."""
+    ``path`` (see :func:`harness.ea.evolution_on`)."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    import ea_hf
-
-    torch.manual_seed(0)
-    model = tiny_model(family, layers).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
-    if variant == "ea":
-        model = ea_hf.patch(model, alpha=0.2, beta=0.2, layers=None if evolving is None else tuple(evolving))
-    else:
-        model.set_attn_implementation(variant)
+    model_class, config = tiny_model(family, layers)
+    layers_ = None if evolving is None else tuple(evolving)
+    model = build_model(model_class, config, variant, dtype=torch_dtype(dtype), layers=layers_)
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ids = torch.randint(0, 100, (batch, n), generator=torch.Generator().manual_seed(0))
+    ids = random_batch(config.vocab_size, batch, n, mask=False)["input_ids"]
     labels = ids if family != "bert" else torch.zeros(batch, dtype=torch.long)
     tracker = MemTracker()
     tracker.track_external(model)
-    with evolution_path(path), tracker:
+    with evolution_on(path, "cpu"), tracker:
         model(ids, labels=labels).loss.backward()
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 

@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "nvidia-h200"
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside the scripts
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import RESULTS_DIR  # noqa: E402
+from harness.models import DTYPE_BYTES  # noqa: E402
+
+RESULTS = RESULTS_DIR / "nvidia-h200"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +101,8 @@ def tail_traffic(batch: int, heads: int, n: int, dtype: str, fused: bool, head_d
     On torch operations (the core's path): forward, A_logit read and P written in fp32, P cast to the values'
     dtype, dropout's mask drawn and applied, dropout(P) read by the product; backward, P recomputed and cast
     again, dropout applied again and read by the product for dV, dO @ V^T written, dropout's gradient, the
-    softmax's gradient in fp32 (P and G read, written over G), and the casts between. Fused
-    (``ea_hf.ops.triton_attention``): forward, A_logit read and dropout's mask drawn (by torch) and read;
+    softmax's gradient in fp32 (P and G read, written over G), and the casts between. Fused (ea_hf's Triton
+    attention tail): forward, A_logit read and dropout's mask drawn (by torch) and read;
     backward, A_logit and the mask read twice (the row terms' pass, then the gradients' one) and A_logit's
     gradient written. The products: P @ V forward, dV and dP backward and dP again for the row terms, 2 *
     head_dim FLOPs an element each.
