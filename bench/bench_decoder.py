@@ -3,74 +3,58 @@
 Every (variant, N) case runs in a fresh subprocess of this script (``--case VARIANT N``): it builds the model,
 times the prefill ``model(input_ids, use_cache=True)`` and then step-by-step decoding with the returned cache,
 measures the peak memory the prefill adds, and inspects the cache for the convolution rows that EA keeps between
-decoding steps. Fresh processes differ in speed by 10 to 20 % on a shared host, more than EA's cost, so one more
-process per N (``--paired N``) builds every variant and times them in turns, round after round: the paired ratios
-compare variants that ran side by side. The parent collects the cases, computes the ratios against sdpa and eager
-and writes a JSON file and a Markdown report.
+decoding steps. Fresh processes on a shared host differ in speed by more than EA's cost (docs/performance.md), so
+one more process per N (``--paired N``) builds every variant and times them in turns, round after round: the paired
+ratios compare variants that ran side by side. The parent collects the cases, computes the ratios against sdpa and
+eager and writes a JSON file and a Markdown report.
 
     python bench/bench_decoder.py            # full run: N in {512, 2048}, 3 repeats, 1 warm-up, 16 decoded tokens,
                                              # and 5 paired rounds per N
     python bench/bench_decoder.py --tiny     # dry run: tiny config, N in {32, 64}, a few seconds per case
 
 On a GPU (``--device cuda``, bf16 by default) the RSS of fresh processes measures nothing, so only the paired
-processes run, one per N: every variant built on the GPU, timed in turns (``torch.cuda.synchronize`` around each
-prefill and each decoding step), and the peak memory each prefill adds read from the CUDA allocator. The report
-gives each variant's prefill time, prefill memory and ms per decoded token against eager's and sdpa's, and which
-path evolved the maps (``EA_HF_TRITON=1``: ea_hf's Triton kernels; else torch operations).
+processes run, one per N: every variant built on the GPU, timed in turns (CUDA events around each prefill and
+each decoding step), and the peak memory each prefill adds read from the CUDA allocator. The report gives each
+variant's prefill time, prefill memory and ms per decoded token against eager's and sdpa's, and which path evolved
+the maps (``EA_HF_TRITON=1``: ea_hf's Triton kernels; else torch operations).
 
     python bench/bench_decoder.py --device cuda --paired-rounds 3  # bench/results/<gpu>/bench_decoder_gpu.*
     python bench/bench_decoder.py --gpu-protocol --tiny            # the same protocol on the CPU, a dry run
 
-Helpers (machine info, RSS and CPU accounting, the result-line protocol) come from bench_attention.py; the kernel
-call counters and the GPU folder names from bench_gpu.py.
+Timing, memory, kernel-call counters, the result-line protocol and the machine's description come from
+bench/harness.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
+import functools
 import gc
 import json
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-
-
-# bench/ is not a package: its scripts share bench_attention.py's helpers (machine info, result lines, ratios).
-sys.path.insert(0, str(BENCH_DIR))
-import bench_attention as attention_bench  # noqa: E402
-import bench_gpu as gpu_bench  # noqa: E402
-
-ratio = attention_bench.ratio
-number = attention_bench.number
-table_row = attention_bench.table_row
-MIB = attention_bench.MIB
-RESULT_PREFIX = attention_bench.RESULT_PREFIX
-status_mib = attention_bench.status_mib
-reset_peak_rss = attention_bench.reset_peak_rss
+if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside the scripts
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import BENCH_DIR, ea, host, is_cuda, memory  # noqa: E402
+from harness.children import print_result, run_child  # noqa: E402
+from harness.models import TORCH_DTYPES, build_model, parameter_count, random_batch, torch_dtype  # noqa: E402
+from harness.tables import markdown_table, number, ratio  # noqa: E402
+from harness.timing import rotation, stopwatch, timed  # noqa: E402
 
 VARIANTS = ("eager", "sdpa", "ea", "ea-layers")
 DEVICES = ("cpu", "cuda")
-#: --dtype names and the torch dtypes they stand for, and each device's default.
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+#: --dtype names, and each device's default.
+DTYPES = ("fp32", "bf16")
 DEFAULT_DTYPES = {"cpu": "fp32", "cuda": "bf16"}
 NO_CUDA_MESSAGE = "bench_decoder.py: --device cuda, but no CUDA device is available (--gpu-protocol: a CPU dry run)"
 EA_VARIANTS = ("ea", "ea-layers")
-EA_ALPHA = 0.2
-EA_BETA = 0.2
 #: Every EA_LAYER_STRIDE-th layer is evolved in the ``ea-layers`` variant (a quarter: 0, 4, 8 of 12 layers).
 EA_LAYER_STRIDE = 4
-
-#: A machine whose other processes use fewer cores than this counts as quiet (see wait_until_quiet).
-QUIET_CORES = 0.15
 
 #: ~125M parameters (124,668,672): SmolLM/Llama-style proportions with grouped-query attention (4 key/value heads).
 FULL_CONFIG = {
@@ -92,21 +76,38 @@ TINY_CONFIG = {
     "vocab_size": 256,
     "max_position_embeddings": 256,
 }
+#: How a CPU run measures, and how a --gpu-protocol run does (:func:`report_settings`).
+CPU_METHOD = {
+    "prefill_no_cache": "EA variants only: model(input_ids, use_cache=False), same warm-up and repeats",
+    "memory": "fresh process per case; VmRSS after model construction; peak RSS (VmHWM, reset after "
+    "construction) over the prefills; decode peak reset again before decoding",
+    "paired": "one more process per N with all variants, timed in turns (a prefill, then decode_tokens "
+    "steps) for paired_rounds rounds after an untimed one, the order rotating; medians over the rounds",
+}
+DEVICE_METHOD = {
+    "timing": "one process per N with all variants, timed in turns (a prefill, then decode_tokens steps) "
+    "for paired_rounds rounds after an untimed one, the order rotating; every call timed by CUDA events between "
+    "two torch.cuda.synchronize() (time.perf_counter on the CPU); medians over the rounds",
+    "memory": "per timed prefill: torch.cuda.max_memory_allocated() minus torch.cuda.memory_allocated() "
+    "before it, the peak reset there; the largest of the rounds (None on the CPU)",
+}
+#: The columns of the Markdown tables: the cost of each case, the rows EA keeps, the paired timing's (a GPU
+#: run's with its memory and path columns, :func:`paired_table`).
+COST_HEADER = (
+    "variant", "N", "prefill ms", "prefill x sdpa", "prefill x eager", "prefill ms, use_cache=False",
+    "prefill peak above loaded MiB", "total peak RSS MiB", "held after prefill MiB", "decode ms/token",
+    "decode x sdpa", "decode x eager", "others' cores",
+)  # fmt: skip
+KEPT_HEADER = (
+    "variant", "N", "evolved layers", "kept rows per layer (elements)", "storage they hold after prefill, per layer",
+    "after 1+ decode steps, per layer", "KV cache per layer", "kept rows / KV", "held storage / KV",
+    "kept rows, whole model",
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Child: one (variant, N) case.
 # --------------------------------------------------------------------------------------------------------------
-
-
-def peak_rss_mib() -> float:
-    """Peak RSS of this process since the last :func:`reset_peak_rss` (VmHWM), else since it started. Linux
-    raises VmHWM only when RSS is about to fall (it can lag the current VmRSS by what was mapped since), so the
-    larger of the two is the peak."""
-    peak = status_mib("VmHWM")
-    if peak != peak:  # NaN: no VmHWM line
-        return attention_bench.peak_rss_mib()
-    return max(peak, attention_bench.current_rss_mib())
 
 
 def model_config(tiny: bool) -> Any:
@@ -117,7 +118,7 @@ def model_config(tiny: bool) -> Any:
 
 
 def evolved_layers(variant: str, num_layers: int) -> list[int] | None:
-    """Layers that ``variant`` evolves: all for ``ea`` (None), every EA_LAYER_STRIDE-th for ``ea-layers``."""
+    """Layers that ``variant`` evolves: all for ``ea``, every EA_LAYER_STRIDE-th for ``ea-layers``, else None."""
     if variant == "ea":
         return list(range(num_layers))
     if variant == "ea-layers":
@@ -125,25 +126,24 @@ def evolved_layers(variant: str, num_layers: int) -> list[int] | None:
     return None
 
 
-def build_model(variant: str, tiny: bool, dtype: str = "fp32", device: str = "cpu") -> Any:
+def llama(variant: str, tiny: bool, dtype: str = "fp32", device: str = "cpu") -> Any:
     """A LlamaForCausalLM with the same random weights for every variant, eval mode, in ``dtype`` (a --dtype name)
-    on ``device``."""
-    import torch
+    on ``device``. Built on the CPU in fp32 and then moved: the CPU generator gives every variant, device and dtype
+    the same weights (rounded to the dtype)."""
     from transformers import LlamaForCausalLM
 
     config = model_config(tiny)
-    # Built on the CPU in fp32 and then moved: the CPU generator gives every variant, device and dtype the same
-    # weights (rounded to the dtype).
-    torch.manual_seed(0)  # identical Llama weights in every variant
-    model = LlamaForCausalLM(config)
-    model.set_attn_implementation("sdpa" if variant == "sdpa" else "eager")
-    if variant in EA_VARIANTS:
-        import ea_hf
+    # ea patches all layers when layers=None; passing the full list for "ea" would mean the same thing.
+    layers = evolved_layers(variant, config.num_hidden_layers) if variant == "ea-layers" else None
+    attention = "ea" if variant in EA_VARIANTS else variant
+    return build_model(
+        LlamaForCausalLM, config, attention, device=device, dtype=torch_dtype(dtype), layers=layers
+    ).eval()
 
-        layers = evolved_layers(variant, config.num_hidden_layers)
-        # ea patches all layers when layers=None; passing the full list for "ea" would mean the same thing.
-        ea_hf.patch(model, alpha=EA_ALPHA, beta=EA_BETA, layers=None if variant == "ea" else layers)
-    return model.to(device=device, dtype=getattr(torch, TORCH_DTYPES[dtype])).eval()
+
+def prompt(vocab_size: int, length: int, device: str = "cpu") -> Any:
+    """The prompt every case and variant decodes after: random ids, batch 1, the same on every device."""
+    return random_batch(vocab_size, 1, length, device, mask=False)["input_ids"]
 
 
 def tensor_bytes(tensor: Any) -> int:
@@ -174,84 +174,87 @@ def kv_cache_bytes(cache: Any) -> list[int]:
     return [tensor_bytes(layer.keys) + tensor_bytes(layer.values) for layer in cache.layers]
 
 
-def import_ea_hf() -> None:
-    """Import ea_hf, from this checkout where it is not installed (every case imports it, EA or not, so that all
-    processes carry the same libraries)."""
-    try:
-        import ea_hf  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO_ROOT))
-        import ea_hf  # noqa: F401
-
-
-def benchmark_input(vocab_size: int, length: int, device: str = "cpu") -> Any:
-    """The prompt every case and variant decodes after: random ids (seed 1, drawn on the CPU whatever the device,
-    so that every device decodes the same prompt), batch 1."""
-    import torch
-
-    return torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(1)).to(device)
-
-
-def nothing_to_wait_for() -> None:
-    """The CPU's synchronisation: its work is done when the call returns."""
-
-
-def synchronizer(device: str) -> Callable[[], None]:
-    """What a timer calls before it starts and before it stops: ``torch.cuda.synchronize`` on CUDA, where a call
-    returns once its kernels are queued (perf_counter alone would time the launches, and the next timer would
-    inherit the queue), nothing on the CPU."""
-    import torch
-
-    return torch.cuda.synchronize if torch.device(device).type == "cuda" else nothing_to_wait_for
-
-
-def timed_prefill(
-    model: Any, input_ids: Any, synchronize: Callable[[], None] = nothing_to_wait_for
-) -> tuple[float, Any]:
-    """(seconds, output) of ``model(input_ids, use_cache=True)``; call without a previous output alive."""
-    synchronize()
-    start = time.perf_counter()
-    output = model(input_ids, use_cache=True)
-    synchronize()
-    return time.perf_counter() - start, output
-
-
 def timed_decoding(
-    model: Any, cache: Any, next_token: Any, tokens: int, synchronize: Callable[[], None] = nothing_to_wait_for
+    model: Any, cache: Any, next_token: Any, tokens: int, device: str = "cpu"
 ) -> tuple[list[float], Any]:
     """(seconds of each step, the cache) of greedy decoding of ``tokens`` tokens, one a call, from ``next_token``
     (the prefill's argmax) and the prefill's ``cache``."""
     times = []
     for _ in range(tokens):
-        synchronize()
-        start = time.perf_counter()
-        step = model(next_token, past_key_values=cache, use_cache=True)
-        synchronize()
-        times.append(time.perf_counter() - start)
-        next_token, cache = step.logits[:, -1:].argmax(-1), step.past_key_values
+        step = timed(functools.partial(model, next_token, past_key_values=cache, use_cache=True), device)
+        times.append(step.seconds)
+        next_token, cache = step.output.logits[:, -1:].argmax(-1), step.output.past_key_values
         step = None
     return times, cache
 
 
-def reset_peak_memory(device: str) -> int | None:
-    """Start measuring the peak of the device's allocator: reset it and return the bytes allocated now. None on the
-    CPU, whose allocator keeps no such counts (there memory is the RSS of a fresh process per case)."""
+def build_case(variant: str, length: int, threads: int, tiny: bool, dtype: str) -> tuple[Any, Any]:
+    """(the model, the prompt) of one case on the CPU."""
     import torch
 
-    if torch.device(device).type != "cuda":
-        return None
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
+    ea.import_ea_hf()  # in every case, EA or not, so that all processes carry the same libraries
+    torch.set_num_threads(threads)
+    model = llama(variant, tiny, dtype)
+    return model, prompt(model.config.vocab_size, length)
 
 
-def peak_memory_added(device: str, allocated_before: int | None) -> int | None:
-    """Bytes the allocator's peak rose above ``allocated_before`` (:func:`reset_peak_memory`'s figure) since then:
-    what the work in between added at its peak, the model and whatever else was alive before not counted."""
-    import torch
+def time_prefills(model: Any, input_ids: Any, warmup: int, repeats: int) -> tuple[dict, Any]:
+    """The timed prefills (seconds, their median and minimum, CPU over wall) after ``warmup`` untimed ones, and
+    the last one's output."""
+    times, cpu_times, output = [], [], None
+    for index in range(warmup + repeats):
+        # Drop the previous output first: two caches (and two logits tensors) alive would inflate the peak.
+        output = None
+        run = timed(lambda: model(input_ids, use_cache=True))
+        output = run.output
+        if index >= warmup:
+            times.append(run.seconds)
+            cpu_times.append(run.cpu_s)
+        run = None
+    figures = {
+        "prefill_times_s": times,
+        "prefill_median_s": statistics.median(times),
+        "prefill_min_s": min(times),
+        "prefill_cpu_over_wall": statistics.fmean(c / t for c, t in zip(cpu_times, times, strict=True)),
+    }
+    return figures, output
 
-    if allocated_before is None:
-        return None
-    return torch.cuda.max_memory_allocated(device) - allocated_before
+
+def held_after_prefill(output: Any, loaded_mib: float) -> dict:
+    """What the last prefill's ``output`` (logits + cache) holds, alive: the RSS above the loaded model, and its
+    cache's KV bytes and the rows EA kept on it."""
+    held = {"after_prefill_rss_mib": memory.current_rss_mib()}
+    held["retained_after_prefill_mib"] = held["after_prefill_rss_mib"] - loaded_mib
+    held["kv_cache_bytes_per_layer"] = kv_cache_bytes(output.past_key_values)
+    held["kept_rows_after_prefill"] = kept_rows(output.past_key_values)
+    return held
+
+
+def measure_decoding(model: Any, cache: Any, next_token: Any, tokens: int) -> dict:
+    """The timed decoding after the prefill, with its own peak RSS (reset before it) and the rows the cache keeps
+    after it."""
+    gc.collect()
+    memory.reset_peak_rss()
+    figures = {"before_decode_rss_mib": memory.current_rss_mib()}
+    figures["decode_times_s"], cache = timed_decoding(model, cache, next_token, tokens)
+    figures["decode_peak_rss_mib"] = memory.peak_rss_since_reset_mib()
+    figures["after_decode_rss_mib"] = memory.current_rss_mib()
+    figures["kept_rows_after_decode"] = kept_rows(cache)
+    figures["cache_length_after_decode"] = cache.get_seq_length()
+    return figures
+
+
+def time_prefills_without_cache(model: Any, input_ids: Any, warmup: int, repeats: int) -> list[float]:
+    """EA only: the same prefills without a cache. With one, the evolution also keeps its last rows for decoding
+    (both run on ea_hf's fused CPU kernel where it is built): the difference is the price of preparing for
+    decoding (eager and sdpa compute the same thing either way, so they are not re-timed)."""
+    times = []
+    for index in range(warmup + repeats):
+        run = timed(lambda: model(input_ids, use_cache=False))
+        if index >= warmup:
+            times.append(run.seconds)
+        run = None
+    return times
 
 
 def run_case(
@@ -268,72 +271,24 @@ def run_case(
     own."""
     import torch
 
-    import_ea_hf()
-    torch.set_num_threads(threads)
-    model = build_model(variant, tiny, dtype)
-    config = model.config
-    input_ids = benchmark_input(config.vocab_size, length)
+    from ea_hf.ops import cpu as kernels
 
+    model, input_ids = build_case(variant, length, threads, tiny, dtype)
     gc.collect()
     # Without the reset the peak would include model construction, whose transient allocations can exceed a
     # short prefill.
-    peak_reset = reset_peak_rss()
-    loaded_mib = attention_bench.current_rss_mib()
-    load_before = os.getloadavg()
-    measure_start = time.perf_counter()
-    busy_before, steal_before = attention_bench.system_cpu_seconds()
-    own_before = time.process_time()
-
-    prefill_times, prefill_cpu = [], []
-    output = None
-    with torch.no_grad():
-        for index in range(warmup + repeats):
-            # Drop the previous output first: two caches (and two logits tensors) alive would inflate the peak.
-            output = None
-            cpu_start = time.process_time()
-            elapsed, output = timed_prefill(model, input_ids)
-            if index >= warmup:
-                prefill_times.append(elapsed)
-                prefill_cpu.append(time.process_time() - cpu_start)
-        prefill_peak_mib = peak_rss_mib()
-        after_prefill_mib = attention_bench.current_rss_mib()  # the last output (logits + cache) still alive
-
-        cache = output.past_key_values
-        kv_bytes = kv_cache_bytes(cache)
-        rows_after_prefill = kept_rows(cache)
-        next_token = output.logits[:, -1:].argmax(-1)
+    peak_reset = memory.reset_peak_rss()
+    loaded_mib = memory.current_rss_mib()
+    with host.host_activity() as activity, torch.no_grad():
+        prefill, output = time_prefills(model, input_ids, warmup, repeats)
+        prefill_peak_mib = memory.peak_rss_since_reset_mib()
+        held = held_after_prefill(output, loaded_mib)
+        cache, next_token = output.past_key_values, output.logits[:, -1:].argmax(-1)
         output = None  # the [1, N, vocab] logits are not needed for decoding
-
-        gc.collect()
-        reset_peak_rss()
-        before_decode_mib = attention_bench.current_rss_mib()
-        decode_times, cache = timed_decoding(model, cache, next_token, decode_tokens)
-        decode_peak_mib = peak_rss_mib()
-        after_decode_mib = attention_bench.current_rss_mib()
-        rows_after_decode = kept_rows(cache)
-        cache_length = cache.get_seq_length()
+        decoding = measure_decoding(model, cache, next_token, decode_tokens)
         cache = None
-
-        # EA only: the same prefill without a cache. With one, the evolution also keeps its last rows for decoding
-        # (both run on ea_hf's fused CPU kernel where it is built): the difference is the price of preparing for
-        # decoding (eager and sdpa compute the same thing either way, so they are not re-timed).
-        no_cache_times = []
-        if variant in EA_VARIANTS:
-            for index in range(warmup + repeats):
-                output = None
-                start = time.perf_counter()
-                output = model(input_ids, use_cache=False)
-                if index >= warmup:
-                    no_cache_times.append(time.perf_counter() - start)
-            output = None
-
-    load_after = os.getloadavg()
-    measured_wall = time.perf_counter() - measure_start
-    busy_after, steal_after = attention_bench.system_cpu_seconds()
-    own_cpu = time.process_time() - own_before
-    from ea_hf.ops import cpu as kernels
-
-    layers = evolved_layers(variant, config.num_hidden_layers)
+        no_cache = time_prefills_without_cache(model, input_ids, warmup, repeats) if variant in EA_VARIANTS else []
+    decode_times, rows = decoding.pop("decode_times_s"), held["kept_rows_after_prefill"]
     return {
         "variant": variant,
         "n": length,
@@ -341,23 +296,32 @@ def run_case(
         "threads": threads,
         "tiny": tiny,
         "dtype": dtype,
-        "attn_implementation": config._attn_implementation,
-        "evolved_layers": layers,
+        "attn_implementation": model.config._attn_implementation,
+        "evolved_layers": evolved_layers(variant, model.config.num_hidden_layers),
         # Whether EA's evolution ran on the fused CPU kernel (prefills and decoding steps) or on torch operations.
         "ea_cpu_kernel_available": kernels.cpu_kernel() is not None if variant in EA_VARIANTS else None,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": parameter_count(model),
         "warmup": warmup,
         "repeats": repeats,
-        "prefill_times_s": prefill_times,
-        "prefill_median_s": statistics.median(prefill_times),
-        "prefill_min_s": min(prefill_times),
-        "prefill_cpu_over_wall": statistics.fmean(c / t for c, t in zip(prefill_cpu, prefill_times, strict=True)),
-        "prefill_no_cache_times_s": no_cache_times,
-        "prefill_no_cache_median_s": statistics.median(no_cache_times) if no_cache_times else None,
+        **prefill,
+        "prefill_no_cache_times_s": no_cache,
+        "prefill_no_cache_median_s": statistics.median(no_cache) if no_cache else None,
         "decode_tokens": decode_tokens,
         "decode_times_s": decode_times,
         "decode_median_s": statistics.median(decode_times) if decode_times else None,
-        "cache_length_after_decode": cache_length,
+        "cache_length_after_decode": decoding.pop("cache_length_after_decode"),
+        **rss_figures(peak_reset, loaded_mib, prefill_peak_mib),
+        **held,
+        **decoding,
+        "kept_rows_bytes_total": sum(r["bytes"] for r in rows.values()),
+        "kept_rows_storage_bytes_total": sum(r["storage_bytes"] for r in rows.values()),
+        **host_figures(activity),
+    }
+
+
+def rss_figures(peak_reset: bool, loaded_mib: float, prefill_peak_mib: float) -> dict:
+    """A case's RSS once its model is built and at its peak over the prefills, and how that peak was measured."""
+    return {
         "memory_source": "VmRSS / VmHWM of a fresh process; the peak is reset (clear_refs) after the model is built"
         if peak_reset
         else "VmRSS / ru_maxrss of a fresh process (peak could not be reset: includes model construction)",
@@ -365,57 +329,47 @@ def run_case(
         "loaded_rss_mib": loaded_mib,
         "prefill_peak_rss_mib": prefill_peak_mib,
         "prefill_peak_above_loaded_mib": prefill_peak_mib - loaded_mib,
-        "after_prefill_rss_mib": after_prefill_mib,
-        "retained_after_prefill_mib": after_prefill_mib - loaded_mib,
-        "before_decode_rss_mib": before_decode_mib,
-        "decode_peak_rss_mib": decode_peak_mib,
-        "after_decode_rss_mib": after_decode_mib,
-        "kv_cache_bytes_per_layer": kv_bytes,
-        "kept_rows_after_prefill": rows_after_prefill,
-        "kept_rows_after_decode": rows_after_decode,
-        "kept_rows_bytes_total": sum(r["bytes"] for r in rows_after_prefill.values()),
-        "kept_rows_storage_bytes_total": sum(r["storage_bytes"] for r in rows_after_prefill.values()),
-        "loadavg_before_after": [list(load_before), list(load_after)],
-        # CPU seconds of all other processes while this case ran: near 0 when it had the machine to itself.
-        "other_processes_cpu_s": max(0.0, (busy_after - busy_before) - own_cpu),
-        "measured_wall_s": measured_wall,
-        # Average number of cores other processes kept busy while this case was measured.
-        "other_processes_cores": max(0.0, (busy_after - busy_before) - own_cpu) / measured_wall,
-        "steal_s": steal_after - steal_before,
     }
 
 
-@contextlib.contextmanager
-def counted_kernel_calls() -> Iterator[dict[str, int]]:
-    """Counters (yielded) of the correlation passes of ea_hf's fused kernels while the context lasts: ``triton``
-    and ``cpu_kernel``. As in bench_gpu.py: ea_hf calls them through their modules, so replacing the module
-    attributes sees every call; they are put back afterwards."""
-    from ea_hf.ops import cpu_binding, triton_kernels
-
-    counts = {"triton": 0, "cpu_kernel": 0}
-    with contextlib.ExitStack() as stack:
-        for key, module in (("triton", triton_kernels), ("cpu_kernel", cpu_binding)):
-            counted = gpu_bench.counting(module.correlate, counts, key)
-            stack.enter_context(gpu_bench.attributes(module, {"correlate": counted}))
-        yield counts
+def host_figures(activity: host.HostActivity) -> dict:
+    """What the rest of the machine did while a case was measured."""
+    return {
+        "loadavg_before_after": [list(activity.loadavg_before), list(activity.loadavg_after)],
+        # CPU seconds of all other processes while this case ran: near 0 when it had the machine to itself.
+        "other_processes_cpu_s": activity.other_cpu_s,
+        "measured_wall_s": activity.wall_s,
+        # Average number of cores other processes kept busy while this case was measured.
+        "other_processes_cores": activity.other_cores,
+        "steal_s": activity.steal_s,
+    }
 
 
-def evolution_path(variant: str, calls: dict[str, int]) -> str | None:
-    """What evolved ``variant``'s maps, judged by the kernel calls of its turns (None for eager and sdpa).
-    ``EA_HF_TRITON=1`` asks for the Triton kernels, but they fall back to torch operations where they do not
-    apply (or triton is missing): the calls tell which ran."""
-    if variant not in EA_VARIANTS:
-        return None
-    if calls["triton"]:
-        return "Triton kernels"
-    if calls["cpu_kernel"]:
-        return "ea_hf CPU kernel"
-    return "torch operations"
+def one_turn(model: Any, input_ids: Any, decode_tokens: int, device: str) -> dict:
+    """One variant's turn of the paired timing: a timed prefill and the bytes it added at its peak (None on the
+    CPU), then the timed decoding; the rows EA kept on the cache after the prefill, the KV cache's bytes per layer
+    and the cache's length after decoding."""
+    # The previous turn's cache and logits are gone, so the baseline is the models and the prompt.
+    allocated = memory.reset_gpu_peak(device)
+    prefill = timed(lambda: model(input_ids, use_cache=True), device)
+    added = memory.gpu_peak_added_bytes(device, allocated)
+    cache, next_token = prefill.output.past_key_values, prefill.output.logits[:, -1:].argmax(-1)
+    seconds, prefill = prefill.seconds, None
+    kept, kv_bytes = kept_rows(cache), kv_cache_bytes(cache)
+    steps, cache = timed_decoding(model, cache, next_token, decode_tokens, device)
+    return {
+        "prefill_s": seconds,
+        "decode_s": steps,
+        "added_bytes": added,
+        "kept_rows_after_prefill": kept,
+        "kv_cache_bytes_per_layer": kv_bytes,
+        "cache_length_after_decode": cache.get_seq_length(),
+    }
 
 
 def paired_turns(models: dict[str, Any], input_ids: Any, rounds: int, decode_tokens: int, device: str) -> dict:
-    """Every variant's prefill and then its decoding, in turns, round after round, in an order that rotates from
-    round to round; a first round warms up (and on CUDA selects and loads its kernels) and is not timed.
+    """Every variant's turn (:func:`one_turn`), round after round, in an order that rotates from round to round; a
+    first round warms up (and on CUDA selects and loads its kernels) and is not timed.
 
     Returns, per variant: the seconds of each timed prefill and decoding step, the bytes each timed prefill added
     at its peak (None on the CPU), the fused kernels' calls over all its turns, and from its last turn the rows EA
@@ -424,49 +378,32 @@ def paired_turns(models: dict[str, Any], input_ids: Any, rounds: int, decode_tok
     """
     import torch
 
-    synchronize = synchronizer(device)
-    prefill, decode, memory = ({variant: [] for variant in VARIANTS} for _ in range(3))
-    calls = {variant: {"triton": 0, "cpu_kernel": 0} for variant in VARIANTS}
-    caches = {}
-    measure_start = time.perf_counter()
-    busy_before, _ = attention_bench.system_cpu_seconds()
-    own_before = time.process_time()
-    with torch.no_grad(), counted_kernel_calls() as counts:
+    prefill, decode, peaks = ({variant: [] for variant in VARIANTS} for _ in range(3))
+    calls = {variant: {} for variant in VARIANTS}
+    last = {}
+    with host.host_activity() as activity, torch.no_grad(), ea.counted_kernel_calls() as counts:
         for round_index in range(rounds + 1):
-            shift = round_index % len(VARIANTS)
-            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-                calls_before = dict(counts)
-                # The previous turn's cache and logits are gone, so the baseline is the models and the prompt.
-                allocated = reset_peak_memory(device)
-                elapsed, output = timed_prefill(models[variant], input_ids, synchronize)
-                added = peak_memory_added(device, allocated)
-                cache, next_token = output.past_key_values, output.logits[:, -1:].argmax(-1)
-                output = None
-                kept, kv_bytes = kept_rows(cache), kv_cache_bytes(cache)
-                steps, cache = timed_decoding(models[variant], cache, next_token, decode_tokens, synchronize)
-                caches[variant] = {
-                    "kept_rows_after_prefill": kept,
-                    "kv_cache_bytes_per_layer": kv_bytes,
-                    "cache_length_after_decode": cache.get_seq_length(),
-                }
-                cache = None
-                for key, count in counts.items():
-                    calls[variant][key] += count - calls_before[key]
+            for variant in rotation(VARIANTS, round_index):
+                before = dict(counts)
+                last[variant] = turn = one_turn(models[variant], input_ids, decode_tokens, device)
+                calls[variant] = {key: calls[variant].get(key, 0) + counts[key] - before[key] for key in counts}
                 if round_index > 0:
-                    prefill[variant].append(elapsed)
-                    decode[variant].extend(steps)
-                    memory[variant].append(added)
-    measured_wall = time.perf_counter() - measure_start
-    busy_after, _ = attention_bench.system_cpu_seconds()
-    others = max(0.0, (busy_after - busy_before) - (time.process_time() - own_before))
+                    prefill[variant].append(turn["prefill_s"])
+                    decode[variant].extend(turn["decode_s"])
+                    peaks[variant].append(turn["added_bytes"])
+    kept_keys = ("kept_rows_after_prefill", "kv_cache_bytes_per_layer", "cache_length_after_decode")
     return {
         "prefill_times_s": prefill,
         "decode_times_s": decode,
-        "prefill_memory_added_bytes": {variant: None if None in added else added for variant, added in memory.items()},
-        "kernel_calls": calls,
-        **{key: {variant: caches[variant][key] for variant in VARIANTS} for key in caches[VARIANTS[0]]},
-        "measured_wall_s": measured_wall,
-        "other_processes_cores": others / measured_wall,
+        "prefill_memory_added_bytes": {variant: None if None in added else added for variant, added in peaks.items()},
+        "kernel_calls": {
+            variant: {"triton": ea.triton_calls(counted), "cpu_kernel": ea.cpu_kernel_calls(counted)}
+            for variant, counted in calls.items()
+        },
+        "evolution_path": {variant: ea.evolution_path(variant in EA_VARIANTS, calls[variant]) for variant in VARIANTS},
+        **{key: {variant: last[variant][key] for variant in VARIANTS} for key in kept_keys},
+        "measured_wall_s": activity.wall_s,
+        "other_processes_cores": activity.other_cores,
     }
 
 
@@ -487,33 +424,33 @@ def run_device_paired(length: int, rounds: int, decode_tokens: int, dtype: str, 
     ``EA_HF_TRITON`` and the path that evolved each EA variant's maps."""
     import torch
 
-    import_ea_hf()
-    models = {variant: build_model(variant, tiny, dtype, device) for variant in VARIANTS}
+    ea.import_ea_hf()
+    models = {variant: llama(variant, tiny, dtype, device) for variant in VARIANTS}
     config = models["eager"].config
-    turns = paired_turns(models, benchmark_input(config.vocab_size, length, device), rounds, decode_tokens, device)
+    turns = paired_turns(models, prompt(config.vocab_size, length, device), rounds, decode_tokens, device)
     prefill_median = {variant: statistics.median(times) for variant, times in turns["prefill_times_s"].items()}
     decode_median = {
         variant: statistics.median(times) if times else None for variant, times in turns["decode_times_s"].items()
     }
     memory_mib = {
-        variant: None if added is None else max(added) / MIB
+        variant: None if added is None else max(added) / memory.MIB
         for variant, added in turns["prefill_memory_added_bytes"].items()
     }
-    cuda = torch.device(device).type == "cuda"
+    evolution = turns.pop("evolution_path")
     return {
         "n": length,
         "rounds": rounds,
         "decode_tokens": decode_tokens,
         "tiny": tiny,
         "device": torch.device(device).type,
-        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "device_name": torch.cuda.get_device_name(device) if is_cuda(device) else "cpu",
         "dtype": dtype,
         "torch": torch.__version__,
         # On CUDA ea_hf evolves the maps with torch operations unless EA_HF_TRITON=1 selects its Triton kernels.
         "ea_hf_triton": os.environ.get("EA_HF_TRITON"),
-        "evolution_path": {variant: evolution_path(variant, turns["kernel_calls"][variant]) for variant in VARIANTS},
+        "evolution_path": evolution,
         "evolved_layers": {variant: evolved_layers(variant, config.num_hidden_layers) for variant in VARIANTS},
-        "parameters": sum(p.numel() for p in models["eager"].parameters()),
+        "parameters": parameter_count(models["eager"]),
         **turns,
         "prefill_median_s": prefill_median,
         "decode_median_s": decode_median,
@@ -526,11 +463,7 @@ def run_paired(length: int, rounds: int, decode_tokens: int, threads: int, tiny:
     """Time every variant on the CPU in this one process, in turns (:func:`run_device_paired`): each round runs
     each variant's prefill and then its decoding, in an order that rotates from round to round; a first round
     warms up and is not timed. Returns the times and medians per variant, and the ratios of the medians to
-    eager's and sdpa's.
-
-    Separate fresh processes run 10 to 20 % apart in speed on a shared host, more than the cost of EA, and a
-    slow spell of the host lasts longer than one case. Here the variants run side by side, so that a spell
-    slows them alike.
+    eager's and sdpa's. The variants run side by side, so that a slow spell of a shared host slows them alike.
     """
     import torch
 
@@ -541,11 +474,11 @@ def run_paired(length: int, rounds: int, decode_tokens: int, threads: int, tiny:
 def spawn_paired(length: int, args: argparse.Namespace) -> dict:
     """The paired timing of ``length`` (:func:`run_paired`, or with ``--gpu-protocol`` :func:`run_device_paired` on
     ``--device``) in a fresh process of this script."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--paired", str(length)]
-    command += ["--paired-rounds", str(args.paired_rounds), "--decode-tokens", str(args.decode_tokens)]
-    command += ["--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype]
-    command += [*(["--gpu-protocol"] if args.gpu_protocol else []), *(["--tiny"] if args.tiny else [])]
-    return attention_bench.run_result_process(command, args.threads, f"paired timing N={length}")
+    arguments = ["--paired", str(length), "--paired-rounds", str(args.paired_rounds)]
+    arguments += ["--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)]
+    arguments += ["--device", args.device, "--dtype", args.dtype]
+    arguments += [*(["--gpu-protocol"] if args.gpu_protocol else []), *(["--tiny"] if args.tiny else [])]
+    return run_child(__file__, arguments, args.threads, f"paired timing N={length}")
 
 
 def run_paired_in_process(length: int, args: argparse.Namespace) -> dict:
@@ -562,25 +495,10 @@ def run_paired_in_process(length: int, args: argparse.Namespace) -> dict:
 
 def spawn_case(variant: str, length: int, args: argparse.Namespace) -> dict:
     """Run one case in a fresh process of this script (honest peak memory, no allocator state carried over)."""
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--case",
-        variant,
-        str(length),
-        "--repeats",
-        str(args.repeats),
-        "--warmup",
-        str(args.warmup),
-        "--decode-tokens",
-        str(args.decode_tokens),
-        "--threads",
-        str(args.threads),
-        "--dtype",
-        args.dtype,
-        *(["--tiny"] if args.tiny else []),
-    ]
-    return attention_bench.run_result_process(command, args.threads, f"case {variant} N={length}")
+    arguments = ["--case", variant, str(length), "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    arguments += ["--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads), "--dtype", args.dtype]
+    arguments += ["--tiny"] if args.tiny else []
+    return run_child(__file__, arguments, args.threads, f"case {variant} N={length}")
 
 
 def run_case_in_process(variant: str, length: int, args: argparse.Namespace) -> dict:
@@ -698,8 +616,8 @@ def human_bytes(count: int) -> str:
     """Bytes in B, KiB or MiB for the tables."""
     if count < 1024:
         return f"{count} B"
-    if count >= MIB:
-        return f"{count / MIB:.2f} MiB"
+    if count >= memory.MIB:
+        return f"{count / memory.MIB:.2f} MiB"
     return f"{count / 1024.0:.1f} KiB"
 
 
@@ -712,7 +630,7 @@ def paired_table(rows: list[dict], device: bool = False) -> str:
     header += ["prefill peak added MiB", "peak x sdpa", "peak x eager"] if device else []
     header += ["decode ms/token", "decode x sdpa", "decode x eager", "others' cores"]
     header += ["kept rows per layer", "evolution"] if device else []
-    table = [table_row(header), "|---|" + "---:|" * (len(header) - 1)]
+    table = []
     for r in rows:
         cells = [variant_label(r), str(r["n"]), number(r["prefill_ms_paired"], 1)]
         cells += [number(r["prefill_over_sdpa_paired"], 3), number(r["prefill_over_eager_paired"], 3)]
@@ -724,77 +642,40 @@ def paired_table(rows: list[dict], device: bool = False) -> str:
         if device:
             kept = human_bytes(r["kept_rows_bytes_per_layer"]) if r["kept_rows_layers"] else "-"
             cells += [kept, r["evolution_path"] or "-"]
-        table.append(table_row(cells))
-    return "\n".join(table) + "\n"
+        table.append(cells)
+    return markdown_table(header, "l" + "r" * (len(header) - 1), table) + "\n"
 
 
-def markdown_tables(rows: list[dict], num_layers: int) -> tuple[str, str]:
-    """(the cost table, the kept-rows table) as Markdown."""
-    header = [
-        "variant",
-        "N",
-        "prefill ms",
-        "prefill x sdpa",
-        "prefill x eager",
-        "prefill ms, use_cache=False",
-        "prefill peak above loaded MiB",
-        "total peak RSS MiB",
-        "held after prefill MiB",
-        "decode ms/token",
-        "decode x sdpa",
-        "decode x eager",
-        "others' cores",
+def cost_table(rows: list[dict]) -> str:
+    """The cost of every case (:func:`compare`'s rows) as Markdown."""
+    cells = [
+        [variant_label(r), str(r["n"]), number(r["prefill_ms"], 1), number(r["prefill_over_sdpa"], 2)]
+        + [number(r["prefill_over_eager"], 2), number(r["prefill_no_cache_ms"], 1)]
+        + [number(r["peak_above_loaded_mib"], 0), number(r["total_peak_rss_mib"], 0)]
+        + [number(r["retained_after_prefill_mib"], 0), number(r["decode_ms_per_token"], 1)]
+        + [number(r["decode_over_sdpa"], 2), number(r["decode_over_eager"], 2)]
+        + [number(r["other_processes_cores"], 2) + (" (!)" if r["contended"] else "")]
+        for r in rows
     ]
-    cost = [table_row(header), "|---|" + "---:|" * (len(header) - 1)]
-    for r in rows:
-        cells = [
-            variant_label(r),
-            str(r["n"]),
-            number(r["prefill_ms"], 1),
-            number(r["prefill_over_sdpa"], 2),
-            number(r["prefill_over_eager"], 2),
-            number(r["prefill_no_cache_ms"], 1),
-            number(r["peak_above_loaded_mib"], 0),
-            number(r["total_peak_rss_mib"], 0),
-            number(r["retained_after_prefill_mib"], 0),
-            number(r["decode_ms_per_token"], 1),
-            number(r["decode_over_sdpa"], 2),
-            number(r["decode_over_eager"], 2),
-            number(r["other_processes_cores"], 2) + (" (!)" if r["contended"] else ""),
-        ]
-        cost.append(table_row(cells))
+    return markdown_table(COST_HEADER, "l" + "r" * (len(COST_HEADER) - 1), cells) + "\n"
 
-    header = [
-        "variant",
-        "N",
-        "evolved layers",
-        "kept rows per layer (elements)",
-        "storage they hold after prefill, per layer",
-        "after 1+ decode steps, per layer",
-        "KV cache per layer",
-        "kept rows / KV",
-        "held storage / KV",
-        "kept rows, whole model",
-    ]
-    kept = [table_row(header), "|---|" + "---:|" * (len(header) - 1)]
+
+def kept_table(rows: list[dict], num_layers: int) -> str:
+    """The rows each EA variant keeps on the cache against its KV cache (:func:`compare`'s rows) as Markdown."""
+    cells = []
     for r in rows:
         if r["variant"] not in EA_VARIANTS:
             continue
         kv = r["kv_cache_bytes_per_layer"]
-        cells = [
-            variant_label(r),
-            str(r["n"]),
-            f"{r['kept_rows_layers']} / {num_layers}",
-            human_bytes(r["kept_rows_bytes_per_layer"]),
-            human_bytes(r["kept_rows_storage_bytes_per_layer"]),
-            human_bytes(r["kept_rows_storage_bytes_per_layer_after_decode"]),
-            human_bytes(kv),
-            f"{100.0 * r['kept_rows_bytes_per_layer'] / kv:.1f} %",
-            f"{r['kept_rows_storage_bytes_per_layer'] / kv:.1f} x",
-            human_bytes(r["kept_rows_bytes_total"]),
-        ]
-        kept.append(table_row(cells))
-    return "\n".join(cost) + "\n", "\n".join(kept) + "\n"
+        cells.append(
+            [variant_label(r), str(r["n"]), f"{r['kept_rows_layers']} / {num_layers}"]
+            + [human_bytes(r["kept_rows_bytes_per_layer"]), human_bytes(r["kept_rows_storage_bytes_per_layer"])]
+            + [human_bytes(r["kept_rows_storage_bytes_per_layer_after_decode"]), human_bytes(kv)]
+            + [f"{100.0 * r['kept_rows_bytes_per_layer'] / kv:.1f} %"]
+            + [f"{r['kept_rows_storage_bytes_per_layer'] / kv:.1f} x"]
+            + [human_bytes(r["kept_rows_bytes_total"])]
+        )
+    return markdown_table(KEPT_HEADER, "l" + "r" * (len(KEPT_HEADER) - 1), cells) + "\n"
 
 
 def markdown_report(report: dict, cost: str, kept: str, paired: str = "") -> str:
@@ -815,10 +696,10 @@ def markdown_report(report: dict, cost: str, kept: str, paired: str = "") -> str
     return (
         f"# Decoder cost: eager vs sdpa vs Evolving Attention ({report['model']})\n\n"
         f"{report['machine_line']}. {report['parameters']:,} parameters, {settings['dtype']}, batch 1, "
-        f"{settings['threads']} threads, `torch.no_grad()`, eval mode. EA: alpha = {EA_ALPHA}, beta = {EA_BETA}, "
-        f"kernel 3. Prefill = `model(input_ids, use_cache=True)` (logits for all N positions), median of "
-        f"{settings['repeats']} after {settings['warmup']} warm-up; decode = {settings['decode_tokens']} greedy "
-        "steps `model(next_token, past_key_values=cache, use_cache=True)` after the prefill, median ms/token. "
+        f"{settings['threads']} threads, `torch.no_grad()`, eval mode. EA: alpha = {ea.EA_ALPHA}, "
+        f"beta = {ea.EA_BETA}, kernel 3. Prefill = `model(input_ids, use_cache=True)` (logits for all N positions), "
+        f"median of {settings['repeats']} after {settings['warmup']} warm-up; decode = {settings['decode_tokens']} "
+        "greedy steps `model(next_token, past_key_values=cache, use_cache=True)` after the prefill, median ms/token. "
         f"Load average (1 min) at start / end: {loads['start'][0]:.2f} / {loads['end'][0]:.2f}; per case in the "
         f"JSON. Total run {report['wall_time_s'] / 60:.1f} min.\n\n"
         "Memory: each (variant, N) in a fresh process. *prefill peak above loaded* = peak RSS during the prefills "
@@ -844,55 +725,19 @@ def markdown_report(report: dict, cost: str, kept: str, paired: str = "") -> str
     )
 
 
-def wait_until_quiet(max_wait_s: float, busy_cores: float = QUIET_CORES, window_s: float = 2.0) -> float:
-    """Wait until the machine's other processes use less than ``busy_cores`` cores over ``window_s`` (this process
-    idles meanwhile), at most ``max_wait_s``; return the seconds waited.
-
-    Two OpenMP threads on two cores stall badly when anything else holds a core (a 40 ms decoding step took 700 ms
-    beside a test run), so a case that starts on a busy machine measures the neighbour, not the model. The 1-min
-    load average cannot tell: it still counts the previous case for a minute after it ended.
-    """
-    start = time.perf_counter()
-    while True:
-        busy_before, _ = attention_bench.system_cpu_seconds()
-        time.sleep(window_s)
-        busy_after, _ = attention_bench.system_cpu_seconds()
-        waited = time.perf_counter() - start
-        if not busy_after - busy_before >= busy_cores * window_s or waited >= max_wait_s:  # NaN: cannot tell
-            return waited
-
-
 def run_quietly(
     variant: str, length: int, args: argparse.Namespace, run: Callable[[str, int, argparse.Namespace], dict]
 ) -> dict:
-    """Run a case on a quiet machine: wait for one first, and run it again (up to ``--retries`` times) if other
-    processes kept more than ``--max-other-cores`` busy while it was measured. Returns the least disturbed attempt,
-    with the others summarised under ``other_attempts``."""
-    attempts = []
-    for attempt in range(args.retries + 1):
-        waited = wait_until_quiet(args.quiet_wait) if args.quiet_wait > 0 else 0.0
-        result = run(variant, length, args)
-        result["waited_for_quiet_s"] = waited
-        result["attempt"] = attempt
-        attempts.append(result)
-        if result["other_processes_cores"] <= args.max_other_cores:
-            break
-        print(
-            f"  {variant} N={length}: other processes used {result['other_processes_cores']:.2f} cores meanwhile"
-            + (", running it again" if attempt < args.retries else ""),
-            flush=True,
-        )
-    best = min(attempts, key=lambda r: r["other_processes_cores"])
-    best["contended"] = best["other_processes_cores"] > args.max_other_cores
-    best["other_attempts"] = [
-        {
-            key: r[key]
-            for key in ("attempt", "other_processes_cores", "prefill_median_s", "decode_median_s", "waited_for_quiet_s")
-        }
-        for r in attempts
-        if r is not best
-    ]
-    return best
+    """``run(variant, length, args)`` on a quiet machine (:func:`harness.host.run_quietly`, with ``--quiet-wait``,
+    ``--max-other-cores`` and ``--retries``): the least disturbed attempt, the others summarised."""
+    return host.run_quietly(
+        lambda: run(variant, length, args),
+        f"{variant} N={length}",
+        max_wait_s=args.quiet_wait,
+        max_other_cores=args.max_other_cores,
+        retries=args.retries,
+        summary_keys=("prefill_median_s", "decode_median_s"),
+    )
 
 
 def protocol_settings(num_layers: int) -> dict[str, Any]:
@@ -901,8 +746,8 @@ def protocol_settings(num_layers: int) -> dict[str, Any]:
         "variants": {
             "eager": 'attn_implementation="eager"',
             "sdpa": 'attn_implementation="sdpa"',
-            "ea": f"ea_hf.patch(model, alpha={EA_ALPHA}, beta={EA_BETA}) (every layer)",
-            "ea-layers": f"ea_hf.patch(model, alpha={EA_ALPHA}, beta={EA_BETA}, "
+            "ea": f"ea_hf.patch(model, alpha={ea.EA_ALPHA}, beta={ea.EA_BETA}) (every layer)",
+            "ea-layers": f"ea_hf.patch(model, alpha={ea.EA_ALPHA}, beta={ea.EA_BETA}, "
             f"layers={evolved_layers('ea-layers', num_layers)}) (the other layers run eager math inside ea_hf's "
             "attention function)",
         },
@@ -916,44 +761,25 @@ def report_head(benchmark: str, args: argparse.Namespace, info: dict) -> dict:
     """The first fields of both reports: what was run, when, on which model and machine."""
     return {
         "benchmark": benchmark,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": host.utc_now(),
         "model": "LlamaForCausalLM, tiny config" if args.tiny else "LlamaForCausalLM, ~125M",
         "machine": info,
-        "machine_line": attention_bench.machine_line(info),
+        "machine_line": host.machine_line(info),
     }
 
 
-def collect(
+def run_cases(
     args: argparse.Namespace,
-    run: Callable[[str, int, argparse.Namespace], dict] = spawn_case,
-    paired_run: Callable[[int, argparse.Namespace], dict] = spawn_paired,
-) -> dict:
-    """Run every case (``run``: a fresh process each by default) and, with ``--paired-rounds``, the paired timing
-    of each N (``paired_run``), compare, write the JSON and Markdown files."""
-    start = time.perf_counter()
-    info = attention_bench.machine_info(args.threads)
-    info["batch"] = 1
-    load_start = os.getloadavg()
-    out = Path(args.out or BENCH_DIR / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    dtype = "" if args.dtype == DEFAULT_DTYPES["cpu"] else f"_{args.dtype}"
-    stem = f"decoder_{info['device']}{dtype}{'_tiny' if args.tiny else ''}"
-    print(f"machine: {attention_bench.machine_line(info)}; load average {load_start[0]:.2f}", flush=True)
-
+    run: Callable[[str, int, argparse.Namespace], dict],
+    paired_run: Callable[[int, argparse.Namespace], dict],
+) -> tuple[list[dict], list[dict]]:
+    """(every case, the paired timing of each N), each on a quiet machine, printed as they finish."""
     results, paired = [], []
     for length in args.lengths:
         for variant in VARIANTS:
             result = run_quietly(variant, length, args, run)
             results.append(result)
-            decode = result["decode_median_s"]
-            print(
-                f"  {variant:<9} N={length:<5} prefill {result['prefill_median_s'] * 1e3:9.1f} ms  "
-                f"peak +{result['prefill_peak_above_loaded_mib']:6.0f} MiB ({result['prefill_peak_rss_mib']:.0f})  "
-                f"decode {'-' if decode is None else f'{decode * 1e3:.1f}'} ms/token  "
-                f"kept rows {result['kept_rows_bytes_total']} B  load {os.getloadavg()[0]:.2f}  "
-                f"others {result['other_processes_cores']:.2f} cores  [{result.get('process_wall_s', 0.0):.0f} s]",
-                flush=True,
-            )
+            print(case_line(result), flush=True)
         if args.paired_rounds > 0:
             timing = run_quietly("paired", length, args, lambda _variant, n, a: paired_run(n, a))
             paired.append(timing)
@@ -964,10 +790,41 @@ def collect(
                 f"cores  [{timing.get('process_wall_s', 0.0):.0f} s]",
                 flush=True,
             )
+    return results, paired
+
+
+def case_line(result: dict) -> str:
+    """The printed line of a case."""
+    decode = result["decode_median_s"]
+    return (
+        f"  {result['variant']:<9} N={result['n']:<5} prefill {result['prefill_median_s'] * 1e3:9.1f} ms  "
+        f"peak +{result['prefill_peak_above_loaded_mib']:6.0f} MiB ({result['prefill_peak_rss_mib']:.0f})  "
+        f"decode {'-' if decode is None else f'{decode * 1e3:.1f}'} ms/token  "
+        f"kept rows {result['kept_rows_bytes_total']} B  load {os.getloadavg()[0]:.2f}  "
+        f"others {result['other_processes_cores']:.2f} cores  [{result.get('process_wall_s', 0.0):.0f} s]"
+    )
+
+
+def collect(
+    args: argparse.Namespace,
+    run: Callable[[str, int, argparse.Namespace], dict] = spawn_case,
+    paired_run: Callable[[int, argparse.Namespace], dict] = spawn_paired,
+) -> dict:
+    """Run every case (``run``: a fresh process each by default) and, with ``--paired-rounds``, the paired timing
+    of each N (``paired_run``), compare, write the JSON and Markdown files."""
+    elapsed = stopwatch()
+    info = host.machine_info(args.threads)
+    info["batch"] = 1
+    load_start = os.getloadavg()
+    out = Path(args.out or BENCH_DIR / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = "" if args.dtype == DEFAULT_DTYPES["cpu"] else f"_{args.dtype}"
+    stem = f"decoder_{info['device']}{dtype}{'_tiny' if args.tiny else ''}"
+    print(f"machine: {host.machine_line(info)}; load average {load_start[0]:.2f}", flush=True)
+    results, paired = run_cases(args, run, paired_run)
     config = model_config(args.tiny)
     rows = compare(results, args.lengths, paired)
-    cost, kept = markdown_tables(rows, config.num_hidden_layers)
-    side_by_side = paired_table(rows)
+    cost, kept, side_by_side = cost_table(rows), kept_table(rows, config.num_hidden_layers), paired_table(rows)
     report = {
         **report_head(
             "Random Llama-style decoder (~125M): prefill, decode and memory of eager vs sdpa vs ea_hf "
@@ -977,25 +834,7 @@ def collect(
         ),
         "config": config.to_diff_dict(),
         "parameters": results[0]["parameters"],
-        "settings": {
-            "lengths": args.lengths,
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "decode_tokens": args.decode_tokens,
-            "paired_rounds": args.paired_rounds,
-            "threads": args.threads,
-            "tiny": args.tiny,
-            "quiet_wait_s": args.quiet_wait,
-            "max_other_cores": args.max_other_cores,
-            "retries": args.retries,
-            "dtype": TORCH_DTYPES[args.dtype],
-            **protocol_settings(config.num_hidden_layers),
-            "prefill_no_cache": "EA variants only: model(input_ids, use_cache=False), same warm-up and repeats",
-            "memory": "fresh process per case; VmRSS after model construction; peak RSS (VmHWM, reset after "
-            "construction) over the prefills; decode peak reset again before decoding",
-            "paired": "one more process per N with all variants, timed in turns (a prefill, then decode_tokens "
-            "steps) for paired_rounds rounds after an untimed one, the order rotating; medians over the rounds",
-        },
+        "settings": report_settings(args, config.num_hidden_layers),
         "loadavg": {"start": list(load_start), "end": list(os.getloadavg())},
         "cases": results,
         "paired_timing": paired,
@@ -1003,7 +842,7 @@ def collect(
         "markdown_cost_table": cost,
         "markdown_paired_table": side_by_side,
         "markdown_kept_rows_table": kept,
-        "wall_time_s": time.perf_counter() - start,
+        "wall_time_s": elapsed(),
     }
     json_path, markdown_path = out / f"{stem}.json", out / f"{stem}.md"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
@@ -1021,7 +860,7 @@ def device_output_paths(args: argparse.Namespace, gpu: str | None) -> tuple[Path
     folder (bench/results/<gpu name slug>, as bench_gpu.py's). On the CPU (a dry run) ``bench_decoder_gpu_dry_run.*``,
     by default under bench/results/cpu; a dtype other than the device's default and the tiny config add a suffix."""
     cuda = args.device == "cuda"
-    out = Path(args.out) if args.out else BENCH_DIR / "results" / (gpu_bench.slug(gpu) if cuda and gpu else "cpu")
+    out = host.gpu_results_folder(args.out, gpu if cuda else None)
     stem = "bench_decoder_gpu" + ("" if cuda else "_dry_run")
     stem += ("" if args.dtype == DEFAULT_DTYPES[args.device] else f"_{args.dtype}") + ("_tiny" if args.tiny else "")
     return out / f"{stem}.json", out / f"{stem}.md"
@@ -1035,14 +874,14 @@ def device_markdown_report(report: dict) -> str:
     return (
         f"# Decoder cost on {report['device_name']}: eager vs sdpa vs Evolving Attention ({report['model']})\n\n"
         f"{report['machine_line']}. {report['parameters']:,} parameters, {settings['dtype']}, batch 1, "
-        f"`torch.no_grad()`, eval mode. EA: alpha = {EA_ALPHA}, beta = {EA_BETA}, kernel 3; its maps evolved by "
-        f"{', '.join(paths)} (`EA_HF_TRITON` {'unset' if triton is None else f'= {triton}'}; the kernel calls "
-        "counted tell which path ran). One process per N builds the four models on the device and runs them in "
+        f"`torch.no_grad()`, eval mode. EA: alpha = {ea.EA_ALPHA}, beta = {ea.EA_BETA}, kernel 3; its maps "
+        f"evolved by {', '.join(paths)} (`EA_HF_TRITON` {'unset' if triton is None else f'= {triton}'}; the kernel "
+        "calls counted tell which path ran). One process per N builds the four models on the device and runs them in "
         f"turns for {settings['paired_rounds']} rounds after an untimed one, the order rotating from round to round; "
         "each turn: the prefill `model(input_ids, use_cache=True)` (logits for all N positions), then "
         f"{settings['decode_tokens']} greedy steps `model(next_token, past_key_values=cache, use_cache=True)`. "
-        "Every call is timed by `time.perf_counter()`, on CUDA between two `torch.cuda.synchronize()`: median "
-        "prefill ms and median ms per decoded token over the rounds. *prefill peak added*: "
+        "Every call is timed by CUDA events between two `torch.cuda.synchronize()` (by `time.perf_counter()` on "
+        "the CPU): median prefill ms and median ms per decoded token over the rounds. *prefill peak added*: "
         "`torch.cuda.max_memory_allocated()` during the prefill minus `torch.cuda.memory_allocated()` just before it "
         "(the peak reset there; the models and the prompt not counted; logits and cache included), the largest of "
         "the rounds; none on the CPU. *kept rows per layer*: the convolution rows each evolved layer keeps on the "
@@ -1052,33 +891,54 @@ def device_markdown_report(report: dict) -> str:
     )
 
 
+def run_device_timings(args: argparse.Namespace, paired_run: Callable[[int, argparse.Namespace], dict]) -> list[dict]:
+    """The paired timing of each N of a --gpu-protocol run, printed as each finishes."""
+    timings = []
+    for length in args.lengths:
+        timing = paired_run(length, args)
+        timings.append(timing)
+        for variant in VARIANTS:
+            added_mib = timing["prefill_memory_added_mib"][variant]
+            print(
+                f"  {variant:<9} N={length:<5} prefill {timing['prefill_median_s'][variant] * 1e3:8.2f} ms "
+                f"({timing['prefill_over_eager'][variant]:.3f}x eager)  peak +{number(added_mib, 1)} MiB  decode "
+                f"{timing['decode_median_s'][variant] * 1e3:7.2f} ms/token "
+                f"({timing['decode_over_eager'][variant]:.3f}x eager)  {timing['evolution_path'][variant] or ''}",
+                flush=True,
+            )
+        print(f"  [N={length}: {timing.get('process_wall_s', timing['measured_wall_s']):.0f} s]", flush=True)
+    return timings
+
+
+def report_settings(args: argparse.Namespace, num_layers: int) -> dict:
+    """What a report says of how it was run: a CPU run's cases and its waits for a quiet machine, or a
+    --gpu-protocol run's device."""
+    device = args.gpu_protocol
+    settings = {"lengths": args.lengths} | ({} if device else {"repeats": args.repeats, "warmup": args.warmup})
+    settings |= {"decode_tokens": args.decode_tokens, "paired_rounds": args.paired_rounds, "threads": args.threads}
+    settings["tiny"] = args.tiny
+    if device:
+        settings["device"] = args.device
+    else:
+        settings |= {"quiet_wait_s": args.quiet_wait, "max_other_cores": args.max_other_cores, "retries": args.retries}
+    settings |= {"dtype": TORCH_DTYPES[args.dtype], **protocol_settings(num_layers)}
+    return settings | (DEVICE_METHOD if device else CPU_METHOD)
+
+
 def collect_device(
     args: argparse.Namespace, paired_run: Callable[[int, argparse.Namespace], dict] = spawn_paired
 ) -> dict:
     """The --gpu-protocol run: the paired timing of each N on ``--device`` (``paired_run``: a fresh process each
     by default), compared, written as JSON and Markdown. No fresh process per case: their RSS says nothing of a
     GPU, and the allocator's peak, reset before each prefill, measures memory in the paired process itself."""
-    start = time.perf_counter()
-    info = attention_bench.machine_info(args.threads)
+    elapsed = stopwatch()
+    info = host.machine_info(args.threads)
     # machine_info says cuda wherever a GPU is visible; the device is what the run used.
     info["device"], info["batch"] = args.device, 1
     json_path, markdown_path = device_output_paths(args, info["gpu"])
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"machine: {attention_bench.machine_line(info)}; {args.dtype}", flush=True)
-    timings = []
-    for length in args.lengths:
-        timing = paired_run(length, args)
-        timings.append(timing)
-        for variant in VARIANTS:
-            memory = timing["prefill_memory_added_mib"][variant]
-            print(
-                f"  {variant:<9} N={length:<5} prefill {timing['prefill_median_s'][variant] * 1e3:8.2f} ms "
-                f"({timing['prefill_over_eager'][variant]:.3f}x eager)  peak +{number(memory, 1)} MiB  decode "
-                f"{timing['decode_median_s'][variant] * 1e3:7.2f} ms/token "
-                f"({timing['decode_over_eager'][variant]:.3f}x eager)  {timing['evolution_path'][variant] or ''}",
-                flush=True,
-            )
-        print(f"  [N={length}: {timing.get('process_wall_s', timing['measured_wall_s']):.0f} s]", flush=True)
+    print(f"machine: {host.machine_line(info)}; {args.dtype}", flush=True)
+    timings = run_device_timings(args, paired_run)
     config = model_config(args.tiny)
     rows = device_rows(timings)
     first = timings[0]
@@ -1089,31 +949,15 @@ def collect_device(
             args,
             info,
         ),
-        "device_name": first["device_name"],
-        "torch": first["torch"],
-        "ea_hf_triton": first["ea_hf_triton"],
+        **{key: first[key] for key in ("device_name", "torch", "ea_hf_triton")},
         "config": config.to_diff_dict(),
         "parameters": first["parameters"],
-        "settings": {
-            "lengths": args.lengths,
-            "decode_tokens": args.decode_tokens,
-            "paired_rounds": args.paired_rounds,
-            "threads": args.threads,
-            "tiny": args.tiny,
-            "device": args.device,
-            "dtype": TORCH_DTYPES[args.dtype],
-            **protocol_settings(config.num_hidden_layers),
-            "timing": "one process per N with all variants, timed in turns (a prefill, then decode_tokens steps) "
-            "for paired_rounds rounds after an untimed one, the order rotating; every call between two "
-            "torch.cuda.synchronize() (none on the CPU); medians over the rounds",
-            "memory": "per timed prefill: torch.cuda.max_memory_allocated() minus torch.cuda.memory_allocated() "
-            "before it, the peak reset there; the largest of the rounds (None on the CPU)",
-        },
+        "settings": report_settings(args, config.num_hidden_layers),
         "paired_timing": timings,
         "comparison": rows,
         "markdown_table": paired_table(rows, device=True),
     }
-    report["wall_time_s"] = time.perf_counter() - start
+    report["wall_time_s"] = elapsed()
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     markdown_path.write_text(device_markdown_report(report))
     print()
@@ -1122,56 +966,39 @@ def collect_device(
     return report
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; the defaults of the lengths, repeats, decoded tokens and rounds are set after parsing."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--out", help="output folder (default bench/results, with --gpu-protocol bench/results/<gpu name slug>; a "
+        "CPU run to keep goes to bench/results/<machine>)")  # fmt: skip
+    add("--lengths", type=int, nargs="+", help="context lengths N (default 512 2048; tiny 32 64)")
+    add("--repeats", type=int, help="timed prefills per case (default 3; tiny 2)")
+    add("--warmup", type=int, default=1, help="untimed prefills before them (default 1)")
+    add("--decode-tokens", type=int, help="tokens decoded one at a time (default 16; tiny 4)")
+    add("--threads", type=int, default=2, help="torch.set_num_threads in every case (default 2)")
+    add("--quiet-wait", type=float, default=300.0, help="before each case, wait up to this many seconds for other "
+        "processes to leave the CPU (default 300; 0: do not wait)")  # fmt: skip
+    add("--max-other-cores", type=float, default=0.1, help="a case during which other processes used more cores "
+        "than this on average is run again (default 0.1)")  # fmt: skip
+    add("--retries", type=int, default=1, help="how often a disturbed case is run again (default 1)")
+    add("--paired-rounds", type=int, help="rounds of the paired timing, every variant in one process per N "
+        "(default 5; tiny 2; 0: none)")  # fmt: skip
+    add("--tiny", action="store_true", help="dry run: tiny config, N in {32, 64}, 2 repeats")
+    add("--device", choices=DEVICES, default="cpu", help="where the models run (default cpu); cuda implies "
+        "--gpu-protocol")  # fmt: skip
+    add("--dtype", choices=DTYPES, help="the models' dtype (default fp32 on the CPU, bf16 on CUDA)")
+    add("--gpu-protocol", action="store_true", help="only the paired processes, one per N, with the peak memory "
+        "each prefill adds by the device's allocator (none on the CPU) and no fresh process per case; on the CPU "
+        "a dry run of a GPU run")  # fmt: skip
+    add("--case", nargs=2, metavar=("VARIANT", "N"), help="internal: run one case, print its JSON")
+    add("--paired", type=int, metavar="N", help="internal: run the paired timing, print its JSON")
+    return parser
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--tiny`` replaces the lengths and repeats unless they are given explicitly."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--out",
-        help="output folder (default bench/results, with --gpu-protocol bench/results/<gpu name slug>; a CPU run to "
-        "keep goes to bench/results/<machine>)",
-    )
-    parser.add_argument("--lengths", type=int, nargs="+", help="context lengths N (default 512 2048; tiny 32 64)")
-    parser.add_argument("--repeats", type=int, help="timed prefills per case (default 3; tiny 2)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed prefills before them (default 1)")
-    parser.add_argument("--decode-tokens", type=int, help="tokens decoded one at a time (default 16; tiny 4)")
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every case (default 2)")
-    parser.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=300.0,
-        help="before each case, wait up to this many seconds for other processes to leave the CPU (default 300; 0: "
-        "do not wait)",
-    )
-    parser.add_argument(
-        "--max-other-cores",
-        type=float,
-        default=0.1,
-        help="a case during which other processes used more cores than this on average is run again (default 0.1)",
-    )
-    parser.add_argument("--retries", type=int, default=1, help="how often a disturbed case is run again (default 1)")
-    parser.add_argument(
-        "--paired-rounds",
-        type=int,
-        help="rounds of the paired timing, every variant in one process per N (default 5; tiny 2; 0: none)",
-    )
-    parser.add_argument("--tiny", action="store_true", help="dry run: tiny config, N in {32, 64}, 2 repeats")
-    parser.add_argument(
-        "--device",
-        choices=DEVICES,
-        default="cpu",
-        help="where the models run (default cpu); cuda implies --gpu-protocol",
-    )
-    parser.add_argument(
-        "--dtype", choices=tuple(TORCH_DTYPES), help="the models' dtype (default fp32 on the CPU, bf16 on CUDA)"
-    )
-    parser.add_argument(
-        "--gpu-protocol",
-        action="store_true",
-        help="only the paired processes, one per N, with the peak memory each prefill adds by the device's "
-        "allocator (none on the CPU) and no fresh process per case; on the CPU a dry run of a GPU run",
-    )
-    parser.add_argument("--case", nargs=2, metavar=("VARIANT", "N"), help="internal: run one case, print its JSON")
-    parser.add_argument("--paired", type=int, metavar="N", help="internal: run the paired timing, print its JSON")
+    parser = build_parser()
     args = parser.parse_args(argv)
     defaults = ([32, 64], 2, 4, 2) if args.tiny else ([512, 2048], 3, 16, 5)
     args.lengths = args.lengths or defaults[0]
@@ -1206,9 +1033,9 @@ def main(argv: list[str] | None = None) -> None:
             print(NO_CUDA_MESSAGE, file=sys.stderr)
             sys.exit(2)
     if args.case:
-        print(RESULT_PREFIX + json.dumps(run_case_in_process(*args.case, args)), flush=True)
+        print_result(run_case_in_process(*args.case, args))
     elif args.paired is not None:
-        print(RESULT_PREFIX + json.dumps(run_paired_in_process(args.paired, args)), flush=True)
+        print_result(run_paired_in_process(args.paired, args))
     elif args.gpu_protocol:
         collect_device(args)
     else:

@@ -19,7 +19,7 @@ def bench():
 
 @pytest.fixture(scope="module")
 def report(bench, tmp_path_factory):
-    """A whole tiny run, every case in this process (a fresh interpreter per case would take ~8 s each)."""
+    """A whole tiny run, every case in this process (a fresh interpreter per case would cost its start-up)."""
     import torch
 
     threads = torch.get_num_threads()  # run_case sets the thread count; give the other tests theirs back
