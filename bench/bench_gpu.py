@@ -3,7 +3,7 @@ and under torch.compile, side by side, with times, peak GPU memory and proof of 
 
 Every case (variant, N, batch, dtype, mode) builds a BertForSequenceClassification afresh with the same random
 weights, runs ``--warmup`` untimed steps and ``--repeats`` timed ones (CUDA events, synchronised) and reads the peak
-of ``torch.cuda.max_memory_allocated`` over the timed steps. Calls of ``ea_hf.ops.triton_kernels.correlate`` /
+of ``torch.cuda.max_memory_allocated`` over the timed steps. Calls of the Triton kernels' ``correlate`` /
 ``backward`` are counted per case, so an ``ea-triton`` case that fell back to torch operations shows 0. A separate
 check runs ``ea-torch`` and ``ea-triton`` on one model and the same inputs and records how far their outputs and
 gradients differ. The JSON and the Markdown table are rewritten after every case, and ``--resume`` skips the cases
@@ -13,7 +13,7 @@ that a previous, interrupted run with the same settings finished, so a run can b
     python bench/bench_gpu.py --dtypes bf16      # a subset (also --variants, --modes, --cases N:BATCH ...)
     python bench/bench_gpu.py --resume           # finish an interrupted run (same settings, same --out)
     python bench/bench_gpu.py --isolate          # every case in a fresh process (slower; survives CUDA faults)
-    python bench/bench_gpu.py --dry-run          # no GPU needed: tiny BERT on CPU (about 35 s on one busy core)
+    python bench/bench_gpu.py --dry-run          # no GPU needed: tiny BERT on CPU
 
 The dry run (``--tiny`` is the same) uses a 2-layer BERT (hidden 32, 2 heads), N = 16 and 24 with batch 2, fp32,
 1 warm-up and 2 timed steps, ``time.perf_counter`` times and no memory figures (null); ``ea-triton`` runs the Triton
@@ -21,42 +21,31 @@ kernels in Triton's interpreter (``TRITON_INTERPRET=1``) and the compiled varian
 
 Outputs: ``bench/results/<gpu name slug>/bench_gpu.json`` and ``.md`` (e.g. ``bench/results/nvidia-h100-80gb-hbm3/``;
 ``bench/results/cpu/bench_gpu_dry_run.*`` for the dry run), or under ``--out DIR``. Without CUDA and without
-``--dry-run`` the script exits with status 2. Helpers (machine info, the result-line protocol, target cells) come
-from bench_attention.py.
+``--dry-run`` the script exits with status 2. Timing, memory, kernel-call counters, the result-line protocol and
+target cells come from bench/harness.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import functools
-import gc
+import dataclasses
 import json
 import os
-import re
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-
-
-# bench/ is not a package: its scripts share bench_attention.py's helpers (machine info, result lines, ratios).
-sys.path.insert(0, str(BENCH_DIR))
-import bench_attention as attention_bench  # noqa: E402
-
-ratio = attention_bench.ratio
-number = attention_bench.number
-table_row = attention_bench.table_row
-MIB = attention_bench.MIB
-RESULT_PREFIX = attention_bench.RESULT_PREFIX
-EA_ALPHA = attention_bench.EA_ALPHA
-EA_BETA = attention_bench.EA_BETA
+if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside the scripts
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import ea, is_cuda, memory  # noqa: E402
+from harness.children import print_result, run_child  # noqa: E402
+from harness.cli import parse_case  # noqa: E402
+from harness.host import gpu_results_folder, machine_info, machine_line, utc_now, versions  # noqa: E402
+from harness.models import build_model, parameter_count, random_batch, torch_dtype  # noqa: E402
+from harness.tables import markdown_table, number, passes, ratio, target_cell  # noqa: E402
+from harness.timing import stopwatch, summary, timed  # noqa: E402
 
 VARIANTS = ("eager", "sdpa", "ea-torch", "ea-triton", "ea-compile", "ea-triton-compile")
 EA_VARIANTS = ("ea-torch", "ea-triton", "ea-compile", "ea-triton-compile")
@@ -65,7 +54,6 @@ TRITON_VARIANTS = ("ea-triton", "ea-triton-compile")
 COMPILED_VARIANTS = ("ea-compile", "ea-triton-compile")
 MODES = ("inference", "training")
 DTYPES = ("bf16", "fp32")
-TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 #: (N, batch) of the full run; the dry run's tiny cases stand in for them, in this order.
 FULL_CASES = ((512, 8), (2048, 2))
 DRY_RUN_CASES = ((16, 2), (24, 2))
@@ -82,8 +70,7 @@ FULL_CONFIG = {
     "vocab_size": 30522,
     "max_position_embeddings": 2048,
 }
-#: Two heads, not four: the interpreted Triton kernels cost about heads^2 (every output head reads every head),
-#: and four made the dry run's Triton cases alone take most of a minute on a busy core.
+#: Two heads: the interpreted Triton kernels cost about heads^2 (every output head reads every head).
 DRY_RUN_CONFIG = {
     "hidden_size": 32,
     "num_hidden_layers": 2,
@@ -92,40 +79,27 @@ DRY_RUN_CONFIG = {
     "vocab_size": 128,
     "max_position_embeddings": 64,
 }
-#: Triton tiles for the dry run only: the interpreter runs every program in Python, so one tile per tiny map
-#: (and one weight-gradient program per head and tap) makes it several times faster. The kernels' tiling itself
-#: is tested in tests/ops/test_triton_kernel.py; on a GPU the module's own tiles are used.
-DRY_RUN_TILES = {
-    "BLOCK_ROWS": 32,
-    "BLOCK_COLS": 32,
-    "WEIGHT_BLOCK_ROWS": 32,
-    "WEIGHT_BLOCK_COLS": 32,
-    "WEIGHT_GRAD_PROGRAMS": 1,
-}
 #: ea-torch vs ea-triton: largest acceptable output difference (absolute; outputs are LayerNorm'ed, so of order
 #: 1) and gradient difference (relative to the largest gradient), per dtype.
 AGREEMENT_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 GRADIENT_TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2}
 OPTIMIZERS = ("none", "sgd", "adamw")
 TABLE_HEADER = (
-    "N",
-    "batch",
-    "dtype",
-    "mode",
-    "variant",
-    "median ms",
-    "x eager",
-    "x sdpa",
-    "peak MiB",
-    "above loaded MiB",
-    "peak x eager",
-    "peak x sdpa",
-    "Triton calls/step",
-    "time target",
-    "memory target",
-    "notes",
-)
+    "N", "batch", "dtype", "mode", "variant", "median ms", "x eager", "x sdpa", "peak MiB", "above loaded MiB",
+    "peak x eager", "peak x sdpa", "Triton calls/step", "time target", "memory target", "notes",
+)  # fmt: skip
+AGREEMENT_HEADER = (
+    "N", "batch", "dtype", "no_grad output max abs diff", "training output max abs diff", "gradient max rel diff",
+    "Triton calls (ea-triton / ea-torch)", "agree",
+)  # fmt: skip
 NO_CUDA_MESSAGE = "bench_gpu.py: no CUDA device available; run it on a GPU, or use --dry-run for the CPU dry run"
+#: A case's GPU memory figures on the CPU, where none are measured.
+CPU_MEMORY = {
+    "memory_source": "not measured on CPU: the GPU memory figures are null",
+    "loaded_mib": None,
+    "peak_mib": None,
+    "above_loaded_mib": None,
+}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -133,101 +107,23 @@ NO_CUDA_MESSAGE = "bench_gpu.py: no CUDA device available; run it on a GPU, or u
 # --------------------------------------------------------------------------------------------------------------
 
 
-def import_ea_hf() -> Any:
-    try:
-        import ea_hf
-    except ImportError:  # run from a checkout without `pip install -e .`
-        sys.path.insert(0, str(REPO_ROOT))
-        import ea_hf
-    return ea_hf
-
-
-def variant_environment(variant: str, device_type: str) -> dict[str, str]:
-    """The environment that makes ``variant`` run the evolution where its name says (read at call time by ea_hf).
-
-    Every EA variant turns ea_hf's CPU kernel off, which would otherwise take the float32 maps of the dry run
-    before Triton or torch operations could; on CUDA it never applies. Only the :data:`TRITON_VARIANTS` opt in to
-    Triton, and on CPU tensors Triton runs only under its interpreter.
-    """
-    environment = {"EA_HF_TRITON": "1" if variant in TRITON_VARIANTS else "0"}
-    if variant in EA_VARIANTS:
-        environment["EA_HF_KERNELS"] = "0"
-    if variant in TRITON_VARIANTS and device_type == "cpu":
-        environment["TRITON_INTERPRET"] = "1"
-    return environment
-
-
-def counting(function: Callable, counts: dict[str, int], key: str) -> Callable:
-    """``function``, counting its calls in ``counts[key]``: the calls that run it, not torch.compile's tracing of
-    them (where the count would be a side effect dynamo refuses inside an autograd.Function or a checkpoint, and
-    break the graph; a compiled graph's operators run the kernels through their bodies, which count)."""
-    import torch
-
-    @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():
-            counts[key] += 1
-        return function(*args, **kwargs)
-
-    return wrapper
-
-
-@contextlib.contextmanager
-def environment(variables: dict[str, str]) -> Iterator[None]:
-    """``variables`` set in ``os.environ`` for the duration; the earlier values (or their absence) put back."""
-    saved = {name: os.environ.get(name) for name in variables}
-    try:
-        os.environ.update(variables)
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-@contextlib.contextmanager
-def attributes(owner: Any, values: dict[str, Any]) -> Iterator[None]:
-    """``owner``'s attributes set to ``values`` for the duration, then put back."""
-    saved = {name: getattr(owner, name) for name in values}
-    try:
-        for name, value in values.items():
-            setattr(owner, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(owner, name, value)
+def variant_path(variant: str) -> str | None:
+    """The path ``variant`` evolves its maps on (:func:`harness.ea.path_environment`); None without EA."""
+    if variant in TRITON_VARIANTS:
+        return "triton"
+    return "torch" if variant in EA_VARIANTS else None
 
 
 @contextlib.contextmanager
 def kernel_settings(variant: str, device_type: str) -> Iterator[dict[str, int]]:
-    """For the duration of a case: the variant's environment, the dry run's Triton tiles (CPU only), and counters
-    on the fused kernels' entry points (yielded); everything is put back afterwards, so that cases run in one
-    process (and the tests beside them) do not inherit each other's settings.
-
-    ea_hf calls the kernels through their modules (``kernel.correlate(...)``; the CPU kernel's correlation through
-    ``cpu_binding``), so replacing the module attributes sees every call.
-    """
-    from ea_hf.ops import cpu, cpu_binding, triton_kernels
-
-    counts = {"triton_correlate": 0, "triton_backward": 0, "cpu_correlate": 0, "cpu_backward": 0}
-    tiles = DRY_RUN_TILES if variant in TRITON_VARIANTS and device_type == "cpu" else {}
-    entry_points = {
-        "triton": ((triton_kernels, "correlate"), (triton_kernels, "backward")),
-        "cpu": ((cpu_binding, "correlate"), (cpu, "backward")),
-    }
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(environment(variant_environment(variant, device_type)))
-        stack.enter_context(attributes(triton_kernels, tiles))
-        for prefix, points in entry_points.items():
-            for module, name in points:
-                counted = {name: counting(getattr(module, name), counts, f"{prefix}_{name}")}
-                stack.enter_context(attributes(module, counted))
+    """For the duration of a case: the variant's environment, the interpreter's Triton tiles (CPU only), and
+    counters on the fused kernels' entry points (yielded); everything is put back afterwards."""
+    path = variant_path(variant)
+    with ea.evolution_on(path, device_type, ea.DRY_RUN_TILES), ea.counted_kernel_calls() as counts:
         yield counts
 
 
-def build_model(variant: str, config: dict, dtype: Any, device: Any) -> Any:
+def bert_classifier(variant: str, config: dict, dtype: Any, device: Any) -> Any:
     """A BertForSequenceClassification (2 labels) with the same random weights for every variant (and the same EA
     kernels for every EA one), dropout off, in ``dtype`` on ``device``.
 
@@ -236,10 +132,8 @@ def build_model(variant: str, config: dict, dtype: Any, device: Any) -> Any:
     bias), so its gradients are rounding noise; the cross-entropy of the head gives real ones for the agreement
     check at the cost of a 768 x 2 layer.
     """
-    import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    torch.manual_seed(0)
     # problem_type given: transformers sets it on the first call otherwise, and torch.compile recompiles for that.
     config = BertConfig(
         **config,
@@ -248,26 +142,8 @@ def build_model(variant: str, config: dict, dtype: Any, device: Any) -> Any:
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    model = BertForSequenceClassification(config)
-    model.set_attn_implementation("sdpa" if variant == "sdpa" else "eager")
-    if variant in EA_VARIANTS:
-        import_ea_hf().patch(model, alpha=EA_ALPHA, beta=EA_BETA)
-    return model.to(device=device, dtype=dtype)
-
-
-def make_inputs(config: dict, length: int, batch: int, device: Any) -> dict[str, Any]:
-    """Random input_ids and labels (seed 1) and an all-ones attention mask, as bench_attention.py uses (transformers
-    then passes no mask to the attention functions, so ea-triton's kernels are applicable)."""
-    import torch
-
-    generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, config["vocab_size"], (batch, length), generator=generator)
-    labels = torch.randint(0, 2, (batch,), generator=generator)
-    return {
-        "input_ids": input_ids.to(device),
-        "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device),
-        "labels": labels.to(device),
-    }
+    attention = "ea" if variant in EA_VARIANTS else variant
+    return build_model(BertForSequenceClassification, config, attention, device=device, dtype=dtype)
 
 
 def output_checksum(output: Any) -> float:
@@ -279,55 +155,148 @@ def output_checksum(output: Any) -> float:
     return float((flat * torch.cos(torch.arange(flat.numel(), dtype=torch.float64, device=flat.device))).sum())
 
 
-def release(cuda: bool) -> None:
-    """Free what the previous case left on the GPU: the next case's memory baseline must not include it. Nothing
-    on CPU, where no memory is measured and a full collection costs 0.2 s a case."""
-    if cuda:
-        import torch
-
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def timed(step: Callable[[], Any], cuda: bool) -> tuple[float, float, Any]:
-    """(seconds, wall seconds, output) of one step. On CUDA the seconds come from events around the step and the
-    synchronisations make sure no earlier work is counted and all of the step's is."""
-    import torch
-
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        wall_start = time.perf_counter()
-        start.record()
-        output = step()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3, time.perf_counter() - wall_start, output
-    wall_start = time.perf_counter()
-    output = step()
-    elapsed = time.perf_counter() - wall_start
-    return elapsed, elapsed, output
-
-
 def compile_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
 
 
-def run_case(variant: str, length: int, batch: int, mode: str, dtype_name: str, settings: argparse.Namespace) -> dict:
-    """Time and measure one case in this process; errors (out of memory, a failed compile) are recorded in the
-    result instead of raised, so one broken case does not end a long GPU run."""
+def unique_graphs() -> int:
+    """The graphs dynamo has compiled since its counters were last cleared."""
+    return compile_counters()["stats"].get("unique_graphs", 0)
+
+
+@dataclasses.dataclass
+class Case:
+    """A case as it runs: how far it got (``stage``: build, first step, step, done), its model and step, and what
+    the GPU allocator held once they were built (None on the CPU)."""
+
+    stage: str = "build"
+    model: Any = None
+    step: Callable[[], Any] | None = None
+    loaded_bytes: int | None = None
+
+
+def build_case(case: Case, variant: str, length: int, batch: int, mode: str, dtype_name: str, settings: Any) -> dict:
+    """Build the case's model (compiled for the compiled variants), its inputs and its step into ``case``; return
+    the model's parameters and attention implementation."""
     import torch
 
-    import_ea_hf()
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
     device = torch.device("cpu" if settings.dry_run else "cuda")
-    cuda = device.type == "cuda"
     config = DRY_RUN_CONFIG if settings.dry_run else FULL_CONFIG
-    result: dict[str, Any] = {
+    model = bert_classifier(variant, config, torch_dtype(dtype_name), device)
+    inputs = random_batch(config["vocab_size"], batch, length, device, labels=2)
+    features = {name: inputs[name] for name in ("input_ids", "attention_mask")}
+    model.train(mode == "training")  # dropout probabilities are 0: train and eval compute the same
+    compiled = variant in COMPILED_VARIANTS
+    forward = torch.compile(model, backend=settings.compile_backend) if compiled else model
+    optimizer = None
+    if mode == "training" and settings.optimizer != "none":
+        factory = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.SGD
+        optimizer = factory(model.parameters(), lr=1e-5)
+
+    def step() -> Any:
+        if mode == "inference":
+            with torch.no_grad():
+                return forward(**features).logits
+        loss = forward(**inputs).loss
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        return loss.detach()
+
+    case.model, case.step, case.loaded_bytes = model, step, memory.gpu_allocated_bytes(device)
+    return {"parameters": parameter_count(model), "attn_implementation": model.config._attn_implementation}
+
+
+def time_case(case: Case, mode: str, settings: Any, device: Any, compile_info: dict | None) -> dict:
+    """The case's steps: ``--warmup`` untimed, then ``--repeats`` timed; the first step's seconds (compilation and
+    Triton's JIT, if any, included) and loss, the timed steps' seconds and their summary, and for inference the
+    last output's checksum. The GPU allocator's peak is reset when the warm-ups end (compiling is in them)."""
+    run, first, times, wall_times = None, {}, [], []
+    graphs_after_warmup = 0
+    for index in range(settings.warmup + settings.repeats):
+        case.stage = "first step" if index == 0 else "step"
+        case.model.zero_grad(set_to_none=True)
+        run = None  # the previous output must not add to this step's peak
+        if index == settings.warmup:
+            graphs_after_warmup = unique_graphs() if compile_info is not None else 0
+            memory.reset_gpu_peak(device)
+        run = timed(case.step, device)
+        if index == 0:
+            first["first_step_s"] = run.seconds
+            if mode == "training":
+                first["first_loss"] = float(run.output)  # before any optimizer step: same for every variant
+        if index >= settings.warmup:
+            times.append(run.seconds)
+            wall_times.append(run.wall_s)
+    case.stage = "done"
+    if compile_info is not None:
+        # A guard that fails on every call would put compilation into the timed steps: make it visible.
+        compile_info["graphs_compiled_in_timed_steps"] = unique_graphs() - graphs_after_warmup
+    figures = {**first, "times_s": times, "wall_times_s": wall_times, **summary(times)}
+    if mode == "inference":
+        figures["output_checksum"] = output_checksum(run.output)
+    return figures
+
+
+def measure_case(case: Case, device: Any) -> dict:
+    """The GPU memory of the timed steps: the allocator's peak over them, and above what it held once the model
+    and inputs were on the GPU."""
+    peak, loaded = memory.gpu_peak_bytes(device) / memory.MIB, case.loaded_bytes / memory.MIB
+    return {
+        "memory_source": "torch.cuda.max_memory_allocated over the timed steps; loaded = memory_allocated with the "
+        "model and inputs on the GPU, before the first step",
+        "loaded_mib": loaded,
+        "peak_mib": peak,
+        "above_loaded_mib": peak - loaded,
+        "peak_reserved_mib": memory.gpu_reserved_peak_bytes(device) / memory.MIB,
+    }
+
+
+def start_compile(settings: Any) -> dict:
+    """A compiled case's record, dynamo reset and its counters cleared: no graphs or guards carried over from
+    another case, and its compilation counted from scratch."""
+    import torch
+
+    torch._dynamo.reset()
+    compile_counters().clear()
+    return {"backend": settings.compile_backend, "mode": "default", "failed": False, "error": None}
+
+
+def finish_compile(compile_info: dict) -> None:
+    """What dynamo did in the case (graph breaks and their reasons, graphs, frames) into ``compile_info``; dynamo
+    reset for the next case."""
+    import torch
+
+    stats = compile_counters()
+    compile_info["graph_breaks"] = sum(stats["graph_break"].values())
+    compile_info["graph_break_reasons"] = {
+        break_reason(reason): count for reason, count in stats["graph_break"].most_common(8)
+    }
+    compile_info["unique_graphs"] = stats["stats"].get("unique_graphs", 0)
+    compile_info["dynamo_stats"] = dict(stats["stats"])
+    # Frames not "ok" ran uncompiled: a failed capture, or a frame past dynamo's recompile limit.
+    compile_info["frames"] = dict(stats["frames"])
+    torch._dynamo.reset()
+
+
+def record_error(result: dict, compile_info: dict | None, error: Exception, stage: str) -> None:
+    """A failed case's error and stage into ``result``; a compiler's error, or any but running out of memory in
+    the first step (which compiles), is a failed compile."""
+    import torch
+
+    result.update(status="error", error=f"{type(error).__name__}: {error}"[:2000], failed_at=stage)
+    compiler_error = type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
+    out_of_memory = isinstance(error, torch.cuda.OutOfMemoryError)
+    if compile_info is not None and (compiler_error or (stage == "first step" and not out_of_memory)):
+        compile_info.update(failed=True, error=result["error"])
+
+
+def case_head(variant: str, length: int, batch: int, mode: str, dtype_name: str, device: Any) -> dict[str, Any]:
+    """The first fields of a case's result: what it is, where it runs, how it is timed."""
+    cuda = is_cuda(device)
+    return {
         "variant": variant,
         "n": length,
         "batch": batch,
@@ -336,140 +305,64 @@ def run_case(variant: str, length: int, batch: int, mode: str, dtype_name: str, 
         "device": device.type,
         "status": "ok",
         "error": None,
-        "environment": variant_environment(variant, device.type),
+        "environment": ea.path_environment(variant_path(variant), device.type),
         "timing": "torch.cuda.Event around each step, synchronised" if cuda else "time.perf_counter (CPU)",
     }
-    compile_info: dict[str, Any] | None = None
-    if variant in COMPILED_VARIANTS:
-        compile_info = {"backend": settings.compile_backend, "mode": "default", "failed": False, "error": None}
-        torch._dynamo.reset()  # compile from scratch: no graphs or guards carried over from another case
-        compile_counters().clear()
-    release(cuda)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        result["allocated_before_build_mib"] = torch.cuda.memory_allocated() / MIB
-    model = optimizer = output = None
-    stage = "build"
-    case_start = time.perf_counter()
+
+
+def run_case(variant: str, length: int, batch: int, mode: str, dtype_name: str, settings: argparse.Namespace) -> dict:
+    """Time and measure one case in this process (:func:`build_case`, :func:`time_case`, :func:`measure_case`);
+    errors (out of memory, a failed compile) are recorded in the result instead of raised, so one broken case does
+    not end a long GPU run."""
+    import torch
+
+    ea.import_ea_hf()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = torch.device("cpu" if settings.dry_run else "cuda")
+    result = case_head(variant, length, batch, mode, dtype_name, device)
+    compile_info = start_compile(settings) if variant in COMPILED_VARIANTS else None
+    memory.release_gpu_memory(device)
+    if is_cuda(device):
+        result["allocated_before_build_mib"] = memory.reset_gpu_peak(device) / memory.MIB
+    case, elapsed = Case(), stopwatch()
     with kernel_settings(variant, device.type) as counts:
         try:
-            model = build_model(variant, config, getattr(torch, TORCH_DTYPES[dtype_name]), device)
-            inputs = make_inputs(config, length, batch, device)
-            features = {name: inputs[name] for name in ("input_ids", "attention_mask")}
-            result["parameters"] = sum(p.numel() for p in model.parameters())
-            result["attn_implementation"] = model.config._attn_implementation
-            model.train(mode == "training")  # dropout probabilities are 0: train and eval compute the same
-            forward = torch.compile(model, backend=settings.compile_backend) if compile_info else model
-            if mode == "training" and settings.optimizer != "none":
-                factory = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.SGD
-                optimizer = factory(model.parameters(), lr=1e-5)
-
-            def step() -> Any:
-                if mode == "inference":
-                    with torch.no_grad():
-                        return forward(**features).logits
-                loss = forward(**inputs).loss
-                loss.backward()
-                if optimizer is not None:
-                    optimizer.step()
-                return loss.detach()
-
-            if cuda:
-                torch.cuda.synchronize()
-                loaded = torch.cuda.memory_allocated() / MIB
-            times, wall_times = [], []
-            for index in range(settings.warmup + settings.repeats):
-                stage = "first step" if index == 0 else "step"
-                model.zero_grad(set_to_none=True)
-                output = None  # the previous output must not add to this step's peak
-                if index == settings.warmup:
-                    if compile_info is not None:
-                        graphs_after_warmup = compile_counters()["stats"].get("unique_graphs", 0)
-                    if cuda:
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()  # peak of the timed steps (compiling is in the warm-ups)
-                elapsed, wall, output = timed(step, cuda)
-                if index == 0:
-                    result["first_step_s"] = elapsed  # includes compilation and Triton's JIT, if any
-                    if mode == "training":
-                        result["first_loss"] = float(output)  # before any optimizer step: same for every variant
-                if index >= settings.warmup:
-                    times.append(elapsed)
-                    wall_times.append(wall)
-            stage = "done"
-            if compile_info is not None:
-                # A guard that fails on every call would put compilation into the timed steps: make it visible.
-                compile_info["graphs_compiled_in_timed_steps"] = (
-                    compile_counters()["stats"].get("unique_graphs", 0) - graphs_after_warmup
-                )
-            result.update(
-                times_s=times,
-                wall_times_s=wall_times,
-                median_s=statistics.median(times),
-                min_s=min(times),
-                mean_s=statistics.fmean(times),
-                stdev_s=statistics.stdev(times) if len(times) > 1 else 0.0,
-            )
-            if mode == "inference":
-                result["output_checksum"] = output_checksum(output)
-            if cuda:
-                peak = torch.cuda.max_memory_allocated() / MIB
-                result.update(
-                    memory_source="torch.cuda.max_memory_allocated over the timed steps; loaded = "
-                    "memory_allocated with the model and inputs on the GPU, before the first step",
-                    loaded_mib=loaded,
-                    peak_mib=peak,
-                    above_loaded_mib=peak - loaded,
-                    peak_reserved_mib=torch.cuda.max_memory_reserved() / MIB,
-                )
+            result.update(build_case(case, variant, length, batch, mode, dtype_name, settings))
+            result.update(time_case(case, mode, settings, device, compile_info))
+            result.update(measure_case(case, device) if is_cuda(device) else {})
         except Exception as error:  # recorded: the run goes on with the next case
-            result.update(status="error", error=f"{type(error).__name__}: {error}"[:2000], failed_at=stage)
-            # Compilation happens in the first step (and dynamo/inductor raise their own errors later); running out
-            # of memory there is no compile failure.
-            compiler_error = type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
-            out_of_memory = isinstance(error, torch.cuda.OutOfMemoryError)
-            if compile_info is not None and (compiler_error or (stage == "first step" and not out_of_memory)):
-                compile_info.update(failed=True, error=result["error"])
+            record_error(result, compile_info, error, case.stage)
         finally:
             kernel_calls = dict(counts)
-            model = optimizer = output = forward = None
+            case = None
             if compile_info is not None:
-                stats = compile_counters()
-                compile_info["graph_breaks"] = sum(stats["graph_break"].values())
-                compile_info["graph_break_reasons"] = {
-                    break_reason(reason): count for reason, count in stats["graph_break"].most_common(8)
-                }
-                compile_info["unique_graphs"] = stats["stats"].get("unique_graphs", 0)
-                compile_info["dynamo_stats"] = dict(stats["stats"])
-                # Frames not "ok" ran uncompiled: a failed capture, or a frame past dynamo's recompile limit.
-                compile_info["frames"] = dict(stats["frames"])
-                torch._dynamo.reset()
-            release(cuda)
+                finish_compile(compile_info)
+            memory.release_gpu_memory(device)
     result.setdefault("median_s", None)
-    if not cuda:
-        result.update(
-            memory_source="not measured on CPU: the GPU memory figures are null",
-            loaded_mib=None,
-            peak_mib=None,
-            above_loaded_mib=None,
-        )
+    result |= {} if is_cuda(device) else CPU_MEMORY
     result.setdefault("peak_mib", None)
     result.setdefault("above_loaded_mib", None)
-    steps = settings.warmup + settings.repeats
-    triton_calls = kernel_calls["triton_correlate"] + kernel_calls["triton_backward"]
-    cpu_calls = kernel_calls["cpu_correlate"] + kernel_calls["cpu_backward"]
-    result.update(
-        kernel_calls=kernel_calls,
-        triton_calls=triton_calls,
-        triton_calls_per_step=triton_calls / steps,
-        ran_on_triton=triton_calls > 0,
-        evolution_path=evolution_path(variant, triton_calls, cpu_calls),
-        compile=compile_info,
-        case_wall_s=time.perf_counter() - case_start,
-        warmup=settings.warmup,
-        repeats=settings.repeats,
-    )
+    result |= kernel_figures(variant, kernel_calls, settings)
+    result |= {
+        "compile": compile_info,
+        "case_wall_s": elapsed(),
+        "warmup": settings.warmup,
+        "repeats": settings.repeats,
+    }
     return result
+
+
+def kernel_figures(variant: str, kernel_calls: dict[str, int], settings: Any) -> dict:
+    """A case's kernel calls, per step, and the path they prove."""
+    calls = ea.triton_calls(kernel_calls)
+    return {
+        "kernel_calls": kernel_calls,
+        "triton_calls": calls,
+        "triton_calls_per_step": calls / (settings.warmup + settings.repeats),
+        "ran_on_triton": calls > 0,
+        "evolution_path": ea.evolution_path(variant in EA_VARIANTS, kernel_calls, variant in COMPILED_VARIANTS),
+    }
 
 
 def break_reason(reason: str) -> str:
@@ -478,16 +371,53 @@ def break_reason(reason: str) -> str:
     return " ".join(lines[:2])[:240]
 
 
-def evolution_path(variant: str, triton_calls: int, cpu_calls: int) -> str | None:
-    """What computed the evolution step, judged by the kernel calls seen (None for the unpatched variants)."""
-    if variant not in EA_VARIANTS:
-        return None
-    compiled = " under torch.compile" if variant in COMPILED_VARIANTS else ""
-    if triton_calls:
-        return "Triton kernels" + compiled
-    if cpu_calls:
-        return "ea_hf CPU kernel"
-    return "torch operations" + compiled
+def check_run(model: Any, inputs: dict, variant: str, device: Any) -> tuple[dict, dict[str, int]]:
+    """One path's outputs of ``model`` on ``inputs`` (the logits and last hidden state, no_grad and with autograd)
+    and its parameter gradients of the training loss, and the kernel calls it made."""
+    import torch
+
+    def outputs(output: Any) -> Any:
+        """The logits and the last hidden state, side by side as one float32 vector per batch element."""
+        return torch.cat([output.logits.float(), output.hidden_states[-1].float().flatten(1)], dim=1).detach()
+
+    with kernel_settings(variant, device.type) as counts:
+        with torch.no_grad():
+            inference = outputs(model(**inputs, output_hidden_states=True))
+        model.zero_grad(set_to_none=True)
+        trained = model(**inputs, output_hidden_states=True)
+        trained.loss.backward()
+        gradients = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"inference": inference, "output": outputs(trained), "grads": gradients}, dict(counts)
+
+
+def differences(reference: dict, triton: dict) -> dict:
+    """The largest differences of the outputs and gradients of two :func:`check_run` results."""
+    if reference["grads"].keys() != triton["grads"].keys():
+        raise RuntimeError("ea-torch and ea-triton gave gradients to different parameters")
+    gradient_diff = max((reference["grads"][k] - triton["grads"][k]).abs().max().item() for k in triton["grads"])
+    gradient_scale = max(g.abs().max().item() for g in reference["grads"].values())
+    return {
+        "max_abs_output": reference["inference"].abs().max().item(),
+        "inference_max_abs_diff": (reference["inference"] - triton["inference"]).abs().max().item(),
+        "training_output_max_abs_diff": (reference["output"] - triton["output"]).abs().max().item(),
+        "gradient_max_abs_diff": gradient_diff,
+        "gradient_max_abs": gradient_scale,
+        "gradient_max_rel_diff": gradient_diff / gradient_scale if gradient_scale > 0 else 0.0,
+        "parameters_with_gradients": len(triton["grads"]),
+    }
+
+
+def agree(check: dict, dtype_name: str) -> bool:
+    """Whether a check's differences are within the tolerances, ea-triton ran on the kernels and ea-torch did not."""
+    output_ok = max(check["inference_max_abs_diff"], check["training_output_max_abs_diff"]) <= (
+        AGREEMENT_TOLERANCE[dtype_name] * (1.0 if dtype_name == "fp32" else check["max_abs_output"])
+    )
+    return (
+        output_ok
+        and check["gradient_max_rel_diff"] <= GRADIENT_TOLERANCE[dtype_name]
+        and check["ea-triton_triton_calls"] > 0
+        and check["ea-torch_triton_calls"] == 0
+    )
 
 
 def run_check(length: int, batch: int, dtype_name: str, settings: argparse.Namespace) -> dict:
@@ -496,7 +426,7 @@ def run_check(length: int, batch: int, dtype_name: str, settings: argparse.Names
     training loss (the cross-entropy of the classification head)."""
     import torch
 
-    import_ea_hf()
+    ea.import_ea_hf()
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = torch.device("cpu" if settings.dry_run else "cuda")
@@ -507,57 +437,22 @@ def run_check(length: int, batch: int, dtype_name: str, settings: argparse.Names
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     runs: dict[str, dict] = {}
     try:
-        model = build_model("ea-torch", config, getattr(torch, TORCH_DTYPES[dtype_name]), device)
-        inputs = make_inputs(config, length, batch, device)
+        model = bert_classifier("ea-torch", config, torch_dtype(dtype_name), device)
+        inputs = random_batch(config["vocab_size"], batch, length, device, labels=2)
         model.eval()
-
-        def outputs(output: Any) -> Any:
-            """The logits and the last hidden state, side by side as one float32 vector per batch element."""
-            return torch.cat([output.logits.float(), output.hidden_states[-1].float().flatten(1)], dim=1).detach()
-
         for variant in ("ea-torch", "ea-triton"):
-            with kernel_settings(variant, device.type) as counts:
-                with torch.no_grad():
-                    inference = outputs(model(**inputs, output_hidden_states=True))
-                model.zero_grad(set_to_none=True)
-                trained = model(**inputs, output_hidden_states=True)
-                trained.loss.backward()
-                gradients = {
-                    n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None
-                }
-            runs[variant] = {"inference": inference, "output": outputs(trained), "grads": gradients}
-            result[f"{variant}_triton_calls"] = counts["triton_correlate"] + counts["triton_backward"]
-            result[f"{variant}_cpu_kernel_calls"] = counts["cpu_correlate"] + counts["cpu_backward"]
-        reference, triton = runs["ea-torch"], runs["ea-triton"]
-        if reference["grads"].keys() != triton["grads"].keys():
-            raise RuntimeError("ea-torch and ea-triton gave gradients to different parameters")
-        gradient_diff = max((reference["grads"][k] - triton["grads"][k]).abs().max().item() for k in triton["grads"])
-        gradient_scale = max(g.abs().max().item() for g in reference["grads"].values())
-        result.update(
-            max_abs_output=reference["inference"].abs().max().item(),
-            inference_max_abs_diff=(reference["inference"] - triton["inference"]).abs().max().item(),
-            training_output_max_abs_diff=(reference["output"] - triton["output"]).abs().max().item(),
-            gradient_max_abs_diff=gradient_diff,
-            gradient_max_abs=gradient_scale,
-            gradient_max_rel_diff=gradient_diff / gradient_scale if gradient_scale > 0 else 0.0,
-            parameters_with_gradients=len(triton["grads"]),
-        )
-        output_ok = max(result["inference_max_abs_diff"], result["training_output_max_abs_diff"]) <= (
-            AGREEMENT_TOLERANCE[dtype_name] * (1.0 if dtype_name == "fp32" else result["max_abs_output"])
-        )
-        result["agree"] = (
-            output_ok
-            and result["gradient_max_rel_diff"] <= GRADIENT_TOLERANCE[dtype_name]
-            and result["ea-triton_triton_calls"] > 0
-            and result["ea-torch_triton_calls"] == 0
-        )
+            runs[variant], calls = check_run(model, inputs, variant, device)
+            result[f"{variant}_triton_calls"] = ea.triton_calls(calls)
+            result[f"{variant}_cpu_kernel_calls"] = ea.cpu_kernel_calls(calls)
+        result.update(differences(runs["ea-torch"], runs["ea-triton"]))
+        result["agree"] = agree(result, dtype_name)
     except Exception as error:  # recorded like a failed case
         result.update(status="error", error=f"{type(error).__name__}: {error}"[:2000], agree=False)
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
         runs.clear()
         model = None
-        release(device.type == "cuda")
+        memory.release_gpu_memory(device)
     result["tolerance"] = {"output": AGREEMENT_TOLERANCE[dtype_name], "gradient_rel": GRADIENT_TOLERANCE[dtype_name]}
     return result
 
@@ -580,9 +475,8 @@ def child_arguments(args: argparse.Namespace) -> list[str]:
 def spawn(internal: list[str], args: argparse.Namespace, what: str) -> dict:
     """Run this script in an internal mode in a fresh process; a child that dies (a CUDA fault, a crash) is
     recorded as an error rather than ending the run."""
-    command = [sys.executable, str(Path(__file__).resolve()), *internal, *child_arguments(args)]
     try:
-        return attention_bench.run_result_process(command, args.threads or os.cpu_count() or 1, what)
+        return run_child(__file__, [*internal, *child_arguments(args)], args.threads or os.cpu_count() or 1, what)
     except RuntimeError as error:
         return {"status": "error", "error": f"{error} (its output is on stderr)"}
 
@@ -607,10 +501,6 @@ def stands_for(length: int, dry_run: bool) -> int:
     return length
 
 
-def passes(value: float | None, target: float | None) -> bool | None:
-    return None if value is None or target is None else value <= target
-
-
 def compare(cases: list[dict], dry_run: bool) -> list[dict]:
     """One row per case, in the order run, with its ratios to the eager and sdpa cases of the same (N, batch,
     dtype, mode) and the targets of the EA variants."""
@@ -619,7 +509,7 @@ def compare(cases: list[dict], dry_run: bool) -> list[dict]:
     for case in cases:
         group = (case["n"], case["batch"], case["dtype"], case["mode"])
         eager, sdpa = by_key.get((*group, "eager"), {}), by_key.get((*group, "sdpa"), {})
-        ea = case["variant"] in EA_VARIANTS
+        evolving = case["variant"] in EA_VARIANTS
         row = {
             "n": case["n"],
             "batch": case["batch"],
@@ -640,21 +530,14 @@ def compare(cases: list[dict], dry_run: bool) -> list[dict]:
             "ran_on_triton": case.get("ran_on_triton"),
             "evolution_path": case.get("evolution_path"),
             "time_target": TIME_TARGETS.get(stands_for(case["n"], dry_run))
-            if ea and case["mode"] == "training"
+            if evolving and case["mode"] == "training"
             else None,
-            "memory_target": MEMORY_TARGET if ea else None,
+            "memory_target": MEMORY_TARGET if evolving else None,
         }
         row["time_pass"] = passes(row["time_over_eager"], row["time_target"])
         row["memory_pass"] = passes(row["peak_over_eager"], row["memory_target"])
         rows.append(row)
     return rows
-
-
-def target_cell(target: float | None, passed: bool | None) -> str:
-    """bench_attention's ``<= t pass|FAIL``, and ``n/a`` where the ratio is missing (CPU memory, a failed case)."""
-    if target is not None and passed is None:
-        return f"<= {target:g} n/a"
-    return attention_bench.target_cell(target, passed)
 
 
 def notes(row: dict, case: dict) -> str:
@@ -678,70 +561,49 @@ def notes(row: dict, case: dict) -> str:
     return "; ".join(parts)
 
 
-def markdown_table(rows: list[dict], cases: list[dict]) -> str:
-    lines = [table_row(TABLE_HEADER), "|" + "---:|" * 2 + "---|" * 3 + "---:|" * 8 + "---|" * 3]
-    for row, case in zip(rows, cases, strict=True):
-        cells = [
-            str(row["n"]),
-            str(row["batch"]),
-            row["dtype"],
-            row["mode"],
-            row["variant"],
-            number(row["median_ms"], 2),
-            number(row["time_over_eager"], 3),
-            number(row["time_over_sdpa"], 3),
-            number(row["peak_mib"], 0),
-            number(row["above_loaded_mib"], 0),
-            number(row["peak_over_eager"], 3),
-            number(row["peak_over_sdpa"], 3),
-            number(row["triton_calls_per_step"], 1),
-            target_cell(row["time_target"], row["time_pass"]),
-            target_cell(row["memory_target"], row["memory_pass"]),
-            notes(row, case),
-        ]
-        lines.append(table_row(cells))
-    return "\n".join(lines) + "\n"
+def cases_table(rows: list[dict], cases: list[dict]) -> str:
+    """The comparison rows (:func:`compare`) and the notes of their cases as Markdown."""
+    cells = [
+        [str(row["n"]), str(row["batch"]), row["dtype"], row["mode"], row["variant"], number(row["median_ms"], 2)]
+        + [number(row["time_over_eager"], 3), number(row["time_over_sdpa"], 3), number(row["peak_mib"], 0)]
+        + [number(row["above_loaded_mib"], 0), number(row["peak_over_eager"], 3), number(row["peak_over_sdpa"], 3)]
+        + [number(row["triton_calls_per_step"], 1), target_cell(row["time_target"], row["time_pass"])]
+        + [target_cell(row["memory_target"], row["memory_pass"]), notes(row, case)]
+        for row, case in zip(rows, cases, strict=True)
+    ]
+    return markdown_table(TABLE_HEADER, "rrlll" + "r" * 8 + "lll", cells) + "\n"
 
 
 def agreement_table(checks: list[dict]) -> str:
-    header = [
-        "N",
-        "batch",
-        "dtype",
-        "no_grad output max abs diff",
-        "training output max abs diff",
-        "gradient max rel diff",
-        "Triton calls (ea-triton / ea-torch)",
-        "agree",
-    ]
-    lines = [table_row(header), "|---:|---:|---|---:|---:|---:|---:|---|"]
+    """The agreement checks as Markdown; a failed check's row gives its error."""
+    cells = []
     for check in checks:
+        head = [str(check["n"]), str(check["batch"]), check["dtype"]]
         if check.get("status") != "ok":
             error = (check.get("error") or "").split("\n")[0][:120].replace("|", "/")
-            lines.append(f"| {check['n']} | {check['batch']} | {check['dtype']} | - | - | - | - | ERROR: {error} |")
+            cells.append([*head, "-", "-", "-", "-", f"ERROR: {error}"])
             continue
-        cells = [
-            str(check["n"]),
-            str(check["batch"]),
-            check["dtype"],
-            f"{check['inference_max_abs_diff']:.2e}",
-            f"{check['training_output_max_abs_diff']:.2e}",
-            f"{check['gradient_max_rel_diff']:.2e}",
-            f"{check['ea-triton_triton_calls']} / {check['ea-torch_triton_calls']}",
-            "yes" if check["agree"] else "NO",
-        ]
-        lines.append(table_row(cells))
-    return "\n".join(lines) + "\n"
+        cells.append(
+            [*head, f"{check['inference_max_abs_diff']:.2e}", f"{check['training_output_max_abs_diff']:.2e}"]
+            + [
+                f"{check['gradient_max_rel_diff']:.2e}",
+                f"{check['ea-triton_triton_calls']} / {check['ea-torch_triton_calls']}",
+            ]
+            + ["yes" if check["agree"] else "NO"]
+        )
+    return markdown_table(AGREEMENT_HEADER, "rrlrrrrl", cells) + "\n"
 
 
 def markdown_report(report: dict) -> str:
-    settings, versions = report["settings"], report["versions"]
+    """The Markdown file: what was run, the tables and how to read them."""
+    settings, library = report["settings"], report["versions"]
     dry = settings["dry_run"]
     intro = (
-        f"{report['machine_line']}, triton {versions['triton']}"
-        + (f", CUDA {versions['cuda']}" if versions["cuda"] else "")
+        f"{report['machine_line']}, triton {library['triton']}"
+        + (f", CUDA {library['cuda']}" if library["cuda"] else "")
         + f". {report['model']}, random weights (seed 0), dropout "
-        f"0; random input_ids, all-ones attention mask. EA: `ea_hf.patch(model, alpha={EA_ALPHA}, beta={EA_BETA})` "
+        f"0; random input_ids, all-ones attention mask. EA: `ea_hf.patch(model, alpha={ea.EA_ALPHA}, "
+        f"beta={ea.EA_BETA})` "
         "(3x3 kernel, every layer); `ea-torch` evolves with torch operations, `ea-triton` with the Triton kernels "
         f"(`EA_HF_TRITON=1`), `ea-compile` and `ea-triton-compile` are those models under `torch.compile` (backend "
         f"`{settings['compile_backend']}`, default mode; the Triton kernels and the fused attention tail run as torch "
@@ -779,36 +641,10 @@ def markdown_report(report: dict) -> str:
     )
 
 
-def versions() -> dict:
-    import torch
-    import transformers
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "transformers": transformers.__version__,
-        "ea_hf": import_ea_hf().__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-    }
-
-
-def slug(name: str) -> str:
-    """A folder name from a device name: ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
-
-
 def output_paths(args: argparse.Namespace, gpu: str | None) -> tuple[Path, Path]:
     """(JSON, Markdown): ``bench_gpu.*`` under ``--out`` or bench/results/<gpu name slug>; the dry run's are
     ``bench_gpu_dry_run.*``, by default under bench/results/cpu."""
-    default = BENCH_DIR / "results" / ("cpu" if args.dry_run or not gpu else slug(gpu))
-    out = Path(args.out) if args.out else default
+    out = gpu_results_folder(args.out, None if args.dry_run else gpu)
     stem = "bench_gpu_dry_run" if args.dry_run else "bench_gpu"
     return out / f"{stem}.json", out / f"{stem}.md"
 
@@ -853,29 +689,16 @@ def case_order(key: tuple) -> tuple:
     return tuple(order)
 
 
-def collect(args: argparse.Namespace) -> dict:
-    """Run every planned case and check (here, or each in a fresh process with ``--isolate``), rewriting the JSON
-    and Markdown after each one; return the report."""
-    start = time.perf_counter()
-    info = attention_bench.machine_info(args.threads or 0)
-    info["device"] = "cpu" if args.dry_run else "cuda"
-    if not args.dry_run:
-        import torch
-
-        info["gpu_capability"] = list(torch.cuda.get_device_capability(0))
-        info["gpu_memory_mib"] = torch.cuda.get_device_properties(0).total_memory / MIB
-    json_path, markdown_path = output_paths(args, info["gpu"])
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    done_cases, done_checks = previous_results(json_path, args)
-    print(f"machine: {attention_bench.machine_line(info)}", flush=True)
-    report: dict[str, Any] = {
+def report_head(args: argparse.Namespace, info: dict) -> dict:
+    """What the report says before its cases: the benchmark, model, machine, versions and settings."""
+    return {
         "benchmark": "BERT-Base: eager vs sdpa vs Evolving Attention (torch operations, Triton kernels, torch.compile)",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": utc_now(),
         "model": "BertForSequenceClassification (2 labels), "
         + ("tiny config (dry run)" if args.dry_run else "BERT-Base dimensions (110M)"),
         "config": DRY_RUN_CONFIG if args.dry_run else FULL_CONFIG,
         "machine": info,
-        "machine_line": attention_bench.machine_line(info),
+        "machine_line": machine_line(info),
         "gpu": info["gpu"],
         "versions": versions(),
         "settings_key": settings_key(args),
@@ -887,34 +710,17 @@ def collect(args: argparse.Namespace) -> dict:
             "variants": args.variants,
             "threads": args.threads,
             "isolate": args.isolate,
-            "ea": {"alpha": EA_ALPHA, "beta": EA_BETA, "kernel_size": 3},
-            "dry_run_tiles": DRY_RUN_TILES if args.dry_run else None,
+            "ea": {"alpha": ea.EA_ALPHA, "beta": ea.EA_BETA, "kernel_size": ea.EA_KERNEL_SIZE},
+            "dry_run_tiles": ea.DRY_RUN_TILES if args.dry_run else None,
             "tf32": "defaults (cudnn.allow_tf32 on, matmul off) in the cases; off in the agreement check",
         },
         "targets": {"training_time_over_eager": TIME_TARGETS, "peak_memory_over_eager": MEMORY_TARGET},
     }
-    # Keyed results, the previous run's first (--resume): a run split over several commands, or over subsets
-    # (--dtypes bf16, then --dtypes fp32 --resume), ends with every case in one file, also when it is cut off.
-    case_results = {case_key(c): dict(c, reused_from_previous_run=True) for c in done_cases}
-    check_results = {check_key(c): dict(c, reused_from_previous_run=True) for c in done_checks}
-    cases: list[dict] = []  # the ordered views of the two, as written
-    checks: list[dict] = []
 
-    def write() -> None:
-        cases[:] = [case_results[key] for key in sorted(case_results, key=case_order)]
-        checks[:] = [check_results[key] for key in sorted(check_results, key=case_order)]
-        rows = compare(cases, args.dry_run)
-        report.update(
-            cases=cases,
-            comparison=rows,
-            agreement=checks,
-            markdown_table=markdown_table(rows, cases),
-            markdown_agreement=agreement_table(checks),
-            wall_time_s=time.perf_counter() - start,
-        )
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        markdown_path.write_text(markdown_report(report))
 
+def run_cases(args: argparse.Namespace, case_results: dict[tuple, dict], write: Callable[[], None]) -> None:
+    """Every planned case not in ``case_results`` (here, or in a fresh process with ``--isolate``) into it, the
+    files rewritten after each."""
     for (length, batch), dtype, mode, variant in (
         (case, dtype, mode, variant)
         for case in args.cases
@@ -940,25 +746,69 @@ def collect(args: argparse.Namespace) -> dict:
             + (f"  Triton calls {result.get('triton_calls')}" if variant in EA_VARIANTS else ""),
             flush=True,
         )
-    if "ea-torch" in args.variants and "ea-triton" in args.variants and not args.no_check:
-        for (length, batch), dtype in ((case, dtype) for case in args.cases for dtype in args.dtypes):
-            check = check_results.get((length, batch, dtype))
-            if check is None:
-                check = (
-                    spawn_check(length, batch, dtype, args) if args.isolate else run_check(length, batch, dtype, args)
-                )
-            check_results[(length, batch, dtype)] = check
-            write()
-            print(
-                f"  check ea-torch vs ea-triton N={length} {dtype}: "
-                + (
-                    f"output diff {check['inference_max_abs_diff']:.2e}, gradient rel diff "
-                    f"{check['gradient_max_rel_diff']:.2e}, agree {check['agree']}"
-                    if check.get("status") == "ok"
-                    else f"ERROR {check.get('error')}"
-                ),
-                flush=True,
-            )
+
+
+def run_checks(args: argparse.Namespace, check_results: dict[tuple, dict], write: Callable[[], None]) -> None:
+    """The agreement check of every (N, batch, dtype) not in ``check_results`` into it, the files rewritten after
+    each; only where both ea-torch and ea-triton run, and not with ``--no-check``."""
+    if "ea-torch" not in args.variants or "ea-triton" not in args.variants or args.no_check:
+        return
+    for (length, batch), dtype in ((case, dtype) for case in args.cases for dtype in args.dtypes):
+        check = check_results.get((length, batch, dtype))
+        if check is None:
+            check = spawn_check(length, batch, dtype, args) if args.isolate else run_check(length, batch, dtype, args)
+        check_results[(length, batch, dtype)] = check
+        write()
+        print(
+            f"  check ea-torch vs ea-triton N={length} {dtype}: "
+            + (
+                f"output diff {check['inference_max_abs_diff']:.2e}, gradient rel diff "
+                f"{check['gradient_max_rel_diff']:.2e}, agree {check['agree']}"
+                if check.get("status") == "ok"
+                else f"ERROR {check.get('error')}"
+            ),
+            flush=True,
+        )
+
+
+def collect(args: argparse.Namespace) -> dict:
+    """Run every planned case and check (here, or each in a fresh process with ``--isolate``), rewriting the JSON
+    and Markdown after each one; return the report."""
+    elapsed = stopwatch()
+    info = machine_info(args.threads or 0)
+    info["device"] = "cpu" if args.dry_run else "cuda"
+    if not args.dry_run:
+        import torch
+
+        info["gpu_capability"] = list(torch.cuda.get_device_capability(0))
+        info["gpu_memory_mib"] = torch.cuda.get_device_properties(0).total_memory / memory.MIB
+    json_path, markdown_path = output_paths(args, info["gpu"])
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    done_cases, done_checks = previous_results(json_path, args)
+    print(f"machine: {machine_line(info)}", flush=True)
+    report = report_head(args, info)
+    # Keyed results, the previous run's first (--resume): a run split over several commands, or over subsets
+    # (--dtypes bf16, then --dtypes fp32 --resume), ends with every case in one file, also when it is cut off.
+    case_results = {case_key(c): dict(c, reused_from_previous_run=True) for c in done_cases}
+    check_results = {check_key(c): dict(c, reused_from_previous_run=True) for c in done_checks}
+
+    def write() -> None:
+        cases = [case_results[key] for key in sorted(case_results, key=case_order)]
+        checks = [check_results[key] for key in sorted(check_results, key=case_order)]
+        rows = compare(cases, args.dry_run)
+        report.update(
+            cases=cases,
+            comparison=rows,
+            agreement=checks,
+            markdown_table=cases_table(rows, cases),
+            markdown_agreement=agreement_table(checks),
+            wall_time_s=elapsed(),
+        )
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        markdown_path.write_text(markdown_report(report))
+
+    run_cases(args, case_results, write)
+    run_checks(args, check_results, write)
     write()
     print()
     print(report["markdown_table"])
@@ -967,45 +817,29 @@ def collect(args: argparse.Namespace) -> dict:
     return report
 
 
-def parse_case(text: str) -> tuple[int, int]:
-    """``N:BATCH`` -> (N, batch)."""
-    try:
-        length, batch = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N:BATCH, got {text!r}") from None
-    if min(length, batch) < 1:
-        raise argparse.ArgumentTypeError(f"N and batch must be positive, got {text!r}")
-    return length, batch
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--dry-run`` changes the defaults of the cases, dtypes, repeats and threads."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dry-run", "--tiny", action="store_true", help="tiny BERT on CPU, no GPU needed")
-    parser.add_argument("--out", help="output folder (default bench/results/<gpu name slug>, or .../cpu dry)")
-    parser.add_argument(
-        "--cases", type=parse_case, nargs="+", help="N:BATCH pairs (default 512:8 2048:2; dry 16:2 24:2)"
-    )
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, help="default bf16 fp32 (dry run: fp32)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--repeats", type=int, help="timed steps per case (default 10; dry run 2)")
-    parser.add_argument("--warmup", type=int, help="untimed steps before them (default 3; dry run 1)")
-    parser.add_argument(
-        "--compile-backend",
-        help="torch.compile backend of the compiled variants (default inductor; dry run eager: dynamo's graph capture "
-        "only, as inductor's C++ build of even a tiny BERT takes minutes on a busy CPU; aot_eager also traces the "
-        "backward, about 6 s more)",
-    )
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="none", help="training step's optimizer (none)")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's; dry run 1)")
-    parser.add_argument("--isolate", action="store_true", help="run every case and check in a fresh process")
-    parser.add_argument("--resume", action="store_true", help="reuse the finished cases of the output JSON")
-    parser.add_argument("--no-check", action="store_true", help="skip the ea-torch vs ea-triton agreement check")
+    add = parser.add_argument
+    add("--dry-run", "--tiny", action="store_true", help="tiny BERT on CPU, no GPU needed")
+    add("--out", help="output folder (default bench/results/<gpu name slug>, or .../cpu dry)")
+    add("--cases", type=parse_case, nargs="+", help="N:BATCH pairs (default 512:8 2048:2; dry 16:2 24:2)")
+    add("--dtypes", nargs="+", choices=DTYPES, help="default bf16 fp32 (dry run: fp32)")
+    add("--modes", nargs="+", choices=MODES, default=list(MODES))
+    add("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    add("--repeats", type=int, help="timed steps per case (default 10; dry run 2)")
+    add("--warmup", type=int, help="untimed steps before them (default 3; dry run 1)")
+    add("--compile-backend", help="torch.compile backend of the compiled variants (default inductor; dry run eager: "
+        "dynamo's graph capture only, as inductor's C++ build of even a tiny BERT is slow on a CPU; aot_eager also "
+        "traces the backward)")  # fmt: skip
+    add("--optimizer", choices=OPTIMIZERS, default="none", help="training step's optimizer (none)")
+    add("--threads", type=int, help="torch.set_num_threads (default: torch's; dry run 1)")
+    add("--isolate", action="store_true", help="run every case and check in a fresh process")
+    add("--resume", action="store_true", help="reuse the finished cases of the output JSON")
+    add("--no-check", action="store_true", help="skip the ea-torch vs ea-triton agreement check")
     internal = parser.add_mutually_exclusive_group()
-    internal.add_argument(
-        "--case", nargs=5, metavar=("VARIANT", "N", "BATCH", "MODE", "DTYPE"), help="internal: run one case"
-    )
+    internal.add_argument("--case", nargs=5, metavar=("VARIANT", "N", "BATCH", "MODE", "DTYPE"), help="internal: "
+                          "run one case")  # fmt: skip
     internal.add_argument("--check", nargs=3, metavar=("N", "BATCH", "DTYPE"), help="internal: run one check")
     args = parser.parse_args(argv)
     dry = args.dry_run
@@ -1042,9 +876,9 @@ def main(argv: list[str] | None = None) -> None:
         print(NO_CUDA_MESSAGE, file=sys.stderr)
         sys.exit(2)
     if args.case:
-        print(RESULT_PREFIX + json.dumps(run_case(*args.case, args)), flush=True)
+        print_result(run_case(*args.case, args))
     elif args.check:
-        print(RESULT_PREFIX + json.dumps(run_check(*args.check, args)), flush=True)
+        print_result(run_check(*args.check, args))
     else:
         collect(args)
 

@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from testing import INTERPRETER_TRITON, bench_script
 
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 LENGTHS = (16, 24)
 LAYERS = 2
 #: Environment variables the cases set for their duration.
@@ -23,8 +25,8 @@ def bench():
 
 @pytest.fixture(scope="module")
 def report(bench, tmp_path_factory):
-    """The whole dry run, in this process (about 30 s on a busy core, most of it torch.compile's graph capture
-    and the interpreted Triton kernels)."""
+    """The whole dry run, in this process (most of its time is torch.compile's graph capture and the interpreted
+    Triton kernels)."""
     pytest.importorskip(
         "triton", minversion=INTERPRETER_TRITON, reason="the dry run's ea-triton cases need the optional triton package"
     )
@@ -152,7 +154,7 @@ def test_files_are_written(bench, report):
 def test_without_cuda_and_without_dry_run_it_exits_with_status_2(bench):
     environment = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(
-        [sys.executable, str(bench.BENCH_DIR / "bench_gpu.py")], capture_output=True, text=True, env=environment
+        [sys.executable, str(BENCH_DIR / "bench_gpu.py")], capture_output=True, text=True, env=environment
     )
     assert done.returncode == 2
     assert done.stderr.strip() == bench.NO_CUDA_MESSAGE and done.stdout == ""
@@ -176,7 +178,7 @@ def test_a_failed_compile_is_recorded_not_raised(bench):
     assert case["compile"]["failed"] is True and "backend refuses the graph" in case["compile"]["error"]
     row = bench.compare([case], dry_run=True)[0]
     assert row["time_over_eager"] is None and row["time_pass"] is None
-    assert "compile FAILED" in bench.markdown_table([row], [case])
+    assert "compile FAILED" in bench.cases_table([row], [case])
 
 
 def synthetic_case(variant, mode, median_s, peak_mib, triton_calls=0):
@@ -211,7 +213,7 @@ def test_gpu_figures_give_memory_ratios_and_a_silent_fallback_shows(bench):
     assert rows["ea-torch"]["peak_over_sdpa"] == pytest.approx(1300 / 800)
     assert rows["ea-triton"]["time_over_eager"] == pytest.approx(1.2) and rows["ea-triton"]["time_pass"] is False
     assert rows["ea-triton"]["memory_pass"] is True
-    table = bench.markdown_table(list(rows.values()), cases)
+    table = bench.cases_table(list(rows.values()), cases)
     assert "FELL BACK to torch operations" in table.splitlines()[-1]
     assert "<= 1.15 FAIL" in table and "<= 1.2 pass" in table
 
@@ -261,11 +263,10 @@ def test_defaults_output_paths_and_argument_checks(bench):
     assert full.variants == list(bench.VARIANTS) and full.modes == ["inference", "training"]
     dry = bench.parse_args(["--tiny"])
     assert dry.dry_run and dry.cases == [(16, 2), (24, 2)] and dry.dtypes == ["fp32"] and dry.threads == 1
-    assert bench.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     json_path, markdown_path = bench.output_paths(full, "NVIDIA H100 80GB HBM3")
-    assert json_path == bench.BENCH_DIR / "results" / "nvidia-h100-80gb-hbm3" / "bench_gpu.json"
+    assert json_path == BENCH_DIR / "results" / "nvidia-h100-80gb-hbm3" / "bench_gpu.json"
     assert markdown_path.name == "bench_gpu.md"
-    assert bench.output_paths(dry, None)[0] == bench.BENCH_DIR / "results" / "cpu" / "bench_gpu_dry_run.json"
+    assert bench.output_paths(dry, None)[0] == BENCH_DIR / "results" / "cpu" / "bench_gpu_dry_run.json"
     assert bench.parse_args(["--cases", "128:4", "--out", "x"]).cases == [(128, 4)]
     for bad in (["--cases", "512"], ["--cases", "0:2"], ["--case", "flash", "16", "2", "training", "fp32"]):
         with pytest.raises(SystemExit):
