@@ -47,7 +47,7 @@ def test_ratios_come_from_the_paired_steps_and_memory_from_the_separate_processe
     assert training["ea_time_target"] == 1.12 and training["ea_time_pass"] is False
     # The memory target is on the step's memory (peak above the loaded model), not the total RSS.
     assert training["ea_memory_target"] == 1.2 and training["ea_memory_pass"] is False
-    table = bench.markdown_table(rows).splitlines()
+    table = bench.comparison_table(rows).splitlines()
     assert len(table) == 4 and table[3].startswith("| 512 | 2 | training |")
     assert "| 1.200 | 1.200 | <= 1.12 FAIL | 1.333 |" in table[3]  # EA/sdpa: 1.2 / 0.9
     assert "| 210 | 500 | 2.381 | <= 1.2 FAIL | 1010 | 1300 | 1.287 |" in table[3]
@@ -72,7 +72,7 @@ def test_several_paired_processes_give_the_median_of_their_ratios(bench):
     # The step-by-step ratios pooled: 1.25 x 3, 1.05 x 2, 1.1, whose median the slow process pulls up.
     assert training["ea_over_eager_time_paired_median"] == pytest.approx(1.175)
     assert training["ea_minor_faults_per_step_median"] is None  # runs that did not record them
-    assert "| 1.100 | 1.050 / 1.100 / 1.250 | <= 1.12 pass |" in bench.markdown_table([training])
+    assert "| 1.100 | 1.050 / 1.100 / 1.250 | <= 1.12 pass |" in bench.comparison_table([training])
 
 
 def test_quick_mode_is_a_short_smoke_run(bench):
@@ -96,7 +96,7 @@ def test_dropout_reaches_every_child_process(bench, monkeypatch):
     assert bench.parse_args([]).dropout == 0.0
     args = bench.parse_args(["--dropout", "0.1"])
     commands = []
-    monkeypatch.setattr(bench, "run_result_process", lambda command, threads, what: commands.append(command) or {})
+    monkeypatch.setattr(bench, "run_child", lambda script, arguments, threads, what: commands.append(arguments) or {})
     bench.spawn(["--paired", "512", "training"], args, "paired", 512)
     assert commands[0][commands[0].index("--dropout") + 1] == "0.1"
     for wrong in ("1.0", "-0.1"):
