@@ -1,31 +1,27 @@
 #!/usr/bin/env bash
 # One call of a lent machine (the device tool) spent on its host CPU alone, the GPU left idle: the CPU
-# measurements of issue 18 on a host kind the benchmark has no full run of (the lent machines' hosts are Intel
-# Xeons), with nothing else running, so that memory bandwidth and caches belong to the measured pair of cores
-# (gpu_session.sh measures the CPU beside GPU work, which shares them):
+# measurements of issue 18 on the lent machines' host CPUs, with nothing else running, so that memory bandwidth
+# and caches belong to the measured pair of cores (gpu_session.sh measures the CPU beside GPU work, which shares
+# them):
 #   1. the machine (CPU model and flags, C library, versions) -> $OUT/machine.txt
 #   2. the fused kernel alone (forward and backward of a training step, maps out of cache) at N = 512, batch 2
 #      and N = 128, batch 8, and the memory bandwidth of the pair of cores (--kernel) -> $OUT/cpu_kernel.log:
-#      whether the kernel itself takes longer there than on AMD EPYC, and how fast the maps can stream (a kernel
-#      change is timed against the default build by adding --kernel-build=FLAGS, calls alternating; the L1
-#      prefetch build, -DEA_HF_PREFETCH_LOCALITY=3, timed so on the H200's Intel host, gave the same kernel)
+#      the kernel's own time on this host, and how fast the maps can stream (a kernel change is timed against
+#      the default build by adding --kernel-build=FLAGS, calls alternating)
 #   3. the paired timing of bench_attention.py (eager, sdpa and EA alternating, 2 threads pinned to two physical
 #      cores): N = 512 training in three processes, as the full benchmark's three rounds, then (after step 5)
-#      N = 128 training -> $OUT/cpu_paired.log (one BENCH_RESULT line a process). N = 512 inference, 1.012x on the last Intel
-#      host against its 1.10 target, is left out for time.
+#      N = 128 training -> $OUT/cpu_paired.log (one BENCH_RESULT line a process). N = 512 inference is left out
+#      for time.
 #   4. N = 512 training once more with glibc's heap held (no trimming, no mmap: every variant's steps then touch
 #      no fresh pages), which takes the page faults out of the ratio -> $OUT/cpu_paired_held_heap.log
 #   5. where eager's and EA's N = 512 training steps go, per operator (--profile) -> $OUT/cpu_profile.log
-# Each step has its own time limit. On the first Intel host it ran on (November 2026) steps 1 to 4 took 9.5 min
-# with 50 s of timed steps a process and 3 warm-up rounds, and the profile was cut off at 570 s: the paired
-# processes now time 40 s (N = 512) and 30 s (N = 128) after 2 warm-up rounds, and the profile runs before the
-# held heap, so that the whole script ends within about 540 s there. The device machine has torch and
-# transformers but not ea_hf: it runs from the working tree.
+# Each step has its own time limit; the paired processes time 40 s (N = 512) and 30 s (N = 128) after 2 warm-up
+# rounds, and the profile runs before the held heap, so that the whole script fits the call's limit. The device
+# machine has torch and transformers but not ea_hf: it runs from the working tree.
 #     device run: bash bench/cpu_host_session.sh   (timeout_s 570)
 # `bash bench/cpu_host_session.sh quick` runs steps 1, 2 at N = 512 only (the kernel's own time is what a kernel
 # change moves first) and 3's three N = 512 training processes (30 s of timed steps each): for a session with
-# less device time left. About 4 min on the H100's host; on the slower H200's host the first two processes and
-# the kernel took 280 s (the third was cut off).
+# less device time left.
 #     device run: bash bench/cpu_host_session.sh quick   (timeout_s 360)
 # `bash bench/cpu_host_session.sh dropout` runs the same three processes with BERT's own dropout (0.1, attention
 # and hidden; the targets are measured without), into cpu_paired_dropout.log: what EA costs users who fine-tune.

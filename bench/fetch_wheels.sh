@@ -3,10 +3,8 @@
 # network) before the session, and pass `bench/wheels` in the device tool's `carry` (bench/wheels/ is ignored by
 # git: wheels are never committed).
 #   liger-kernel, for `bench_triton_kernels.py --liger` (Liger-Kernel's Multi-Token Attention beside the
-#   evolution step). A pure-Python wheel (py3-none-any, ~0.9 MB); 0.8.5 asks only for torch >= 2.1.2 and triton
-#   >= 2.3.1, so the machine's own torch 2.11 (CUDA 13.0) and triton 3.6 stay: it is installed with --no-deps.
-#   Its import and its Multi-Token Attention (forward and backward, fp32 and bf16) were checked with triton 3.6
-#   in Triton's CPU interpreter.
+#   evolution step). A pure-Python wheel (py3-none-any); 0.8.5 asks only for torch >= 2.1.2 and triton >= 2.3.1,
+#   so it is installed with --no-deps and the machine's own torch and triton stay.
 # On the GPU machine:
 #   python3 -m pip install --no-deps --no-index --target /tmp/liger bench/wheels/liger_kernel-*.whl
 #   PYTHONPATH=$PWD:/tmp/liger python3 bench/bench_triton_kernels.py --liger --dtypes bf16 --cases 512:8
