@@ -45,8 +45,9 @@ def masked_logits(logits: torch.Tensor, mask: AttentionMask, out: torch.Tensor |
     disallows at the dtype's minimum; written into ``out`` where given (the same numbers).
 
     Example:
-        >>> masked_logits(torch.zeros(3), AttentionMask(torch.tensor([True, False, True]))).tolist()
-        [0.0, -3.4028234663852886e+38, 0.0]
+        >>> logits = masked_logits(torch.zeros(3), AttentionMask(torch.tensor([True, False, True])))
+        >>> (logits == torch.finfo(logits.dtype).min).tolist()
+        [False, True, False]
     """
     if mask.additive is not None:
         return logits + mask.additive if out is None else torch.add(logits, mask.additive, out=out)
