@@ -102,18 +102,13 @@ class CoreConstants(NamedTuple):
 
 
 class SavedTensors(NamedTuple):
-    """What :class:`EvolvingAttentionCore`'s forward saves for backward, by name: the inputs as forward used them
-    (keys and values contiguous; the queries contiguous and pre-scaled where S is plain), the ReLU ``gate``, the
-    masks, dropout's mask (``dropout_kept``), S and P where kept (``scores``, ``probabilities``; else None),
-    A_logit where P is not kept (``logits``; else None) and a fused tail's row statistics (``stats``; else None)."""
+    """What :class:`EvolvingAttentionCore`'s forward saves for backward, by name: the ``inputs`` as forward used
+    them (keys and values contiguous; the queries contiguous and pre-scaled where S is plain), the ReLU ``gate``,
+    the masks, dropout's mask (``dropout_kept``), S and P where kept (``scores``, ``probabilities``; else None),
+    A_logit where P is not kept (``logits``; else None) and a fused tail's row statistics (``stats``; else None).
+    """
 
-    query: Tensor
-    key: Tensor
-    value: Tensor
-    previous: Tensor | None
-    position_bias: Tensor | None
-    weight: Tensor
-    bias: Tensor
+    inputs: CoreInputs
     gate: Tensor
     conv_mask: Tensor | None
     allowed: Tensor | None
@@ -123,6 +118,16 @@ class SavedTensors(NamedTuple):
     probabilities: Tensor | None
     logits: Tensor | None
     stats: Tensor | None
+
+    def flat(self) -> tuple[Tensor | None, ...]:
+        """The tensors in one flat tuple, as ``save_for_backward`` takes them."""
+        return (*self.inputs, *self[1:])
+
+    @classmethod
+    def unflatten(cls, tensors: tuple[Tensor | None, ...]) -> SavedTensors:
+        """The tensors of :meth:`flat` (``ctx.saved_tensors``) by name again."""
+        inputs = len(CoreInputs._fields)
+        return cls(CoreInputs(*tensors[:inputs]), *tensors[inputs:])
 
 
 class EvolvingAttentionCore(torch.autograd.Function):
@@ -171,11 +176,11 @@ class EvolvingAttentionCore(torch.autograd.Function):
         # Kept: S and P (A_logit is kept by the next layer, as its A_prev). Else A_logit, to recompute P from;
         # with a fused tail, A_logit (and S where small) and the rows' statistics.
         saved = SavedTensors(
-            query, key, value, previous, position_bias, weight, bias, gate, masks.convolution, mask.allowed,
-            mask.additive, dropout_kept, scores=scores if small else None, probabilities=full if small else None,
-            logits=None if full is not None and small else logits, stats=stats,
+            CoreInputs(query, key, value, previous, position_bias, weight, bias), gate, masks.convolution,
+            mask.allowed, mask.additive, dropout_kept, scores=scores if small else None,
+            probabilities=full if small else None, logits=None if full is not None and small else logits, stats=stats,
         )  # fmt: skip
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*saved.flat())
         ctx.tail, ctx.constants = tail, constants
         ctx.plain, ctx.product_scaling = plain, product_scaling
         device = query.device.type
@@ -188,8 +193,9 @@ class EvolvingAttentionCore(torch.autograd.Function):
     @torch.autocast("cpu", enabled=False)
     @torch.autocast("cuda", enabled=False)
     def backward(ctx, grad_output, grad_logits, grad_probabilities):
-        saved = SavedTensors(*ctx.saved_tensors)  # unpacked once: non-reentrant checkpointing refuses a second unpack
-        needs = CoreInputs(*ctx.needs_input_grad[2:])
+        # Unpacked once: non-reentrant checkpointing refuses a second unpack.
+        saved = SavedTensors.unflatten(ctx.saved_tensors)
+        inputs, needs = saved.inputs, CoreInputs(*ctx.needs_input_grad[2:])
         constants = ctx.constants
         mask = AttentionMask(saved.allowed, saved.additive)
         dropout = Dropout(saved.dropout_kept, dropout_scale(constants.dropout))
@@ -202,11 +208,11 @@ class EvolvingAttentionCore(torch.autograd.Function):
                 handed_down = take_spare_map(constants.spare_maps, saved.logits)
                 full = recomputed = softmax_probabilities(saved.logits, mask, out=handed_down)
             grad_value, grad_evolved = attend_values_backward(
-                full, mask, saved.value, dropout, grad_output, grad_probabilities
+                full, mask, inputs.value, dropout, grad_output, grad_probabilities
             )
         elif grad_output is not None:  # the softmax's and the product's gradients in the tail's one pass
             grad_evolved, grad_value = ctx.tail.backward(
-                saved.logits, mask.allowed, mask.additive, saved.value, dropout.kept, dropout.scale, saved.stats,
+                saved.logits, mask.allowed, mask.additive, inputs.value, dropout.kept, dropout.scale, saved.stats,
                 grad_output, saved.logits.dtype,
             )  # fmt: skip
         else:  # only A_logit's gradient flows back: none passes through the softmax
@@ -218,17 +224,17 @@ class EvolvingAttentionCore(torch.autograd.Function):
             # Written over the recomputed P, spent once the softmax's gradient is taken (the evolution's gradient
             # goes over G): a training step's backward then allocates one [B, H, Q, K] map a layer less, and
             # fresh maps cost page faults (see docs/performance.md, "Choices in the hot path").
-            scores = spent_scores = attention_scores(saved.query, saved.key, ctx.product_scaling, out=recomputed)
+            scores = spent_scores = attention_scores(inputs.query, inputs.key, ctx.product_scaling, out=recomputed)
             recomputed = None
         else:
-            scores, leaves = _scores_with_autograd(ctx, saved, needs)
-        scaled_weight, _ = scale_kernel(saved.weight, saved.bias, constants.step.beta, scores.dtype)
+            scores, leaves = _scores_with_autograd(ctx, inputs, needs)
+        scaled_weight, _ = scale_kernel(inputs.weight, inputs.bias, constants.step.beta, scores.dtype)
         if grad_evolved.dtype != scores.dtype:  # fp32 from the softmax, back into half-precision maps' dtype
             grad_evolved = grad_evolved.to(scores.dtype)
         keep = None if saved.conv_mask is None else saved.conv_mask.to(scores.dtype)
         grad_scores, grad_previous, grad_weight, grad_bias = evolve_backward(
             constants.step,
-            StepMaps(scores.detach(), saved.previous, keep),
+            StepMaps(scores.detach(), inputs.previous, keep),
             # G is spent here: the gradients may go over it. The next layer's gradient, through its A_prev, is
             # added as the kernel reads.
             GradientIn(grad_evolved, grad_logits, spent=True),
@@ -239,31 +245,31 @@ class EvolvingAttentionCore(torch.autograd.Function):
             scaled_scores=True,  # S's gradient may share A_prev's map (see ScaledMap)
         )
         del grad_evolved, full
-        if spent_scores is not None and saved.previous is not None:  # a layer below, whose backward comes next
+        if spent_scores is not None and inputs.previous is not None:  # a layer below, whose backward comes next
             leave_spare_map(constants.spare_maps, spent_scores)
-        grad_query, grad_key, grad_positions = _scores_input_gradients(ctx, saved, needs, scores, leaves, grad_scores)
+        grad_query, grad_key, grad_positions = _scores_input_gradients(ctx, inputs, needs, scores, leaves, grad_scores)
         if grad_weight is not None:
-            grad_weight, grad_bias = grad_weight.to(saved.weight.dtype), grad_bias.to(saved.bias.dtype)
+            grad_weight, grad_bias = grad_weight.to(inputs.weight.dtype), grad_bias.to(inputs.bias.dtype)
         grads = CoreInputs(grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias)
         return None, None, *grads
 
 
-def _scores_with_autograd(ctx, saved: SavedTensors, needs: CoreInputs) -> tuple[Tensor, list[Tensor | None]]:
+def _scores_with_autograd(ctx, inputs: CoreInputs, needs: CoreInputs) -> tuple[Tensor, list[Tensor | None]]:
     """S again, with autograd, to carry its gradient to Q, K and the positional bias as forward's ops do: (S, the
     leaves it was computed from: Q, K and the bias, each None where absent). Which of them need a gradient comes
     from the inputs (the saved keys are a contiguous copy of them)."""
-    inputs = ((saved.query, needs.query), (saved.key, needs.key), (saved.position_bias, needs.position_bias))
-    leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in inputs]
+    pairs = ((inputs.query, needs.query), (inputs.key, needs.key), (inputs.position_bias, needs.position_bias))
+    leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in pairs]
     device, autocast, autocast_dtype = ctx.autocast
     constants = ctx.constants
     with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
         scores = attention_scores(leaves[0], leaves[1], constants.scaling, leaves[2], constants.softcap)
-        scores = evolution_maps(scores, saved.weight)
+        scores = evolution_maps(scores, inputs.weight)
     return scores, leaves
 
 
 def _scores_input_gradients(
-    ctx, saved: SavedTensors, needs: CoreInputs, scores: Tensor, leaves: list | None, grad_scores: ScaledMap | None
+    ctx, inputs: CoreInputs, needs: CoreInputs, scores: Tensor, leaves: list | None, grad_scores: ScaledMap | None
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The gradients of Q, K and the positional bias from S's (``grad_scores``): directly where S is the plain
     product (:func:`~.products.scores_backward`), else through autograd from ``scores`` to its ``leaves``."""
@@ -273,7 +279,7 @@ def _scores_input_gradients(
         scaling = ctx.constants.scaling
         prescaled = ctx.product_scaling != scaling
         grad_query, grad_key = scores_backward(
-            grad_scores.map, saved.query, saved.key, scaling, (needs.query, needs.key), prescaled,
+            grad_scores.map, inputs.query, inputs.key, scaling, (needs.query, needs.key), prescaled,
             gradient_scale=grad_scores.scale,
         )  # fmt: skip
         return grad_query, grad_key, None
