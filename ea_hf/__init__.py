@@ -10,14 +10,14 @@
 
 The package is layered (see docs/how-it-works.md): ``modeling`` (the core, copied beside checkpoints),
 ``ops`` and ``integrations``, ``training``, ``hub``, ``cli``; each imports only from the layers below it. The
-registrations that connect them run here, once: the EA Auto classes, the fused kernels
-and ``push_to_hub`` with model cards.
+registrations that connect them run here, once: the EA Auto classes, the fused kernels (``ea_hf.ops`` registers
+them as it is imported) and ``push_to_hub`` with model cards.
 """
 
 import warnings
 from typing import Any
 
-from . import ops
+from . import ops  # noqa: F401  (registers the fused kernels and the attention tail)
 from .hub.upload import push_model
 from .modeling import (
     ARCHITECTURES,
@@ -31,8 +31,6 @@ from .modeling import (
     is_patched,
     patch,
     register_auto_classes,
-    register_fused_attention_tail,
-    register_fused_kernel,
     register_hub_publisher,
     summary,
     supported_model_types,
@@ -45,10 +43,6 @@ __version__ = "0.2.0"
 
 register_auto_classes()
 register_dc_transformer()
-for _kernel in ops.FUSED_KERNELS:
-    register_fused_kernel(_kernel)
-for _tail in ops.FUSED_ATTENTION_TAILS:
-    register_fused_attention_tail(_tail)
 register_hub_publisher(push_model)
 
 

@@ -185,7 +185,7 @@ _DECODER_ONLY_CONFIGS = {
     | {"first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
 }
 #: Triton's CPU interpreter runs the kernels from this release on (3.6's interpreter fails on them); compiling
-#: them needs ea_hf.ops.triton_kernels.MIN_TRITON.
+#: them needs ea_hf.ops.triton.common.MIN_TRITON.
 INTERPRETER_TRITON = "3.9"
 
 NUM_LAYERS = 3
@@ -241,10 +241,10 @@ def recorded_triton_launches(
     monkeypatch, kernels, call, names=("correlate", "input_grad", "weight_grad")
 ) -> list[tuple[str, tuple, dict]]:
     """(kernel name, positional arguments, keyword arguments) of every launch that ``call()`` makes through
-    the kernels ``names`` of a Triton kernel module (``ea_hf.ops.triton_kernels`` or ``triton_attention``,
+    the kernels ``names`` of a Triton kernel module (``ea_hf.ops.triton.evolution`` or ``attention_tail``,
     passed as ``kernels``) as it would on a GPU (tiles and precision for a compiled kernel), without running
     any: the outputs are left unwritten."""
-    from ea_hf.ops import triton_kernels
+    from ea_hf.ops.triton import common
 
     launches = []
 
@@ -257,9 +257,8 @@ def recorded_triton_launches(
 
     with monkeypatch.context() as patch:
         recorder = types.SimpleNamespace(**{name: Launcher(name) for name in names})
-        patch.setattr(kernels, "_kernels", lambda: recorder)
-        for module in {kernels, triton_kernels}:  # the precision of float32 products is read there
-            patch.setattr(module, "_interpreting", lambda: False)
+        patch.setattr(kernels, "jitted", lambda: recorder)
+        patch.setattr(common, "interpreting", lambda: False)  # for the tiles and the precision of products
         call()
     return launches
 

@@ -1,7 +1,9 @@
-"""Optional fused kernels of the evolution step, apart from the modeling core.
+"""Optional fused kernels of the evolution step and of the attention tail, apart from the modeling core.
 
-Each kernel module provides ``applicable``, ``evolve``, ``convolve``, ``backward`` and ``select_kept`` (see
-``ea_hf.modeling.step.FusedKernel``) and is registered with the core by ``ea_hf``'s ``__init__``; where
+Each kernel module provides ``applicable``, ``evolve``, ``convolve``, ``backward`` and ``select_kept`` (the
+``FusedKernel`` protocol of ``ea_hf.modeling``), each attention tail ``applicable``, ``forward``, ``backward`` and
+``attend`` (``FusedAttentionTail``). Importing this package registers them with the core's registries
+(``ea_hf.modeling.register_fused_kernel``, ``register_fused_attention_tail``), in the order they are tried; where
 none applies, the core runs the same steps as torch operations.
 
 - :mod:`ea_hf.ops.cpu`: a C++/OpenMP kernel compiled on first use (``EA_HF_KERNELS=0`` turns it off), called as
@@ -10,24 +12,21 @@ none applies, the core runs the same steps as torch operations.
   them, inference calls the operators' bodies directly). By concern: :mod:`~ea_hf.ops.native_build` builds and
   caches the library, :mod:`~ea_hf.ops.cpu_binding` calls it through ctypes, :mod:`~ea_hf.ops.cpu_operators`
   declares the torch operators, and :mod:`~ea_hf.ops.cpu` dispatches between them.
-- :mod:`ea_hf.ops.triton_kernels`: Triton kernels for GPUs (the ``gpu`` extra), opt-in with ``EA_HF_TRITON=1``:
-  their tests pass on an H100 and in Triton's CPU interpreter, but whole EA models ran slower on them than on
-  torch operations in the one GPU benchmark so far, so they are not the default.
-  While torch.compile traces, they run as the torch operators of :mod:`ea_hf.ops.triton_operators`
-  (``torch.ops.ea_hf.triton_evolve_with_gate_bits``, ``triton_evolve_backward``, ``triton_convolve``).
-- :mod:`ea_hf.ops.triton_attention`: Triton kernels of the attention tail after the evolution (the masked softmax
-  and the product with the values, flash-style, without forming P), with the evolution kernels' opt-in, where
-  nobody reads the attention weights.
+- :mod:`ea_hf.ops.triton`: Triton kernels for GPUs (the ``gpu`` extra), opt-in with ``EA_HF_TRITON=1``, since
+  whole EA models are not yet faster on them than on torch operations (docs/performance.md):
+  :mod:`~ea_hf.ops.triton.evolution` (the evolution step) and :mod:`~ea_hf.ops.triton.attention_tail` (the masked
+  softmax and the product with the values after it, flash-style, without forming P), which run as the torch
+  operators of :mod:`~ea_hf.ops.triton.operators` while torch.compile traces.
 - :mod:`ea_hf.ops.fused_step`: the step's forward as one pass of a kernel's correlation, and the operators'
-  schemas, shared by both.
+  schemas, shared by both; :mod:`ea_hf.ops.limits`: the largest step both kernels take.
 """
 
-from . import cpu, triton_attention, triton_kernels, triton_operators  # noqa: F401  (registers the operators)
+from ..modeling import register_fused_attention_tail, register_fused_kernel
+from . import cpu, triton
 
-#: The kernel modules of this package, in the order they are tried (the CPU kernel takes CPU float32 maps
-#: first, also under Triton's interpreter).
-FUSED_KERNELS = (cpu, triton_kernels)
-#: The fused attention tails (masked softmax and product with the values after the evolution), in order.
-FUSED_ATTENTION_TAILS = (triton_attention,)
+# The CPU kernel first: it takes CPU float32 maps, also under Triton's interpreter.
+register_fused_kernel(cpu)
+register_fused_kernel(triton.evolution)
+register_fused_attention_tail(triton.attention_tail)
 
-__all__ = ["FUSED_ATTENTION_TAILS", "FUSED_KERNELS", "cpu", "triton_attention", "triton_kernels"]
+__all__ = ["cpu", "triton"]

@@ -20,9 +20,6 @@ from torch import Tensor
 from ..modeling.step import EvolutionStep, GradientIn, ScaledMap, StepMaps
 from . import cpu_binding, cpu_operators
 from .cpu_binding import (
-    MAX_HEADS,
-    MAX_KERNEL_COLUMNS,
-    MAX_KERNEL_ROWS,
     build_library,
     cpu_kernel,
     kernel_available,
@@ -30,6 +27,7 @@ from .cpu_binding import (
     using_library,
 )
 from .fused_step import evolve_by_correlation, schema_arguments
+from .limits import MAX_HEADS, MAX_KERNEL_COLUMNS, MAX_KERNEL_ROWS
 
 __all__ = [  # the kernel's protocol, and the library's controls that benchmarks and tests use
     "applicable",
@@ -67,9 +65,9 @@ def evolve(
     ``step.skip_masked_tails`` (see :func:`~ea_hf.ops.cpu_binding.forward_correlation`; the operators correlate
     the masked tails too)."""
     gate = not in_place if gate is None else gate
-    # Outside torch.compile the operators' bodies run directly where the result is not differentiated: the
-    # dispatch of a Python custom operator costs about 15 us a call warm and 80 to 110 us inside a decoding
-    # step (measured on AMD EPYC, a ~125M Llama at N = 512), as much as the correlation of a decoded row itself.
+    # Outside torch.compile the operators' bodies run directly where the result is not differentiated: the dispatch of a
+    # Python custom operator costs a decoding step as much as the correlation of a decoded row itself
+    # (docs/performance.md, "Choices in the fused kernels").
     if in_place and not torch.compiler.is_compiling():
         if gate:  # the attention core's forward (never compiled): S is spent, A_logit and the gate are kept
             correlation = cpu_binding.forward_correlation(step.skip_masked_tails)

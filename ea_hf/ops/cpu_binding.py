@@ -33,13 +33,9 @@ import torch
 
 from ..modeling.step import EvolutionStep, GradientIn, ScaledMap, StepMaps, checked_packed_gate, pack_gate
 from . import native_build
+from .fused_step import CorrelationOptions
 
 logger = logging.getLogger(__name__)
-
-#: Largest head count and kernel height the kernel takes.
-MAX_HEADS = 64
-MAX_KERNEL_ROWS = 8
-MAX_KERNEL_COLUMNS = 33
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -149,9 +145,9 @@ def kernel_available() -> bool:
     return cpu_kernel() is not None
 
 
-#: Maps smaller than this take torch's operators instead of :func:`select_kept`'s kernel pass: a decoding step's
-#: one-row maps, where the checks and the ctypes call cost more than the pass saves (AMD EPYC, a masked softmax
-#: into P's map: [1, 12, 1, 513] 21 us with torch.where, 27 us through the kernel; [2, 12, 1, 1024] 39 against 35).
+#: Maps smaller than this take torch's operators instead of :func:`select_kept`'s kernel pass: a decoding step's one-row
+#: maps, where the checks and the ctypes call cost more than the pass saves (docs/performance.md, "Choices in the fused
+#: kernels").
 SELECT_KEPT_MIN_ENTRIES = 16384
 
 
@@ -213,26 +209,14 @@ def correlate(
     bias: torch.Tensor | None,
     *,
     row_shift: int,
-    lerp_end: torch.Tensor | None = None,
-    lerp_weight: float = 0.0,
-    in_keep: torch.Tensor | None = None,
-    relu: bool = False,
-    saved: torch.Tensor | None = None,
-    out_keep: torch.Tensor | None = None,
-    blend: torch.Tensor | None = None,
-    blend_coef: float = 0.0,
-    in_place: bool = False,
     skip_masked_tails: bool = False,
+    **options,
 ) -> torch.Tensor:
     """One fused pass of the kernel (see ``csrc/evolve_cpu.cpp``), called directly (the operators of
-    :mod:`~ea_hf.ops.cpu_operators` wrap it); callers check :func:`ea_hf.ops.cpu.applicable` first.
+    :mod:`~ea_hf.ops.cpu_operators` wrap it); callers check :func:`ea_hf.ops.cpu.applicable` first. ``options``
+    are :class:`~ea_hf.ops.fused_step.CorrelationOptions`' fields (masks are read as float32 maps; in place, one
+    map less is allocated).
 
-    Output row i reads rows ``i + row_shift .. i + row_shift + kh - 1`` of ``x`` (zeros outside) and columns
-    ``j - kw // 2 .. j + kw // 2``. With ``lerp_end``, ``x`` and ``blend`` are first mixed with it:
-    ``x + lerp_weight * (lerp_end - x)``. Masks are [B, 1, Q, K] floats; ``saved`` (a
-    :func:`~ea_hf.modeling.step.packed_gate` for ``x``) receives where the (ReLU) output is positive, one
-    bit a value: the gate of backward.
-    ``in_place`` writes the result over ``x`` (one map less to allocate; ``x`` may also be ``blend``).
     ``skip_masked_tails`` (with ``in_keep``): each row's correlation stops after its last kept column, rounded up
     to 64 columns; from there on the gate is 0 and the output 0, or in place ``x`` left as it is (no pass over
     a causal map's future half). A row without a kept column is correlated whole. For callers whose softmax
@@ -242,20 +226,21 @@ def correlate(
     map) takes its bias for the correlation without computing the products, which would add zeros: the same
     bits, with finite weights.
     """
+    options = CorrelationOptions(**options)
     library = cpu_kernel()
     batch, heads, rows, cols = x.shape
     x = x.contiguous()
     weight = weight.detach().to(torch.float32).contiguous()
     bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-    blend = None if blend is None else blend.contiguous()
-    lerp_end = None if lerp_end is None else lerp_end.contiguous()
-    in_keep = kernel_keep(in_keep, batch, rows, cols)
-    out_keep = kernel_keep(out_keep, batch, rows, cols)
-    out = x if in_place else torch.empty_like(x)
+    blend = None if options.blend is None else options.blend.contiguous()
+    lerp_end = None if options.lerp_end is None else options.lerp_end.contiguous()
+    in_keep = kernel_keep(options.in_keep, batch, rows, cols)
+    out_keep = kernel_keep(options.out_keep, batch, rows, cols)
+    out = x if options.in_place else torch.empty_like(x)
     status = library.ea_correlate(
         x.data_ptr(),
         _pointer(lerp_end),
-        float(lerp_weight),
+        float(options.lerp_weight),
         None,
         _pointer(in_keep),
         weight.data_ptr(),
@@ -267,11 +252,11 @@ def correlate(
         weight.shape[-2],
         weight.shape[-1],
         row_shift,
-        int(relu),
-        _pointer(checked_packed_gate(saved, x)),
+        int(options.relu),
+        _pointer(checked_packed_gate(options.saved, x)),
         _pointer(out_keep),
         _pointer(blend),
-        float(blend_coef),
+        float(options.blend_coef),
         out.data_ptr(),
         1.0,
         None,
@@ -285,12 +270,11 @@ def correlate(
 
 
 def forward_correlation(skip_masked_tails: bool):
-    """The correlation of the evolution's forward: :func:`correlate`, skipping masked tails where the caller says
-    every layer of its chain masks them in its softmax (see :attr:`AttentionMapEvolution.skip_masked_tails
-    <ea_hf.modeling.evolution.AttentionMapEvolution.skip_masked_tails>`): each layer's logits then differ from
-    the reference formulation's only in entries every layer's softmax masks, and no output or gradient depends
-    on them. On AMD EPYC, the correlation of a causal [1, 12, 2048, 2048] map then takes about a third less time,
-    and a ~125M Llama's prefill of 2048 tokens 7 to 15 % less."""
+    """The correlation of the evolution's forward: :func:`correlate`, skipping masked tails where the caller says every
+    layer of its chain masks them in its softmax (see :attr:`AttentionMapEvolution.skip_masked_tails
+    <ea_hf.modeling.evolution.AttentionMapEvolution.skip_masked_tails>`): each layer's logits then differ from the
+    reference formulation's only in entries every layer's softmax masks, and no output or gradient depends on them; a
+    causal map's correlation then skips nearly half its work (docs/performance.md, "Choices in the fused kernels")."""
     return functools.partial(correlate, skip_masked_tails=True) if skip_masked_tails else correlate
 
 
@@ -329,9 +313,9 @@ def backward_pass(
     over the maps less than adding first).
 
     ``shared_map``: the gradient of A_in, G_in, is written once. With A_prev and alpha != 0 that map is A_prev's
-    gradient, alpha * G_in, and S's is returned as ``ScaledMap(it, (1 - alpha) / alpha)``; with alpha = 0 it is
-    S's, ``ScaledMap(G_in, 1.0)``, and A_prev's is ``None`` (none flows). Writing a second map costs about a
-    tenth of the pass (AMD EPYC, N = 512) and a map of memory.
+    gradient, alpha * G_in, and S's is returned as ``ScaledMap(it, (1 - alpha) / alpha)``; with alpha = 0 it is S's,
+    ``ScaledMap(G_in, 1.0)``, and A_prev's is ``None`` (none flows): a second map would cost time and a map of memory
+    (docs/performance.md, "Choices in the fused kernels").
     ``scores_map``: G_in is written once too, as S's gradient (see
     :func:`~ea_hf.ops.cpu_operators.split_map_gradient`), and A_prev's is returned as ``None``.
     ``step.skip_masked_tails`` (with ``keep``): each row stops at its masked tail, as :func:`forward_correlation`'s

@@ -72,8 +72,8 @@ EVOLVE_BACKWARD_SCHEMA = (
 
 
 # Named for its gate: torch.compile's caches key a graph by the operators' names, not their fake implementations,
-# so a graph cached with an earlier version of this operator (which returned a bool gate, ``ea_hf::evolve``)
-# must not match it. Such a graph failed at run time, in inductor's output size check.
+# so a graph cached with an operator that returned another form of gate must not match this one (it would fail at
+# run time, in inductor's output size check).
 @torch.library.custom_op("ea_hf::evolve_with_gate_bits", mutates_args=(), device_types="cpu", schema=EVOLVE_SCHEMA)
 def evolve_operator(scores, previous, keep, weight, bias, alpha, blend, context_rows):
     """(ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, its bit-packed ReLU gate), A_in = lerp(S, A_prev, alpha): the
@@ -123,10 +123,9 @@ def _(x, weight, bias, row_shift):
     return x.new_empty(x.shape)
 
 
-# One map out instead of the gradients of S and A_prev apart: glibc returns two fresh maps to the system after
-# every call, and the next call faults all their pages in again, which at BERT-Base dimensions (N = 512, batch 2,
-# AMD EPYC) takes the operator alone nearly twice as long. Named anew for torch.compile's caches (see above): the
-# operator that wrote both gradients was ``ea_hf::evolve_backward``.
+# One map out instead of the gradients of S and A_prev apart: glibc returns two fresh maps to the system after every
+# call, and the next call faults all their pages in again (docs/performance.md, "Choices in the fused kernels"). Named
+# for its one map, for torch.compile's caches (see above).
 @torch.library.custom_op(
     "ea_hf::evolve_backward_one_map", mutates_args=(), device_types="cpu", schema=EVOLVE_BACKWARD_SCHEMA
 )

@@ -1,17 +1,44 @@
-"""What the kernels share: the evolution step's forward in terms of a kernel's general fused correlation (where an
-:class:`~ea_hf.modeling.step.EvolutionStep` is unpacked into a correlation's arguments), and the primitive
-arguments and schemas of their torch operators (``torch.compile`` and ``torch.export`` see each as one node).
+"""What the kernels share: the options of a kernel's general fused correlation (:class:`CorrelationOptions`), the
+evolution step's forward in terms of such a correlation (where an :class:`~ea_hf.modeling.step.EvolutionStep` is
+unpacked into a correlation's arguments), and the primitive arguments and schemas of their torch operators
+(``torch.compile`` and ``torch.export`` see each as one node).
 
-The schemas' ``blend`` is 1 - beta, as the CPU operators have always taken it: a graph that torch.compile cached
-with an earlier version of an operator keys it by its name and passes the same numbers."""
+The schemas' ``blend`` is 1 - beta: torch.compile's caches key a graph by its operators' names, so an operator
+keeps the arguments that graphs cached with its name pass."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..modeling.step import EvolutionStep, StepMaps, packed_gate
+
+
+@dataclass(frozen=True)
+class CorrelationOptions:
+    """What a kernel's general fused correlation (``correlate`` of :mod:`ea_hf.ops.cpu_binding` and of
+    :mod:`ea_hf.ops.triton.evolution`, which take these as keyword arguments) does around the correlation itself.
+
+    Output row i of ``correlate(x, weight, bias, row_shift=...)`` reads rows ``i + row_shift .. i + row_shift +
+    kh - 1`` of ``x`` (zeros outside) and columns ``j - kw // 2 .. j + kw // 2``. With ``lerp_end``, ``x`` and
+    ``blend`` are first mixed with it: ``x + lerp_weight * (lerp_end - x)``; ``in_keep`` masks that input. Then
+    ``relu`` applies ReLU, ``saved`` (a :func:`~ea_hf.modeling.step.packed_gate` for ``x``) receives where the
+    output is positive, one bit a value (the gate of backward), ``out_keep`` masks the output and ``blend_coef *
+    blend`` is added. Masks broadcast to [B, 1, Q, K] (shared by the heads). ``in_place`` writes the result over
+    ``x`` and returns it (``x`` may also be ``blend``).
+    """
+
+    lerp_end: torch.Tensor | None = None
+    lerp_weight: float = 0.0
+    in_keep: torch.Tensor | None = None
+    relu: bool = False
+    saved: torch.Tensor | None = None
+    out_keep: torch.Tensor | None = None
+    blend: torch.Tensor | None = None
+    blend_coef: float = 0.0
+    in_place: bool = False
 
 
 def evolve_by_correlation(

@@ -10,6 +10,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import ea_hf
 from ea_hf.modeling import convolution
+from ea_hf.modeling import kernels as registry
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps, pack_gate, packed_gate, unpacked_gate
 from ea_hf.ops import cpu as kernels
@@ -311,7 +312,7 @@ def test_select_kept_falls_back_to_torch_with_the_same_numbers(monkeypatch):
     x, keep = torch.randn(2, 3, 5, 8), torch.rand(2, 3, 5, 8) > 0.3
     monkeypatch.setattr(cpu_binding, "SELECT_KEPT_MIN_ENTRIES", 0)
     fused = convolution.select_kept(x, keep, 1 / 0.9)
-    monkeypatch.setattr(convolution, "FUSED_KERNELS", [])
+    monkeypatch.setattr(registry, "FUSED_KERNELS", [])
     for scale, fill in ((1 / 0.9, 0.0), (1.0, 0.0), (1.0, -5.0)):
         assert torch.equal(convolution.select_kept(x, keep, scale, fill), torch.where(keep, scale * x, fill))
     assert torch.equal(convolution.select_kept(x, keep, 1 / 0.9), fused)

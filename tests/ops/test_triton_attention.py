@@ -1,4 +1,4 @@
-"""The fused attention tail (``ea_hf.ops.triton_attention``: masked softmax and product with the values without
+"""The fused attention tail (``ea_hf.ops.triton.attention_tail``: masked softmax and product with the values without
 forming P) against torch's operations in float64, and in the attention core: every test runs in Triton's
 interpreter on CPU tensors and compiled on a CUDA GPU where there is one (the ``device`` fixture)."""
 
@@ -12,13 +12,15 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from testing import METHODS, patched_model, spy_on, tiny_inputs  # noqa: E402
 
-from ea_hf.modeling import attention_core, convolution  # noqa: E402
-from ea_hf.modeling.attention_core import attend_values  # noqa: E402
-from ea_hf.ops import triton_attention as tail  # noqa: E402
-from ea_hf.ops import triton_kernels  # noqa: E402
+from ea_hf.modeling import kernels as registry  # noqa: E402
+from ea_hf.modeling.masks import AttentionMask  # noqa: E402
+from ea_hf.modeling.products import grouped_product  # noqa: E402
+from ea_hf.modeling.softmax import attend_values, softmax_probabilities  # noqa: E402
+from ea_hf.ops.triton import attention_tail as tail  # noqa: E402
+from ea_hf.ops.triton import common, evolution  # noqa: E402
 
 triton = pytest.importorskip(
-    "triton", minversion=triton_kernels.MIN_TRITON, reason="the Triton kernels need the optional triton package"
+    "triton", minversion=common.MIN_TRITON, reason="the Triton kernels need the optional triton package"
 )
 
 #: Max error relative to the reference's largest magnitude, for float32.
@@ -64,7 +66,7 @@ def reference(logits, allowed, additive, value, keep, scale):
     weights = logits.softmax(-1)
     if keep is not None:
         weights = weights * keep * scale
-    return attention_core.grouped_product(weights, value.double())
+    return grouped_product(weights, value.double())
 
 
 def max_error(got, want):
@@ -116,10 +118,10 @@ def test_tail_meets_flash_attentions_accuracy_rule(device, dtype, mask, dropout)
     # torch's operations in this dtype: the core's tail (fp32 softmax, weights and product in the values' dtype).
     torch_logits, torch_value = logits.clone().requires_grad_(), value.clone().requires_grad_()
     if keep is None:
-        torch_output = attend_values(torch_logits, allowed, additive, torch_value, 0.0)[0]
+        torch_output = attend_values(torch_logits, AttentionMask(allowed, additive), torch_value, 0.0)[0]
     else:
-        weights = attention_core.softmax_probabilities(torch_logits, allowed, additive).to(dtype) * keep * scale
-        torch_output = attention_core.grouped_product(weights, torch_value)
+        weights = softmax_probabilities(torch_logits, AttentionMask(allowed, additive)).to(dtype) * keep * scale
+        torch_output = grouped_product(weights, torch_value)
     torch_output.backward(grad_output)
     in_torch = {"output": torch_output, "logits": torch_logits.grad, "value": torch_value.grad}
     for name in got:
@@ -165,14 +167,14 @@ def test_patched_model_runs_the_tail_unless_the_weights_are_read(monkeypatch, de
     shape), so that under one seed they drop the same weights; on CUDA torch's dropout draws in a kernel of its
     own, so there the two would drop different weights, and the model runs without dropout."""
     calls = spy_on(monkeypatch, tail, names=("forward", "backward"))
-    monkeypatch.setattr(convolution, "FUSED_KERNELS", [triton_kernels])
+    monkeypatch.setattr(registry, "FUSED_KERNELS", [evolution])
     inputs = {key: value.to(device) for key, value in tiny_inputs("bert").items()}
     dropout = 0.1 if device == "cpu" else 0.0
     model = patched_model("bert", METHODS["conv"], attention_probs_dropout_prob=dropout, hidden_dropout_prob=0.0)
     model = model.to(device).train()
 
     def step(tails):
-        monkeypatch.setattr(attention_core, "FUSED_ATTENTION_TAILS", tails)
+        monkeypatch.setattr(registry, "FUSED_ATTENTION_TAILS", tails)
         model.zero_grad()
         torch.manual_seed(3)
         output = model(**inputs).last_hidden_state
@@ -188,7 +190,7 @@ def test_patched_model_runs_the_tail_unless_the_weights_are_read(monkeypatch, de
         assert max_error(got_grads[name], want_grad) <= FP32_TOLERANCE * scale, name
 
     calls.clear()
-    monkeypatch.setattr(attention_core, "FUSED_ATTENTION_TAILS", [tail])
+    monkeypatch.setattr(registry, "FUSED_ATTENTION_TAILS", [tail])
     attentions = model(**inputs, output_attentions=True).attentions
     assert calls == []
     assert len(attentions) == 3 and all(a.shape == (3, 4, 9, 9) for a in attentions)
@@ -200,13 +202,13 @@ def test_inference_runs_the_tail(monkeypatch, device, model_type):
     softmax and the product: BERT's output within 1e-5 of the torch tail's, and Llama's greedy continuation the
     same tokens, with the kernel called in every layer of every step."""
     calls = spy_on(monkeypatch, tail, names=("forward",))
-    monkeypatch.setattr(convolution, "FUSED_KERNELS", [triton_kernels])
+    monkeypatch.setattr(registry, "FUSED_KERNELS", [evolution])
     head = transformers.AutoModelForCausalLM if model_type == "llama" else transformers.AutoModel
     model = patched_model(model_type, METHODS["conv"], head=head).to(device).eval()
     inputs = {key: value.to(device) for key, value in tiny_inputs(model_type).items()}
     results = []
     for tails in ([tail], []):
-        monkeypatch.setattr(attention_core, "FUSED_ATTENTION_TAILS", tails)
+        monkeypatch.setattr(registry, "FUSED_ATTENTION_TAILS", tails)
         with torch.no_grad():
             if model_type == "bert":
                 results.append(model(**inputs).last_hidden_state)
@@ -223,7 +225,7 @@ def test_inference_runs_the_tail(monkeypatch, device, model_type):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_compiled_model_runs_the_tail_as_operators(monkeypatch, device, dropout):
-    """Under ``torch.compile(fullgraph=True)`` the tail runs as the operators of ``ea_hf.ops.triton_operators``:
+    """Under ``torch.compile(fullgraph=True)`` the tail runs as the operators of ``ea_hf.ops.triton.operators``:
     in inference one per layer; in training one per layer in the forward graph and its backward operator in the
     backward graph, the forward one not recomputed there (the selective checkpoint keeps its row statistics).
     Without dropout the compiled model gives the torch tail's outputs and gradients within 1e-5; with it (whose
@@ -231,7 +233,7 @@ def test_compiled_model_runs_the_tail_as_operators(monkeypatch, device, dropout)
     again in the backward graph's replay."""
     from torch._dynamo.backends.common import aot_autograd
 
-    monkeypatch.setattr(convolution, "FUSED_KERNELS", [triton_kernels])
+    monkeypatch.setattr(registry, "FUSED_KERNELS", [evolution])
     model = patched_model("bert", METHODS["conv"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=dropout)
     model = model.to(device).train()
     inputs = {key: value.to(device) for key, value in tiny_inputs("bert").items()}
@@ -244,7 +246,7 @@ def test_compiled_model_runs_the_tail_as_operators(monkeypatch, device, dropout)
         return graph
 
     def step(run, tails):
-        monkeypatch.setattr(attention_core, "FUSED_ATTENTION_TAILS", tails)
+        monkeypatch.setattr(registry, "FUSED_ATTENTION_TAILS", tails)
         model.zero_grad()
         output = run(**inputs).last_hidden_state
         (output * torch.linspace(-1, 1, output.shape[-1], device=device)).sum().backward()
@@ -255,7 +257,7 @@ def test_compiled_model_runs_the_tail_as_operators(monkeypatch, device, dropout)
     backend = aot_autograd(fw_compiler=record, bw_compiler=record)
     torch._dynamo.reset()
     try:
-        monkeypatch.setattr(attention_core, "FUSED_ATTENTION_TAILS", [tail])
+        monkeypatch.setattr(registry, "FUSED_ATTENTION_TAILS", [tail])
         with torch.no_grad():
             torch.compile(model.eval(), fullgraph=True, backend=backend)(**inputs)
         assert graphs == [[forward_op] * 3]
@@ -300,8 +302,8 @@ def test_gradient_checkpointing_replays_the_tail(monkeypatch, device):
     replay would take the torch tail and save other tensors, which checkpointing refuses), and the gradients are
     those of the same model without checkpointing, within 1e-5."""
     calls = spy_on(monkeypatch, tail, names=("forward", "backward"))
-    monkeypatch.setattr(convolution, "FUSED_KERNELS", [triton_kernels])
-    monkeypatch.setattr(attention_core, "FUSED_ATTENTION_TAILS", [tail])
+    monkeypatch.setattr(registry, "FUSED_KERNELS", [evolution])
+    monkeypatch.setattr(registry, "FUSED_ATTENTION_TAILS", [tail])
     inputs = {key: value.to(device) for key, value in tiny_inputs("bert").items()}
     model = patched_model("bert", METHODS["conv"], attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
     model = model.to(device).train()

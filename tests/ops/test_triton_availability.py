@@ -1,4 +1,4 @@
-"""What ea_hf.ops.triton_kernels does where triton is missing or too old (runs with or without triton)."""
+"""What the Triton kernels (``ea_hf.ops.triton``) do where triton is missing or too old (runs with or without it)."""
 
 import warnings
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ea_hf.modeling.architectures import release
-from ea_hf.ops import triton_kernels as kernels
+from ea_hf.ops.triton import common
+from ea_hf.ops.triton import evolution as kernels
 
 MAPS = torch.zeros(1, 2, 8, 8)
 WEIGHT = torch.zeros(2, 2, 3, 3)
@@ -15,8 +16,8 @@ WEIGHT = torch.zeros(2, 2, 3, 3)
 @pytest.fixture
 def too_old_triton(monkeypatch):
     """triton 3.4 installed, as torch 2.8 installs it with itself."""
-    monkeypatch.setattr(kernels, "triton", None)
-    monkeypatch.setattr(kernels, "TOO_OLD_TRITON", "3.4.0")
+    monkeypatch.setattr(common, "triton", None)
+    monkeypatch.setattr(common, "TOO_OLD_TRITON", "3.4.0")
 
 
 def test_a_too_old_triton_is_declined_with_a_warning_where_the_kernels_were_asked_for(monkeypatch, too_old_triton):
@@ -34,4 +35,4 @@ def test_a_too_old_triton_is_declined_silently_without_the_opt_in(monkeypatch, t
 
 @pytest.mark.parametrize(("version", "usable"), [("3.2.0", False), ("3.5.1", False), ("3.6.0", True), ("3.10.0", True)])
 def test_the_floor_compares_release_numbers_not_strings(version, usable):
-    assert (release(version) >= release(kernels.MIN_TRITON)) is usable
+    assert (release(version) >= release(common.MIN_TRITON)) is usable

@@ -16,11 +16,11 @@ from testing import compile_for_cuda, recorded_triton_launches
 
 from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps
 from ea_hf.modeling.versions import release
-from ea_hf.ops import triton_attention
-from ea_hf.ops import triton_kernels as kernels
+from ea_hf.ops.triton import attention_tail, common
+from ea_hf.ops.triton import evolution as kernels
 
 triton = pytest.importorskip(
-    "triton", minversion=kernels.MIN_TRITON, reason="the Triton kernels need the optional triton package"
+    "triton", minversion=common.MIN_TRITON, reason="the Triton kernels need the optional triton package"
 )
 
 H100 = 90
@@ -53,7 +53,7 @@ def launches_of_one_step(monkeypatch, dtype: torch.dtype) -> list[tuple[str, tup
 def compile_launch(name: str, args: tuple, launch_kwargs: dict):
     """The kernel ``name`` compiled for an H100 as this launch would compile it: a cubin, whose program's shared
     memory fits the GPU."""
-    compiled = compile_for_cuda(getattr(kernels._kernels(), name), args, launch_kwargs, capability=H100)
+    compiled = compile_for_cuda(getattr(kernels.jitted(), name), args, launch_kwargs, capability=H100)
     assert len(compiled.asm["cubin"]) > 0
     assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, compiled.metadata.shared)
     return compiled
@@ -96,12 +96,12 @@ def test_every_launch_compiles_for_an_h100(monkeypatch, tmp_path, dtype):
 )
 def test_gpu_tiles_are_module_tiles_and_apply_only_where_compiled(monkeypatch, dtype, kind):
     """A misspelt name in GPU_TILES would be ignored without a word; the interpreter keeps the module's tiles."""
-    module_tiles = {name: getattr(kernels, name) for name in kernels._TILE_NAMES}
+    module_tiles = {name: getattr(kernels, name) for name in kernels.TILE_NAMES}
     assert kernels.GPU_TILES[kind] and set(kernels.GPU_TILES[kind]) <= set(module_tiles)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert vars(kernels._tiles(dtype)) == module_tiles | kernels.GPU_TILES[kind]
+    assert vars(kernels.tile_settings(dtype)) == module_tiles | kernels.GPU_TILES[kind]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert vars(kernels._tiles(dtype)) == module_tiles
+    assert vars(kernels.tile_settings(dtype)) == module_tiles
 
 
 def test_compiled_under_the_triton_asked_for():
@@ -122,7 +122,7 @@ def test_compiled_under_the_triton_asked_for():
 def test_the_attention_tail_compiles_for_an_h100(monkeypatch, tmp_path, dtype, masks):
     """The fused attention tail's launches (forward; the row terms and backward) with grouped-query values at
     BERT-Base's head size, on the module's tiles, with a padding mask and dropout, or an additive mask alone (the
-    absent maps' pointers are stand-ins, see ``triton_attention._pointers``): each compiles to a cubin whose
+    absent maps' pointers are stand-ins, see ``attention_tail._pointers``): each compiles to a cubin whose
     shared memory fits an H100, with its products on tensor cores."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -140,14 +140,14 @@ def test_the_attention_tail_compiles_for_an_h100(monkeypatch, tmp_path, dtype, m
         keep = torch.ones(logits.shape, dtype=torch.bool)
 
     def step():
-        triton_attention.forward(logits, allowed, additive, value, keep, 1.25)
-        triton_attention.backward(logits, allowed, additive, value, keep, 1.25, stats, output, dtype)
+        attention_tail.forward(logits, allowed, additive, value, keep, 1.25)
+        attention_tail.backward(logits, allowed, additive, value, keep, 1.25, stats, output, dtype)
 
     names = ("forward", "row_terms", "backward")
-    launches = recorded_triton_launches(monkeypatch, triton_attention, step, names)
+    launches = recorded_triton_launches(monkeypatch, attention_tail, step, names)
     assert [name for name, _, _ in launches] == ["forward", "row_terms", "backward"]
     for name, args, launch_kwargs in launches:
-        compiled = compile_for_cuda(getattr(triton_attention._kernels(), name), args, launch_kwargs, capability=H100)
+        compiled = compile_for_cuda(getattr(attention_tail.jitted(), name), args, launch_kwargs, capability=H100)
         assert len(compiled.asm["cubin"]) > 0
         assert 0 < compiled.metadata.shared <= H100_SHARED_MEMORY, (name, compiled.metadata.shared)
         assert tensor_core_products(compiled) > 0, name

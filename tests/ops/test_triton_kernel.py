@@ -10,7 +10,7 @@ import os
 
 # Set before triton is imported where this module imports it first (the root conftest's ``import ea_hf`` may
 # already have, through torch._dynamo: the kernels use only builtins, which the interpreter patches either way).
-# ea_hf.ops.triton_kernels reads it when it first wraps its kernels; it is restored after this module.
+# ea_hf.ops.triton reads it when it first wraps its kernels; it is restored after this module.
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
@@ -19,14 +19,16 @@ import torch.nn.functional as F  # noqa: E402
 from testing import METHODS, patched_model, spy_on, tiny_inputs  # noqa: E402
 
 from ea_hf.modeling import convolution  # noqa: E402
+from ea_hf.modeling import kernels as registry  # noqa: E402
 from ea_hf.modeling.history import ConvolutionHistory  # noqa: E402
 from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps, pack_gate, packed_gate  # noqa: E402
 from ea_hf.ops import cpu, cpu_binding  # noqa: E402
-from ea_hf.ops import triton_kernels as kernels  # noqa: E402
+from ea_hf.ops.triton import common  # noqa: E402
+from ea_hf.ops.triton import evolution as kernels  # noqa: E402
 
 # Compiled on a GPU the kernels need the release ea_hf uses them from; the interpreter, INTERPRETER_TRITON.
 triton = pytest.importorskip(
-    "triton", minversion=kernels.MIN_TRITON, reason="the Triton kernels need the optional triton package"
+    "triton", minversion=common.MIN_TRITON, reason="the Triton kernels need the optional triton package"
 )
 
 #: Tiles for most tests: one or two tiles per map, few interpreted programs.
@@ -117,7 +119,7 @@ def evolution(
 ):
     """A_logit and the gradients of (S, A_prev, weight, bias) through ``evolve_convolution`` with autograd, with
     ``fused`` as the registered fused kernels (``[]``: the torch operations), computed on ``device``."""
-    monkeypatch.setattr(convolution, "FUSED_KERNELS", fused)
+    monkeypatch.setattr(registry, "FUSED_KERNELS", fused)
     scores, previous, keep, weight, bias, upstream = to(device, scores, previous, keep, weight, bias, upstream)
     s = scores.detach().clone().requires_grad_()
     p = None if previous is None else previous.detach().clone().requires_grad_()
@@ -226,7 +228,7 @@ def test_half_precision_maps(monkeypatch, calls, device, dtype, kernel_size, cau
     )
     keep = padding_keep(batch, rows, cols).to(dtype)
     options = dict(alpha=alpha, beta=beta, causal=causal, context=context)
-    monkeypatch.setattr(convolution, "FUSED_KERNELS", [kernels])
+    monkeypatch.setattr(registry, "FUSED_KERNELS", [kernels])
     with torch.no_grad():
         on_scores, on_keep, on_weight, on_bias = to(device, scores.clone(), keep, weight, bias)
         maps = StepMaps(on_scores, previous.to(device), on_keep)
@@ -268,9 +270,10 @@ def test_half_precision_layer_meets_flash_attentions_accuracy_rule(monkeypatch, 
     as accurate as flash-attention's rule asks: against a float64 reference, the error of its output, its A_logit
     and every gradient is at most twice that of torch's operations in the same dtype (autograd through the
     paper's equations). With right padding."""
-    from ea_hf.modeling.attention_core import EvolvingAttentionCore
+    from ea_hf.modeling.attention_core import CoreConstants, CoreMasks, EvolvingAttentionCore
+    from ea_hf.modeling.masks import AttentionMask
 
-    monkeypatch.setattr(convolution, "FUSED_KERNELS", [kernels] if path == "triton" else [])
+    monkeypatch.setattr(registry, "FUSED_KERNELS", [kernels] if path == "triton" else [])
     batch, heads, rows, head_dim, kernel_size = 2, 4, 13, 16, 3
     step = EvolutionStep(alpha=0.3, beta=0.5, context_rows=kernel_size // 2, causal=causal)
     generator = torch.Generator().manual_seed(0)
@@ -293,8 +296,8 @@ def test_half_precision_layer_meets_flash_attentions_accuracy_rule(monkeypatch, 
         q, k, v, prev, w, b = tensors
         mask = allowed.to(where)
         if core:
-            arguments = (step, q, k, v, prev, None, w, b, mask, mask, None, scaling, None, 0.0)
-            output, logits, _ = EvolvingAttentionCore.apply(*arguments)
+            constants, masks = CoreConstants(step, scaling), CoreMasks(mask, AttentionMask(mask))
+            output, logits, _ = EvolvingAttentionCore.apply(constants, masks, q, k, v, prev, None, w, b)
         else:
             output, logits = paper_attention(step, q, k, v, prev, w, b, mask.to(cast), mask, scaling)
         loss = (output.double() * upstream.to(where, torch.float64)).sum()
@@ -404,7 +407,7 @@ def test_cached_decoding_prefill_and_steps_on_triton(monkeypatch, calls, device,
     keep[1, :, :, 0] = 0  # left padding in batch element 1
     outputs = {}
     for name, fused, where in (("triton", [kernels], device), ("torch", [], "cpu")):
-        monkeypatch.setattr(convolution, "FUSED_KERNELS", fused)
+        monkeypatch.setattr(registry, "FUSED_KERNELS", fused)
         history, steps = ConvolutionHistory(), []
         on_device = to(where, scores, keep, weight, bias, previous)
         with torch.no_grad():
@@ -469,7 +472,7 @@ def test_applicable_needs_the_opt_in_and_on_cpu_the_interpreter(monkeypatch, dev
     # CPU tensors only through the interpreter; CUDA tensors compiled.
     assert kernels.applicable(maps, weight=weight) == (device == "cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "1" if device == "cpu" else "0")
-    monkeypatch.setattr(kernels, "triton", None)
+    monkeypatch.setattr(common, "triton", None)
     assert not kernels.applicable(maps, weight=weight)  # triton not installed
 
 
@@ -518,7 +521,7 @@ def test_patched_model_on_triton_matches_torch_operations(monkeypatch, calls, de
     monkeypatch.setattr(kernels, "correlate", recording)
     results = {}
     for name, fused, where, model_dtype in (("triton", [kernels], device, dtype), ("torch", [], "cpu", None)):
-        monkeypatch.setattr(convolution, "FUSED_KERNELS", fused)
+        monkeypatch.setattr(registry, "FUSED_KERNELS", fused)
         model = patched_model("bert", METHODS["conv"]).to(dtype)  # in eval mode: no dropout
         if model_dtype is None:
             model = model.float()  # the same (rounded) weights, computed in float32
@@ -541,12 +544,12 @@ def test_patched_model_on_triton_matches_torch_operations(monkeypatch, calls, de
 
 
 def test_compiled_model_runs_the_kernels_as_operators(monkeypatch, device):
-    """Under ``torch.compile(fullgraph=True)`` the kernels run as the operators of ``ea_hf.ops.triton_operators``
+    """Under ``torch.compile(fullgraph=True)`` the kernels run as the operators of ``ea_hf.ops.triton.operators``
     (one per layer in each graph, no graph break: traced, dynamo followed the launch into Triton's runtime and
     failed), and the compiled model gives eager mode's outputs and gradients."""
     from torch._dynamo.backends.common import aot_autograd
 
-    monkeypatch.setattr(convolution, "FUSED_KERNELS", [kernels])
+    monkeypatch.setattr(registry, "FUSED_KERNELS", [kernels])
     model = patched_model("bert", METHODS["conv"]).to(device)
     inputs = {key: value.to(device) for key, value in tiny_inputs("bert").items()}
     called: list[str] = []
@@ -597,12 +600,12 @@ def test_float32_precision_follows_cudnn(monkeypatch):
     torch operations' F.conv2d), else as three TF32 products; the interpreter always multiplies in float32."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    assert kernels._product_tiles(12, torch.float32, 4, 32, 32, 4)["FP32_PRECISION"] == "tf32"
+    assert kernels.product_tiles(12, torch.float32, 4, 32, 32, 4)["FP32_PRECISION"] == "tf32"
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    assert kernels._product_tiles(12, torch.float32, 4, 32, 32, 4)["FP32_PRECISION"] == "tf32x3"
+    assert kernels.product_tiles(12, torch.float32, 4, 32, 32, 4)["FP32_PRECISION"] == "tf32x3"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    tiles = kernels._product_tiles(12, torch.bfloat16, 8, 32, 16, 8)
+    tiles = kernels.product_tiles(12, torch.bfloat16, 8, 32, 16, 8)
     assert tiles["FP32_PRECISION"] == "ieee" and tiles["HALF"] and not tiles["TENSOR_CORES"]
     assert (tiles["BLOCK_H"], tiles["BLOCK_Q"], tiles["BLOCK_K"], tiles["BLOCK_TAPS"], tiles["num_warps"]) == (
         16, 8, 32, 16, 8,

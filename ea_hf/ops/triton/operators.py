@@ -1,10 +1,10 @@
 """The Triton kernels as torch operators (``torch.ops.ea_hf.triton_*``, declared with ``torch.library.custom_op``,
 with fake implementations and a registered autograd formula), so that ``torch.compile`` keeps them in its graph
 as one node each: traced instead, dynamo follows the kernels' launch into Triton's runtime (and, on the CPU, into
-its interpreter), where it fails. ``ea_hf.ops.triton_kernels`` and ``ea_hf.ops.triton_attention`` call them while
-torch.compile traces; elsewhere they run their bodies directly.
+its interpreter), where it fails. :mod:`.evolution` and :mod:`.attention_tail` call them while torch.compile traces;
+elsewhere they run their bodies directly.
 
-The evolution's schemas are the CPU operators' (:data:`~.fused_step.EVOLVE_SCHEMA`), on CUDA tensors and, under
+The evolution's schemas are the CPU operators' (:data:`~ea_hf.ops.fused_step.EVOLVE_SCHEMA`), on CUDA tensors and, under
 Triton's interpreter, on CPU ones; the maps may be float32, bfloat16 or float16, and the gate is bit-packed
 (``ea_hf.modeling.step.packed_gate``), as the CPU operators' is. The fused attention tail's operators
 (``triton_attention_tail`` and its backward) take the evolved logits and the values, and keep the rows'
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from ..modeling.step import GradientIn, StepMaps, packed_gate
-from . import triton_attention, triton_kernels
-from .fused_step import (
+from ...modeling.step import GradientIn, StepMaps, packed_gate
+from ..fused_step import (
     CONVOLVE_SCHEMA,
     EVOLVE_SCHEMA,
     evolve_by_correlation,
     register_step_autograd,
     schema_step,
 )
+from . import attention_tail, evolution
 
 #: The backward's schema: the gradients of S and of A_prev (an empty tensor without A_prev: a schema's tensors
 #: cannot be None), and of the beta-scaled kernel's weight and bias (float32).
@@ -34,8 +34,8 @@ BACKWARD_SCHEMA = (
 DEVICES = ("cuda", "cpu")
 
 
-# Named for its gate, as ``ea_hf::evolve_with_gate_bits`` is (see there): a graph torch.compile cached with the
-# earlier operator, ``ea_hf::triton_evolve``, which returned a bool gate, must not match this one.
+# Named for its gate, as ``ea_hf::evolve_with_gate_bits`` is (see there): torch.compile's caches key a graph by the
+# operators' names, so a graph cached with an operator that returned another form of gate must not match this one.
 @torch.library.custom_op(
     "ea_hf::triton_evolve_with_gate_bits", mutates_args=(), device_types=DEVICES, schema=EVOLVE_SCHEMA
 )
@@ -44,7 +44,7 @@ def evolve_operator(scores, previous, keep, weight, bias, alpha, blend, context_
     Triton kernels: the evolution step's forward pass, differentiable (its backward is
     ``ea_hf::triton_evolve_backward``)."""
     step, maps = schema_step(alpha, blend, context_rows), StepMaps(scores, previous, keep)
-    return evolve_by_correlation(triton_kernels.correlate, step, maps, weight, bias, in_place=False)
+    return evolve_by_correlation(evolution.correlate, step, maps, weight, bias, in_place=False)
 
 
 @evolve_operator.register_fake
@@ -56,7 +56,7 @@ def _(scores, previous, keep, weight, bias, alpha, blend, context_rows):
 def backward_operator(scores, previous, keep, grad, gate, weight, alpha, blend, context_rows):
     """The gradients of ``ea_hf::triton_evolve_with_gate_bits``'s S, A_prev (empty without it), weight and bias."""
     step, maps = schema_step(alpha, blend, context_rows), StepMaps(scores, previous, keep)
-    grad_scores, grad_previous, grad_weight, grad_bias = triton_kernels.backward_pass(
+    grad_scores, grad_previous, grad_weight, grad_bias = evolution.backward_pass(
         step, maps, GradientIn(grad), gate, weight
     )
     return grad_scores, scores.new_empty(0) if grad_previous is None else grad_previous, grad_weight, grad_bias
@@ -70,13 +70,13 @@ def _(scores, previous, keep, grad, gate, weight, alpha, blend, context_rows):
     return scores.new_empty(scores.shape), grad_previous, kernel, weight.new_empty(heads, dtype=torch.float32)
 
 
-register_step_autograd(evolve_operator, triton_kernels.backward_through_operator)
+register_step_autograd(evolve_operator, evolution.backward_through_operator)
 
 
 @torch.library.custom_op("ea_hf::triton_convolve", mutates_args=(), device_types=DEVICES, schema=CONVOLVE_SCHEMA)
 def convolve_operator(x, weight, bias, row_shift):
     """A plain correlation plus bias whose output row i reads rows ``i + row_shift ..`` of ``x``, on Triton."""
-    return triton_kernels.correlate(x, weight, bias, row_shift=row_shift)
+    return evolution.correlate(x, weight, bias, row_shift=row_shift)
 
 
 @convolve_operator.register_fake
@@ -84,7 +84,7 @@ def _(x, weight, bias, row_shift):
     return x.new_empty(x.shape)
 
 
-#: The fused attention tail's operators (``ea_hf.ops.triton_attention``): the output and the rows' statistics
+#: The fused attention tail's operators (:mod:`.attention_tail`): the output and the rows' statistics
 #: from the evolved logits and the values; and their gradients, the logits' in their own dtype.
 TAIL_SCHEMA = (
     "(Tensor logits, Tensor? allowed, Tensor? additive, Tensor value, Tensor? dropout_keep, float dropout_scale) "
@@ -99,8 +99,8 @@ TAIL_BACKWARD_SCHEMA = (
 @torch.library.custom_op("ea_hf::triton_attention_tail", mutates_args=(), device_types=DEVICES, schema=TAIL_SCHEMA)
 def tail_operator(logits, allowed, additive, value, dropout_keep, dropout_scale):
     """(softmax(mask(logits)) with dropout @ value, the rows' maximum and sum [2, B, H, Q]) on the Triton kernels,
-    differentiable in the logits and the values (see ``ea_hf.ops.triton_attention.forward``)."""
-    return triton_attention.forward(logits, allowed, additive, value, dropout_keep, dropout_scale)
+    differentiable in the logits and the values (see :func:`.attention_tail.forward`)."""
+    return attention_tail.forward(logits, allowed, additive, value, dropout_keep, dropout_scale)
 
 
 @tail_operator.register_fake
@@ -115,7 +115,7 @@ def _(logits, allowed, additive, value, dropout_keep, dropout_scale):
 )
 def tail_backward_operator(logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output):
     """The gradients of ``ea_hf::triton_attention_tail``'s logits (in their dtype) and values."""
-    return triton_attention.backward(
+    return attention_tail.backward(
         logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output, logits.dtype
     )
 

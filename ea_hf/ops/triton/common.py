@@ -1,0 +1,154 @@
+"""What the Triton kernel families share: triton itself (optional), the opt-in, how products are multiplied, the
+device function that multiplies a tile, and the jitting of a family's kernels once per interpreter setting.
+
+**Opt-in.** The kernels run only with ``EA_HF_TRITON=1`` (:func:`enabled`): whole EA models are not yet faster on
+them than on torch operations (docs/performance.md, "GPU: torch operations by default, Triton opt-in"). CUDA
+tensors need that variable alone; CPU tensors, for tests, also ``TRITON_INTERPRET=1`` (:func:`interpreting`), which
+runs the kernels in Triton's interpreter. Both are read at call time. Without triton installed, or with one older
+than :data:`MIN_TRITON`, this package still imports and no kernel applies.
+
+**Products.** On a GPU, products of float32 maps run on tensor cores: in TF32 where
+``torch.backends.cudnn.allow_tf32`` allows it (as the torch operations' cuDNN convolution does; torch's default),
+else as three TF32 products (float32 accuracy); half-precision maps are multiplied in their own dtype; accumulators
+are float32 (:func:`product_switches`, :func:`tile_product`).
+
+**Jitting.** Triton decides when a function is decorated whether it will be interpreted, and tests switch
+``TRITON_INTERPRET`` at run time. So a family's kernels and the device functions they call are plain functions,
+wrapped by ``triton.jit`` on first use, together and once per interpreter setting (:class:`JittedPerSetting`).
+Beyond those they call only Triton builtins (``tl.full``, not ``tl.zeros``; no ``tl.sum``; reductions through
+``tl.reduce`` with triton's own combine functions, which the interpreter recognises without calling them): the
+helpers that ``triton.language`` itself defines with ``@triton.jit`` are decorated when triton is imported, and
+torch imports it early (``torch._dynamo``), usually before a test sets ``TRITON_INTERPRET``; the interpreter cannot
+call them then. The kernels' annotations (``tl.constexpr``) stay unevaluated strings (``from __future__ import
+annotations``), which triton reads as such, so that the kernel modules import without triton.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import FunctionType, SimpleNamespace
+
+import torch
+
+from ...modeling.versions import release
+
+#: The oldest triton the kernels compile with (the ``gpu`` extra's floor). An older one, such as the triton 3.2
+#: to 3.5 that torch 2.6 to 2.9 install with themselves, counts as absent: no kernel applies (and the evolution kernels
+#: warn where ``EA_HF_TRITON=1`` asked for them).
+MIN_TRITON = "3.6"
+
+try:  # optional dependency: the kernel modules must import (and decline every map) without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+#: The installed triton's version where it is older than :data:`MIN_TRITON` (then unused), else None.
+TOO_OLD_TRITON = None
+if triton is not None and release(triton.__version__) < release(MIN_TRITON):
+    TOO_OLD_TRITON, triton, tl = triton.__version__, None, None
+
+#: The dtypes of the maps the kernels take.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), read at call time."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def opted_in() -> bool:
+    """Whether ``EA_HF_TRITON=1`` asks for the kernels, read at call time."""
+    return os.environ.get("EA_HF_TRITON", "0") == "1"
+
+
+def enabled() -> bool:
+    """Whether any kernel may run: a usable triton is installed and the kernels are asked for."""
+    return triton is not None and opted_in()
+
+
+def float32_precision() -> str:
+    """``tl.dot``'s input precision for float32 maps, read at call time: as the torch operations' cuDNN convolution
+    would multiply them, in TF32 where ``torch.backends.cudnn.allow_tf32`` (torch's default) allows it, else as three
+    TF32 products (float32 accuracy; "ieee" is many times slower: docs/performance.md, "Choices in the fused kernels");
+    in the interpreter always in float32 (its bfloat16 products are wrong)."""
+    if interpreting():
+        return "ieee"
+    return "tf32" if torch.backends.cudnn.allow_tf32 else "tf32x3"
+
+
+def product_switches(dtype: torch.dtype) -> dict[str, object]:
+    """The constexpr switches of :func:`tile_product` for maps of ``dtype``: half-precision maps in their own dtype
+    (on tensor cores where the kernels are compiled), float32 maps at :func:`float32_precision`."""
+    return {
+        "HALF": dtype != torch.float32,
+        "TENSOR_CORES": dtype != torch.float32 and not interpreting(),
+        "FP32_PRECISION": float32_precision(),
+    }
+
+
+def tile_product(
+    left, right, acc, map_ptr, HALF: tl.constexpr, TENSOR_CORES: tl.constexpr, FP32_PRECISION: tl.constexpr
+):
+    """``acc + left @ right`` (float32 accumulators) as the maps of ``map_ptr`` are multiplied: half-precision
+    maps round the operands to their dtype (on tensor cores where compiled); float32 maps (and the interpreter,
+    whose bfloat16 products are wrong) multiply float32 operands at ``FP32_PRECISION`` (see
+    :func:`product_switches`). A device function: jitted with the kernels that call it (:class:`JittedPerSetting`)."""
+    if HALF:
+        left, right = left.to(map_ptr.dtype.element_ty), right.to(map_ptr.dtype.element_ty)
+    if TENSOR_CORES:
+        acc = tl.dot(left, right, acc)
+    else:
+        acc = tl.dot(left.to(tl.float32), right.to(tl.float32), acc, input_precision=FP32_PRECISION)
+    return acc
+
+
+class JittedPerSetting:
+    """A family's kernels, jitted with the device functions they call for the current ``TRITON_INTERPRET``
+    setting: calling it returns them as attributes (``jitted().correlate[grid](...)``), made once per setting and
+    kept, since triton.jit reads the setting itself when it wraps (the wrappers for one setting are never reused
+    for the other).
+
+    ``kernels`` (name: plain function) are functions of one module; ``helpers`` are the device functions they
+    call by name, from that module or imported into it under their own names (such as :func:`tile_product`)."""
+
+    def __init__(self, kernels: dict[str, FunctionType], helpers: tuple[FunctionType, ...]):
+        modules = {kernel.__module__ for kernel in kernels.values()}
+        if len(modules) != 1:
+            raise ValueError(f"kernels jitted together come from one module, not {sorted(modules)}")
+        self.kernels, self.helpers = kernels, helpers
+        self._lock = threading.Lock()
+        self._jitted: dict[bool, SimpleNamespace] = {}
+
+    def __call__(self) -> SimpleNamespace:
+        if triton is None:
+            raise RuntimeError("ea_hf Triton kernels need triton installed (check applicable() first)")
+        interpret = interpreting()
+        with self._lock:
+            if interpret not in self._jitted:
+                self._jitted[interpret] = self._jit_together()
+            return self._jitted[interpret]
+
+    def _jit_together(self) -> SimpleNamespace:
+        """``triton.jit`` of the kernels and of their device functions, for the current interpreter setting.
+
+        A kernel finds a device function by name in its globals, and the two must be jitted for the same setting
+        (a compiled kernel cannot call an interpreted function, nor the interpreter a compiled one). So each
+        function is rebuilt over a copy of the kernels' module namespace in which the helpers' names are bound to
+        their jitted forms."""
+        namespace = dict(next(iter(self.kernels.values())).__globals__)
+
+        def rebuilt(fn: FunctionType) -> FunctionType:
+            copy = FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+            # A launch reads which parameters are tl.constexpr from the annotations, and a new function object has
+            # none: without them every constexpr would become a run-time argument, which fails to specialize on a
+            # GPU for a string (FP32_PRECISION). The interpreter never binds them.
+            copy.__annotations__ = dict(fn.__annotations__)
+            copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+            return copy
+
+        for helper in self.helpers:
+            namespace[helper.__name__] = triton.jit(rebuilt(helper))
+        return SimpleNamespace(**{name: triton.jit(rebuilt(kernel)) for name, kernel in self.kernels.items()})
