@@ -1,4 +1,5 @@
-// Fused CPU kernels of Evolving Attention's convolution step (ea_hf/ops/cpu.py compiles and loads them).
+// Fused CPU kernels of Evolving Attention's convolution step (ea_hf/ops/native_build.py compiles them,
+// ea_hf/ops/cpu_binding.py loads them).
 //
 // Maps are float32, contiguous [B, H, Q, K]; masks are [B, 1, Q, K] (shared by the heads); outside the map
 // the convolution reads zeros. The input a map's rows are read from is
@@ -45,16 +46,16 @@
 
 namespace {
 
-// Floats a vector: one 512-bit register with AVX-512, one 256-bit register with AVX (two 128-bit halves on SSE
-// or NEON targets). With 16 lanes on AVX2 every vector would take two of its 16 registers, which leaves the weight
-// gradient one output head a block: backward then takes about six times as long (AMD EPYC built without AVX-512).
+// Floats a vector: one 512-bit register with AVX-512, one 256-bit register with AVX (two 128-bit halves on SSE or NEON
+// targets). With 16 lanes on AVX2 every vector would take two of its 16 registers, which leaves the weight gradient one
+// output head a block: backward would take several times as long (docs/performance.md, "Choices in the fused kernels").
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 #else
 constexpr int kLanes = 8;
 #endif
-constexpr int kMaxHeads = 64;
-constexpr int kMaxKernelRows = 8;
+constexpr int kMaxHeads = 64;      // MAX_HEADS in ea_hf/ops/limits.py
+constexpr int kMaxKernelRows = 8;  // MAX_KERNEL_ROWS there
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vfloat load(const float* p) {
@@ -153,22 +154,20 @@ struct Input {  // where rows of `a` come from
     const unsigned char* bias_only = nullptr;
 };
 
-// Requested cache lines go to L2, not L1 (__builtin_prefetch's locality 2: prefetcht1). At N = 512 the requests
-// of one output row for the next come to about 100 KB in backward (S, A_prev, the gradient and the addend of 12
-// heads), twice an L1 data cache: requested into L1 they would evict the rings the blocks compute from before
-// their own use, and on AMD EPYC backward's requests then cost more than they save; into L2, forward and backward
-// take about a tenth less time there than into L1 (maps out of cache). On Intel Xeon the two are as fast.
+// Requested cache lines go to L2, not L1 (__builtin_prefetch's locality 2: prefetcht1). At N = 512 the requests of one
+// output row for the next come to about 100 KB in backward (S, A_prev, the gradient and the addend of 12 heads), twice
+// an L1 data cache: requested into L1 they would evict the rings the blocks compute from before their own use, and
+// backward's requests can then cost more than they save (docs/performance.md, "Choices in the fused kernels").
 // -DEA_HF_PREFETCH_LOCALITY=3 builds the requests into L1, for bench_attention.py --kernel-build to compare.
 #ifndef EA_HF_PREFETCH_LOCALITY
 #define EA_HF_PREFETCH_LOCALITY 2
 #endif
 inline void prefetch_line(const void* p) { __builtin_prefetch(p, 0, EA_HF_PREFETCH_LOCALITY); }
 
-// Cache lines of the input rows the next output row will prepare, to be requested a few at a time while the
-// current row computes (the forward pass): on Intel Xeon (AVX-512, maps out of cache) an eighth faster at N = 512
-// than requesting a head's lines as its current row is prepared, as fast at N = 128. Backward is better off with
-// the latter: deferred there, it takes 1.4x as long at N = 128 (its two rings request their lines at once after
-// each preparation), and spread over its blocks is no faster at N = 512.
+// Cache lines of the input rows the next output row will prepare, to be requested a few at a time while the current row
+// computes (the forward pass), which is faster with the maps out of cache than requesting a head's lines as its current
+// row is prepared. Backward is better off with the latter: its two rings request their lines at once after each
+// preparation (docs/performance.md, "Choices in the fused kernels").
 struct PrefetchQueue {
     static constexpr int kMaxStreams = 4 * kMaxHeads;
     const char* starts[kMaxStreams];
@@ -222,7 +221,7 @@ struct RowRing {
 
 // Each ring row: a zero border of one vector (at least kernel_cols / 2 columns) on the left, so that column 0
 // is aligned, then the columns rounded up to whole vectors, then a zero border for the last vector's reads.
-constexpr int kLead = 16;  // MAX_KERNEL_COLUMNS / 2 in ea_hf/ops/cpu.py; 64 bytes, so column 0 stays aligned
+constexpr int kLead = 16;  // MAX_KERNEL_COLUMNS / 2 in ea_hf/ops/limits.py; 64 bytes, so column 0 stays aligned
 static_assert(kLead % kLanes == 0, "column 0 of a ring row starts a vector");
 
 inline int padded_width(const Input& in) {
@@ -302,15 +301,14 @@ inline void prefetch_line_by_line(const void* p, size_t bytes) {
 //     u = (w0, (w0 + w1 + w2) / 2, (w0 - w1 + w2) / 2, w2)   (weight transform, once per call)
 //     m = t * u;   y(2p) = m0 + m1 + m2,   y(2p + 1) = m1 - m2 - m3
 //
-// Output 2p reads only d0..d2 and output 2p + 1 only d1..d3, so padding, masks and causality hold as in the
-// direct form (and a row's outputs do not depend on how many columns follow). Vectors hold 16 pairs (32
-// columns). Each prepared row is split once into its even and odd columns (E, O); a block forms t from them
-// with two shifted loads, d0 = O[p - 1] and d3 = E[p + 1], and four adds (which do not compete with the
-// multiply-adds for their ports), and interleaves its outputs once per vector. Storing the four transformed
-// rows instead would make the ring twice as large: in backward the weight gradient, computed in the same pass,
-// then loses to the cache what the input gradient gains (on AMD EPYC at N = 512, backward is then no faster than
-// in the direct form, and with the split rows 5 % faster). The rounding differs from the direct form's by a few
-// units in the last place.
+// Output 2p reads only d0..d2 and output 2p + 1 only d1..d3, so padding, masks and causality hold as in the direct form
+// (and a row's outputs do not depend on how many columns follow). Vectors hold 16 pairs (32 columns). Each prepared row
+// is split once into its even and odd columns (E, O); a block forms t from them with two shifted loads, d0 = O[p - 1]
+// and d3 = E[p + 1], and four adds (which do not compete with the multiply-adds for their ports), and interleaves its
+// outputs once per vector. Storing the four transformed rows instead would make the ring twice as large: in backward
+// the weight gradient, computed in the same pass, then loses to the cache what the input gradient gains
+// (docs/performance.md, "Choices in the fused kernels"). The rounding differs from the direct form's by a few units in
+// the last place.
 #if defined(__AVX512F__)  // (16 lanes; the form runs only there, see winograd())
 inline vfloat evens(vfloat a, vfloat b) {
     return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -421,10 +419,10 @@ void prepare_rows(const Input& in, int b, int i, RowRing& ring, const Halo* halo
             const size_t start = (static_cast<size_t>(b) * heads + c) * map + row;
             const size_t gate_row = (static_cast<size_t>(b) * heads + c) * in.rows + r;
             if (r + 1 < in.rows) {
-                // The next row of each head's maps, which the next output row prepares. The rows of all heads of
-                // S, A_prev, the gradient and the gate are more streams at once than the hardware prefetchers
-                // follow: requested here, backward takes 7 to 11 % less time on Intel Xeon with the maps out of
-                // cache (as in a training step); forward as much as without.
+                // The next row of each head's maps, which the next output row prepares. The rows of all heads of S,
+                // A_prev, the gradient and the gate are more streams at once than the hardware prefetchers follow:
+                // requested here, backward takes less time with the maps out of cache (as in a training step;
+                // docs/performance.md, "Choices in the fused kernels").
                 const size_t bytes = sizeof(float) * next_extent;
                 auto request = [&](const void* p, size_t count) {
                     if (defer_prefetch) ring.deferred.add(p, count);
@@ -528,10 +526,10 @@ __attribute__((noinline, cold)) void finish_partial(const Input& in, const Outpu
     if (o.saved) o.saved[gate_at] = static_cast<GateBits>(saved & ((1u << valid) - 1));  // none past the last column
 }
 
-// The epilogue of output head h's vector `y` at column j of output row (b, i) (`out_keep`: the mask's row; the
-// blend read from the ring where `blend_in_ring`): finish, or finish_partial for a row's last, partial vector.
-// Always inlined into the blocks' column loops: left to the compiler, the forward pass mostly takes longer (up to
-// 15 % on AMD EPYC).
+// The epilogue of output head h's vector `y` at column j of output row (b, i) (`out_keep`: the mask's row; the blend
+// read from the ring where `blend_in_ring`): finish, or finish_partial for a row's last, partial vector. Always inlined
+// into the blocks' column loops: left to the compiler, the forward pass mostly takes longer (docs/performance.md,
+// "Choices in the fused kernels").
 __attribute__((always_inline)) inline void finish_vector(const Input& in, const Output& o, vfloat y, int b, int h,
                                                          int i, int j, const RowRing& ring, const float* out_keep,
                                                          bool blend_in_ring) {
@@ -554,10 +552,9 @@ constexpr int kVectorRegisters = 16, kRegistersPerVector = 1;
 constexpr int kVectorRegisters = 16, kRegistersPerVector = 2;
 #endif
 
-// Output heads computed together by output_row: 6 where the head count allows (else 4, else all). Measured on AMD
-// EPYC (Zen 4) against 12 heads x 2 vectors at once (24 accumulators): 4 to 9 % faster forward and backward at
-// H = 12, N = 128 and 512; as fast at H = 8. Fewer accumulators leave the compiler registers for the loaded
-// vectors and broadcasts.
+// Output heads computed together by output_row: 6 where the head count allows (else 4, else all). Fewer accumulators
+// than 12 heads x 2 vectors leave the compiler registers for the loaded vectors and broadcasts (docs/performance.md,
+// "Choices in the fused kernels").
 template <int Heads>
 constexpr int output_group() {
     if constexpr (Heads > 0 && Heads % 6 == 0) return 6;
@@ -565,12 +562,12 @@ constexpr int output_group() {
     else return Heads;
 }
 
-// Column vectors per output head that output_row computes together: as many (up to 4) as keep the group's
-// accumulators and the loaded input vectors in registers. Each loaded input vector then serves `group` heads and
-// each broadcast weight V vectors: with one vector (7 loads, 6 of them broadcasts, per 6 multiply-adds) the
-// loop waits on loads where a core has full-width 512-bit multiply-adds: on Intel Xeon (AVX-512, H = 12), 6 heads
-// x 4 vectors take 3 to 12 % less time forward and backward than 6 x 1, with the same bits (each output sums its
-// taps in the same order). One vector on AVX2 targets, whose 16 registers hold 6 accumulators of 2 halves each.
+// Column vectors per output head that output_row computes together: as many (up to 4) as keep the group's accumulators
+// and the loaded input vectors in registers. Each loaded input vector then serves `group` heads and each broadcast
+// weight V vectors: with one vector (7 loads, 6 of them broadcasts, per 6 multiply-adds) the loop waits on loads where
+// a core has full-width 512-bit multiply-adds (docs/performance.md, "Choices in the fused kernels"). More vectors give
+// the same bits (each output sums its taps in the same order). One vector on AVX2 targets, whose 16 registers hold 6
+// accumulators of 2 halves each.
 template <int Heads>
 constexpr int output_vectors() {
     constexpr int group = output_group<Heads>();
@@ -716,12 +713,10 @@ struct RowPlan {
     // correlation (N columns each, where a real row of a sequence of length L has L). Empty: none.
     std::vector<unsigned char> bias_only;
 
-    // The row's work for thread_rows: the columns it correlates, plus a share for preparing its input rows and
-    // its epilogue; a bias-only row's, a quarter of its columns. What such a row does is bound by memory: on AMD
-    // EPYC (N = 512, H = 12, 2 threads) a map of bias-only rows takes 0.45 of a correlated map's time forward and
-    // 0.22 backward. A quarter balances the threads best: with examples of 256 and 512 tokens padded to 512, a
-    // sixteenth (the share of a correlated row's preparation) or a half makes forward or backward 18 to 60 % longer
-    // (with the examples the other way round, the three shares are as fast).
+    // The row's work for thread_rows: the columns it correlates, plus a share for preparing its input rows and its
+    // epilogue; a bias-only row's, a quarter of its columns. What such a row does is bound by memory, and a quarter
+    // balances the threads of a padded batch best, better than a sixteenth (the share of a correlated row's
+    // preparation) or a half (docs/performance.md, "Choices in the fused kernels").
     long work(long t, int cols) const {
         if (!bias_only.empty() && bias_only[t]) return cols / 4 + 1;
         return (columns.empty() ? cols : columns[t]) + cols / 16 + 1;
@@ -792,13 +787,12 @@ inline void bias_row(const Input& in, const Output& o, int b, int i, int columns
 // `spread_prefetch`: the next row's cache lines are requested a share before each block (see PrefetchQueue).
 // Winograd's form (see split_columns) where winograd<Heads, Cols>() allows it, else the direct one.
 //
-// The correlations of ea_correlate and of backward's input gradient take Winograd's form where it applies;
-// the weight gradient keeps the direct form. On AMD EPYC (Zen 4, H = 12) Winograd's form takes about a fifth off
-// the forward pass and 4 % off the whole backward pass. The weight gradient in Winograd's form is slower: its
-// products are elementwise per transformed component, so each gradient vector serves one product instead of
-// three and the pass waits on loads (backward about a fifth slower). As the transpose of forward's form (four
-// sums a kernel row, transforms made once a row, 3 output heads x 2 input rows x 4 sums a block) it loses too,
-// by 10 to 45 % of the backward pass over four blockings: the transformed rows, twice as large, stream from L2.
+// The correlations of ea_correlate and of backward's input gradient take Winograd's form where it applies; the weight
+// gradient keeps the direct form, which is faster (docs/performance.md, "Choices in the fused kernels"). The weight
+// gradient in Winograd's form is slower: its products are elementwise per transformed component, so each gradient
+// vector serves one product instead of three and the pass waits on loads. As the transpose of forward's form (four sums
+// a kernel row, transforms made once a row, 3 output heads x 2 input rows x 4 sums a block) it loses too: the
+// transformed rows, twice as large, stream from L2.
 template <int Heads, int Cols>
 void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, const Halo* halo = nullptr,
                 bool spread_prefetch = false) {
@@ -806,11 +800,11 @@ void output_row(const Input& in, const Output& o, int b, int i, RowRing& ring, c
     constexpr int kGroup = output_group<Heads>();
     const int group = kGroup > 0 ? kGroup : heads;
     const size_t map = static_cast<size_t>(in.rows) * in.cols, row = static_cast<size_t>(i) * in.cols;
-    // The blend is this row of the input as prepared before the gate and the mask (A_in in forward, the
-    // incoming gradient in backward): read from the ring rather than from the maps again. The maps' rows of
-    // different heads lie 1 MiB apart at N = 512 (and S, A_prev and the output often at equal offsets modulo
-    // that), so they share cache sets, and rows read one row earlier are mostly evicted again: read from the
-    // maps, the forward pass takes 1.3 to 2.7x as long with the maps at such offsets (AMD EPYC).
+    // The blend is this row of the input as prepared before the gate and the mask (A_in in forward, the incoming
+    // gradient in backward): read from the ring rather than from the maps again. The maps' rows of different heads lie
+    // 1 MiB apart at N = 512 (and S, A_prev and the output often at equal offsets modulo that), so they share cache
+    // sets, and rows read one row earlier are mostly evicted again: read from the maps, the forward pass takes much
+    // longer with the maps at such offsets (docs/performance.md, "Choices in the fused kernels").
     const int own = -in.row_shift, kr = in.kernel_rows;
     const bool blend_in_ring = o.blend == in.x && own >= 0 && own < kr;
     constexpr bool kWinograd = winograd<Heads, Cols>();
@@ -1127,14 +1121,12 @@ int ea_backward(const float* scores, const float* previous, float alpha, const f
                 skip_masked_tails != 0);
 }
 
-// out[b, h, q, k] = keep[b, h, q, k] ? scale * x[b, h, q, k] : fill over float32 [B, H, Q, K] maps (`out` may be
-// `x`): dropout's gradient and dropout(P) with dropout's bool mask (fill 0), a bool attention mask's zeros in a
-// gradient (scale 1, fill 0) or its masked logits (scale 1, fill the float minimum). `keep` is bytes (torch.bool),
-// contiguous along the keys, read with these element strides per batch, head and query (0 where it is
-// broadcast). One pass, where torch's native_dropout_backward (grad * mask * scale) takes two, each with a map of
-// its own, and torch's elementwise operators take a slow path for a bool operand: on AMD EPYC ([2, 12, 512, 512],
-// 2 threads) dropout's gradient takes 2.1 ms into a map and 0.6 ms in place, torch's at least 7 ms; a padding
-// mask's zeros in place 0.6 ms, torch.where's 3.6 ms.
+// out[b, h, q, k] = keep[b, h, q, k] ? scale * x[b, h, q, k] : fill over float32 [B, H, Q, K] maps (`out` may be `x`):
+// dropout's gradient and dropout(P) with dropout's bool mask (fill 0), a bool attention mask's zeros in a gradient
+// (scale 1, fill 0) or its masked logits (scale 1, fill the float minimum). `keep` is bytes (torch.bool), contiguous
+// along the keys, read with these element strides per batch, head and query (0 where it is broadcast). One pass, where
+// torch's native_dropout_backward (grad * mask * scale) takes two, each with a map of its own, and torch's elementwise
+// operators take a slow path for a bool operand (docs/performance.md, "Choices in the fused kernels").
 int ea_select_kept(const float* x, const unsigned char* keep, long keep_batch, long keep_head, long keep_row,
                    float scale, float fill, float* out, int batch, int heads, int rows, int cols, int threads) {
     const long tasks = static_cast<long>(batch) * heads * rows;
