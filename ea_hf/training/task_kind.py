@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.nn.functional as F
 import transformers
 
 if TYPE_CHECKING:
@@ -125,6 +128,16 @@ class TaskKind:
         names = dict(enumerate(label_names))
         return {"num_labels": len(label_names), "id2label": names, "label2id": {n: i for i, n in names.items()}}
 
+    def example_losses(
+        self, recipe: Recipe, config: transformers.PreTrainedConfig
+    ) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+        """What the evaluation loss is made of: a function of one evaluation batch's (logits, labels) that gives
+        each example's summed loss and the number of terms summed, [B, 2], as the model's own loss counts them.
+        The split's loss is the sum of the first column over the sum of the second, whatever the batches and the
+        number of processes (see ``trainer.EvolvingAttentionTrainer``). Default: a transformers classification
+        or regression head's (:func:`head_losses`)."""
+        return functools.partial(head_losses, problem_type=config.problem_type, num_labels=config.num_labels)
+
     # -- running ---------------------------------------------------------------------------------------------
 
     def load_data(self, recipe: Recipe) -> tuple[dict[str, Any], tuple[str, ...] | None]:
@@ -146,6 +159,35 @@ class TaskKind:
     def before_training(self, recipe: Recipe, run_dir: Path, args: transformers.TrainingArguments) -> Recipe:
         """A phase that runs before fine-tuning (e.g. pre-training); returns the recipe to fine-tune with."""
         return recipe
+
+
+def head_losses(
+    logits: Any, labels: torch.Tensor, problem_type: str | None = None, num_labels: int = 2
+) -> torch.Tensor:
+    """Per example, the loss of a classification or regression head as transformers' heads compute it, with each
+    example's count of terms: [B, 2]. ``problem_type`` as a config has it, or None to infer it as the heads do
+    (one output: a regression; integer labels: a single-label classification; otherwise multi-label).
+
+    Example:
+        >>> logits, labels = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), torch.tensor([0, 1, 1])
+        >>> losses = head_losses(logits, labels)
+        >>> torch.allclose(losses[:, 0].sum() / losses[:, 1].sum(), F.cross_entropy(logits, labels))
+        True
+    """
+    logits = (logits[0] if isinstance(logits, tuple) else logits).float()
+    if problem_type is None:
+        integral = not labels.dtype.is_floating_point
+        problem_type = "single_label_classification" if integral else "multi_label_classification"
+        problem_type = "regression" if num_labels == 1 else problem_type
+    if problem_type == "regression":
+        outputs = logits.reshape(labels.shape[0], -1)
+        terms = (outputs - labels.float().reshape(outputs.shape)) ** 2
+    elif problem_type == "single_label_classification":
+        terms = F.cross_entropy(logits.reshape(labels.shape[0], -1), labels.reshape(-1), reduction="none")[:, None]
+    else:
+        terms = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
+        terms = terms.reshape(labels.shape[0], -1)
+    return torch.stack([terms.sum(-1), torch.full_like(terms[:, 0], terms.shape[-1])], dim=-1)
 
 
 _TASK_KINDS: dict[str, TaskKind] = {}

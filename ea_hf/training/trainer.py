@@ -5,16 +5,19 @@ tasks comes from the recipe's task kind (``task_kind.py``).
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch import nn
+from transformers.trainer_utils import EvalLoopOutput, EvalPrediction
 
 from ..modeling.evolution import AttentionMapEvolution
 from .models import load_model, optimizer_override
@@ -36,18 +39,38 @@ def evolution_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 class EvolvingAttentionTrainer(transformers.Trainer):
-    """``Trainer`` with an optional separate learning rate for the added evolution parameters."""
+    """``Trainer`` with an optional separate learning rate for the added evolution parameters, and an evaluation
+    loss that is the mean over the split's examples (``example_losses``, see ``TaskKind.example_losses``).
+
+    Trainer's own evaluation loss is the mean of each batch's mean loss. In a distributed run the processes'
+    last batches are filled up with examples from the start of the split (accelerate's ``even_batches``), which
+    enter those batches' means, so the loss moves with the number of processes and the batch size. Each example's
+    loss is instead taken before the processes' predictions are gathered, where the fill-ups are dropped, and
+    summed over the split: one process and several give the same loss, at any batch size.
+    """
 
     def __init__(
         self,
         *args: Any,
         ea_learning_rate: float | None = None,
         per_example_scores: Callable[[Any], Any] | None = None,
+        example_losses: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> None:
+        if example_losses is not None:
+            metrics, reduce = kwargs.get("compute_metrics"), kwargs.get("preprocess_logits_for_metrics")
+            kwargs["compute_metrics"] = functools.partial(_metrics_and_loss, metrics)
+            kwargs["preprocess_logits_for_metrics"] = functools.partial(_with_example_losses, reduce, example_losses)
         super().__init__(*args, **kwargs)
         self.ea_learning_rate = ea_learning_rate
         self.per_example_scores = per_example_scores
+        self.example_losses = example_losses
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> EvalLoopOutput:
+        output = super().evaluation_loop(*args, **kwargs)
+        if self.example_losses is None or output.predictions is None:
+            return output
+        return output._replace(predictions=output.predictions[0])  # the kind's predictions, without the losses
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -79,6 +102,24 @@ class EvolvingAttentionTrainer(transformers.Trainer):
         optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
         self.optimizer = optimizer_cls([g for g in groups.values() if g["params"]], **optimizer_kwargs)
         return self.optimizer
+
+
+def _with_example_losses(reduce, example_losses, logits, labels) -> tuple[Any, torch.Tensor]:
+    """Trainer's ``preprocess_logits_for_metrics`` of :class:`EvolvingAttentionTrainer`: (what the kind keeps of
+    the logits, each example's summed loss and count)."""
+    losses = example_losses(logits, labels)
+    if reduce is example_losses:  # the kind keeps just these (a language model's token losses)
+        return losses, losses
+    return (logits if reduce is None else reduce(logits, labels)), losses
+
+
+def _metrics_and_loss(compute_metrics, prediction: EvalPrediction) -> dict[str, float]:
+    """The kind's metrics, and ``loss``: the split's summed example losses over their count (in float64), which
+    takes the place of Trainer's own."""
+    predictions, losses = prediction.predictions
+    metrics = {} if compute_metrics is None else compute_metrics(EvalPrediction(predictions, prediction.label_ids))
+    totals = np.asarray(losses, dtype=np.float64).reshape(-1, 2).sum(0)
+    return {**metrics, "loss": float(totals[0] / max(totals[1], 1.0))}
 
 
 def training_arguments(recipe: Recipe, run_dir: Path) -> transformers.TrainingArguments:
@@ -170,6 +211,7 @@ def prepare(
         preprocess_logits_for_metrics=prepared.preprocess_logits,
         ea_learning_rate=recipe.ea.learning_rate,
         per_example_scores=prepared.per_example_scores,
+        example_losses=kind.example_losses(recipe, model.config),
         callbacks=callbacks,
         optimizer_cls_and_kwargs=optimizer_override(recipe),
     )

@@ -201,6 +201,9 @@ class CausalLMKind(TaskKind):
     def metric_names(self, recipe: Recipe) -> tuple[str, ...]:
         return ("perplexity", "token_loss")
 
+    def example_losses(self, recipe: Recipe, config: transformers.PreTrainedConfig):
+        return token_losses  # the loss over every predicted token of the split, as perplexity's
+
     def model_config(self, recipe: Recipe, label_names: tuple[str, ...] | None) -> dict[str, Any]:
         return {}  # a language-model head has no labels
 

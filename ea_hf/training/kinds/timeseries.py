@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib.util
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,7 +40,7 @@ from ..data_files import check_classes, check_series, check_ts_labels, check_var
 from ..models import optimizer_override
 from ..recipe import DataSection, Recipe
 from ..run_dir import PRETRAINED_DIR
-from ..task_kind import CardInfo, Preprocessed, TaskKind
+from ..task_kind import CardInfo, Preprocessed, TaskKind, head_losses
 
 
 def _import_aeon():
@@ -353,6 +354,11 @@ class TimeSeriesKind(TaskKind):
             splits = hold_out(splits, data.validation_fraction, data.split_seed, stratify=not regression)
         loaded = series_dataset(standardise(splits), regression=regression)
         return loaded, None if regression else tuple(loaded["train"].features["label"].names)
+
+    def example_losses(self, recipe: Recipe, config: transformers.PreTrainedConfig):
+        regression = series_task(recipe.data) == "regression"  # (the regression head has no num_labels of 1)
+        problem_type = "regression" if regression else "single_label_classification"
+        return functools.partial(head_losses, problem_type=problem_type)
 
     def load_model(self, recipe: Recipe, label_names: tuple[str, ...] | None, data: dict[str, Any]):
         return series_model(recipe, label_names, data, recipe.model.name_or_path), None
