@@ -172,31 +172,89 @@ def _leave_process_group() -> None:
 
 def _run_each(args: argparse.Namespace, runs: list) -> int:
     from ..training.evidence import seed_evidence, seed_group_name
-    from ..training.run_dir import compare_runs, is_finished
-    from ..training.trainer import run_recipe
+    from ..training.run_dir import compare_runs
 
-    is_main = int(os.environ.get("RANK", "0")) == 0
-    durations: list[float] = []
-    for index, recipe in enumerate(runs):
-        if args.skip_finished and is_finished(recipe.output_dir):
-            if is_main:
-                print(
-                    f"[ea-hf] run {index + 1} of {len(runs)}: {recipe.output_dir} is finished; skipped", file=sys.stderr
-                )
-            continue
-        if is_main and len(runs) > 1:  # where a long sweep stands: to stderr, beside Trainer's progress bars
-            print(progress_line(index, len(runs), recipe.output_dir, durations), file=sys.stderr, flush=True)
-        start = time.monotonic()
-        metrics = run_recipe(recipe, resume=args.resume)
-        durations.append(time.monotonic() - start)
-        if is_main:
-            print(f"{recipe.output_dir}: {metrics}")
-    if is_main:
+    if runs[0].select.metric is not None:
+        return _run_selection(args, runs)
+    _train_each(args, runs)
+    if _is_main():
         run_dirs = [recipe.output_dir for recipe in runs]
         print(compare_runs(run_dirs))
         if len({seed_group_name(run_dir) for run_dir in run_dirs}) < len(run_dirs):  # seeds to pool
             print(seed_evidence(run_dirs))
     return 0
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _train_each(args: argparse.Namespace, runs: list, eval_splits: list[str] | None = None) -> None:
+    """Train and evaluate each run in turn (``eval_splits``: only these), skipping the finished ones where asked."""
+    from ..training.run_dir import is_finished
+    from ..training.trainer import run_recipe
+
+    durations: list[float] = []
+    for index, recipe in enumerate(runs):
+        if args.skip_finished and is_finished(recipe.output_dir):
+            if _is_main():
+                print(
+                    f"[ea-hf] run {index + 1} of {len(runs)}: {recipe.output_dir} is finished; skipped", file=sys.stderr
+                )
+            continue
+        if _is_main() and len(runs) > 1:  # where a long sweep stands: to stderr, beside Trainer's progress bars
+            print(progress_line(index, len(runs), recipe.output_dir, durations), file=sys.stderr, flush=True)
+        start = time.monotonic()
+        metrics = run_recipe(recipe, resume=args.resume, eval_splits=eval_splits)
+        durations.append(time.monotonic() - start)
+        if _is_main():
+            print(f"{recipe.output_dir}: {metrics}")
+
+
+def _run_selection(args: argparse.Namespace, runs: list) -> int:
+    """Selection on validation (``ea_hf.training.selection``): every run trained and evaluated on the selection
+    split, the choice, then the test split for the chosen configuration and the baseline only."""
+    from ..training.evidence import seed_evidence, seed_group_name
+    from ..training.run_dir import compare_runs, read_metrics
+    from ..training.selection import select, selected_runs, write_selection
+    from ..training.trainer import evaluate_run
+
+    settings = runs[0].select
+    _train_each(args, runs, eval_splits=[settings.split])
+    _wait_for_everyone()  # the main process wrote every run's scores
+    selection = select(runs)
+    if _is_main():
+        write_selection(_common_folder(runs), selection)
+        print(selection.table())
+    chosen = selected_runs(runs, selection)
+    for recipe in chosen:
+        if args.skip_finished and settings.test_split in read_metrics(recipe.output_dir):
+            continue
+        evaluate_run(recipe.output_dir, splits=[settings.test_split])
+    _wait_for_everyone()
+    if _is_main():
+        run_dirs = [recipe.output_dir for recipe in chosen]
+        print(f"{settings.test_split}, evaluated once, for the chosen configuration and the baseline:")
+        if len({seed_group_name(run_dir) for run_dir in run_dirs}) < len(run_dirs):  # seeds to pool
+            print(seed_evidence(
+                run_dirs, reference=selection.baseline.name, metric=selection.metric, split=settings.test_split
+            ))  # fmt: skip
+        else:
+            print(compare_runs(run_dirs, splits=[settings.test_split]))
+    return 0
+
+
+def _common_folder(runs: list) -> Path:
+    """The folder that holds every run of a sweep (its ``output_dir``)."""
+    return Path(os.path.commonpath([recipe.output_dir for recipe in runs]))
+
+
+def _wait_for_everyone() -> None:
+    """A barrier between the processes of a distributed launch (none in one process)."""
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def progress_line(index: int, total: int, name: str, durations: list[float]) -> str:

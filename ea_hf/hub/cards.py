@@ -48,6 +48,8 @@ class TaskResults:
     metric_names: Sequence[str]
     #: A sentence on how the recipe shown differs from the run's file (checkpoints named by their Hub id).
     recipe_note: str | None = None
+    #: How the run was selected on validation, where it was (``ea_hf.training.selection``).
+    selection_text: str | None = None
 
 
 def _is_hub_id(name: str | None) -> bool:
@@ -262,6 +264,7 @@ def render_card(
         data_text=info.data_text if info is not None else None,
         from_scratch=from_scratch,
         recipe_note=task.recipe_note if task is not None else None,
+        selection_text=task.selection_text if task is not None else None,
         architecture=architecture,
         auto_class=auto_class,
         added_parameters=f"{added_parameters:,}",

@@ -15,6 +15,7 @@ from huggingface_hub import CommitInfo, ModelCard
 from ..training.models import evolution_settings, resolve_model_path
 from ..training.recipe import Recipe
 from ..training.run_dir import ADAPTER_CONFIG, check_finished, read_metrics, read_run_recipe
+from ..training.selection import selection_sentence
 from .cards import (
     Origin,
     TaskResults,
@@ -93,7 +94,9 @@ def run_card(run_dir: str | Path, repo_id: str | None = None, license: Mapping[s
     kind = recipe.task_kind
     recipe_yaml, note = _recipe_yaml(recipe)
     metrics = read_metrics(run_dir)
-    task = TaskResults(kind.card_info(recipe), recipe_yaml, metrics, kind.metric_names(recipe), note)
+    task = TaskResults(
+        kind.card_info(recipe), recipe_yaml, metrics, kind.metric_names(recipe), note, selection_sentence(run_dir)
+    )
     origin = _origin(recipe.model.name_or_path, recipe.model.revision)
     common = {"repo_id": repo_id or recipe.name, "task": task, "base_model": origin.hub_id}
     common["license"] = dict(license) if license else origin.license

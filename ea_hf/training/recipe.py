@@ -240,6 +240,20 @@ class TrainSection:
 
 
 @dataclasses.dataclass
+class SelectSection:
+    """Selection on validation, the papers' protocol, for a recipe with a sweep or variants: every run trains
+    and is evaluated on ``split`` alone; its configurations (each pooling its seeds) are ranked by the mean of
+    ``metric`` there, with the baseline (EA off) always among them (a ``baseline`` variant is added where none
+    turns EA off); then only the chosen configuration and the best baseline are evaluated on ``test_split``,
+    once. ``metric`` None: no selection, every run is evaluated on every split (see ``ea_hf.training.selection``).
+    """
+
+    metric: str | None = None
+    split: str = "validation"
+    test_split: str = "test"
+
+
+@dataclasses.dataclass
 class Recipe:
     """One run: a model, a task, evolving-attention settings and training settings."""
 
@@ -260,6 +274,8 @@ class Recipe:
     #: Named runs, each a mapping of dotted keys to values (an ablation: ``no-conv: {ea.method: residual}``);
     #: every variant runs (with every sweep combination) in ``<output_dir>/<name>``.
     variants: dict[str, dict[str, Any]] | None = None
+    #: Selection on validation over the sweep and variants (see :class:`SelectSection`).
+    select: SelectSection = dataclasses.field(default_factory=SelectSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -494,6 +510,13 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
                 continue
             if not values:
                 problems.append((f"sweep.{key}", "needs at least one value"))
+    select = recipe.select
+    if select.metric is not None:
+        names = ("loss", *recipe.task_kind.metric_names(recipe))
+        if select.metric not in names:
+            problems.append(("select.metric", f"{select.metric!r} is not a metric of the task ({', '.join(names)})"))
+        if select.split == select.test_split:
+            problems.append(("select.test_split", "must differ from select.split: test is evaluated once, apart"))
     for name, changes in (recipe.variants or {}).items():
         if not re.fullmatch(r"[\w.-]+", name):
             problems.append((f"variants.{name}", "a variant name is a directory name: letters, digits, . _ -"))
@@ -586,6 +609,17 @@ def list_recipes() -> list[Path]:
     return sorted(RECIPES_DIR.glob("**/*.yaml"))
 
 
+def _variants(recipe: Recipe) -> dict[str, dict[str, Any]]:
+    """The recipe's variants (one unnamed where it has none), with a ``baseline`` (EA off) added where a selection
+    on validation needs one and none of them, nor the recipe, turns EA off."""
+    variants = dict(recipe.variants or {"": {}})
+    if recipe.select.metric is None or not recipe.ea.enabled:
+        return variants
+    if not any(changes.get("ea.enabled") is False for changes in variants.values()):
+        variants["baseline"] = {"ea.enabled": False}
+    return variants
+
+
 def expand_sweep(recipe: Recipe) -> list[Recipe]:
     """One recipe per variant and combination of the sweep grid (the recipe itself if it has neither).
 
@@ -593,9 +627,10 @@ def expand_sweep(recipe: Recipe) -> list[Recipe]:
     """
     if not recipe.sweep and not recipe.variants:
         return [recipe]
-    keys = list(recipe.sweep or {})
     runs = []
-    for name, changes in (recipe.variants or {"": {}}).items():
+    for name, changes in _variants(recipe).items():
+        # A baseline is not swept over EA's settings (the same run again and again).
+        keys = [key for key in recipe.sweep or {} if not (changes.get("ea.enabled") is False and key.startswith("ea."))]
         for combination in itertools.product(*(recipe.sweep[key] for key in keys)):
             data = recipe.to_dict()
             data["sweep"] = data["variants"] = None

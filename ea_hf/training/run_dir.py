@@ -103,11 +103,16 @@ def write_evaluation(
 ) -> Path:
     """Write a whole evaluation (every split's metrics, and per-example scores where there are some) so that
     ``eval/`` holds all of it or none: written into a folder beside it, then swapped in. A run whose ``eval/``
-    exists was evaluated to the end, which is what ``--skip-finished`` relies on."""
+    exists was evaluated to the end, which is what ``--skip-finished`` relies on. Splits evaluated before and
+    not now (a test split evaluated after a selection on validation) are kept."""
     final = run_dir / EVAL_DIR
     for stale in run_dir.glob(f"{EVAL_DIR}.partial-*"):  # left by a process killed while writing
         shutil.rmtree(stale, ignore_errors=True)
     partial = run_dir / f"{EVAL_DIR}.partial-{os.getpid()}"
+    partial.mkdir(parents=True)
+    for kept in final.iterdir() if final.is_dir() else ():
+        if kept.is_dir() and kept.name not in metrics:
+            shutil.copytree(kept, partial / kept.name)
     for split, values in metrics.items():
         write_metrics(run_dir, split, values, folder=partial.name)
     for split, scores in per_example.items():
@@ -229,14 +234,17 @@ def describe_evolution(settings: EvolvingAttentionSettings) -> str:
     return f"a={settings.alpha:g} b={settings.beta:g} k={settings.kernel_size}"
 
 
-def compare_runs(run_dirs: list[str | Path]) -> str:
-    """A table of runs side by side: task, EA settings and the task's metrics for every evaluated split."""
+def compare_runs(run_dirs: list[str | Path], splits: Sequence[str] | None = None) -> str:
+    """A table of runs side by side: task, EA settings and the task's metrics for every evaluated split (only
+    ``splits`` where given)."""
     rows = []
     for run_dir in run_dirs:
         recipe = read_run_recipe(run_dir)
         names = recipe.task_kind.metric_names(recipe)
         ea = describe_evolution(recipe.evolution()) if recipe.ea.enabled else "off"
         for split, metrics in read_metrics(run_dir).items():
+            if splits is not None and split not in splits:
+                continue
             scores = " ".join(f"{name}={metrics[name]:.4f}" for name in names if name in metrics)
             rows.append((str(run_dir), recipe.task_kind.task_label(recipe), ea, split, scores))
     if not rows:

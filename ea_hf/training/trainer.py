@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,12 +170,14 @@ def prepare(
     train: bool = True,
     args: transformers.TrainingArguments | None = None,
     adapter_dir: Path | None = None,
+    eval_splits: Sequence[str] | None = None,
 ):
     """The Trainer (model, preprocessor, processed splits) for a recipe, nothing trained yet, and its eval
     splits.
 
     With ``train=False`` (evaluation only) the train split is neither kept nor processed. ``adapter_dir``
-    loads a trained PEFT adapter instead of creating a new one.
+    loads a trained PEFT adapter instead of creating a new one. ``eval_splits``: the only splits evaluated
+    (during training too; None: every split but train), an error where the data has one of them not.
     """
     args = training_arguments(recipe, run_dir) if args is None else args
     # New weights (classifier head, convolutions) are part of the run: same seed, same run.
@@ -184,6 +186,11 @@ def prepare(
     kind = recipe.task_kind
     with args.main_process_first(desc="loading and preprocessing the data"):
         data, label_names = kind.load_data(recipe)
+        missing = [split for split in eval_splits or () if split == "train" or split not in data]
+        if missing:
+            raise ValueError(f"the data has no {missing[0]!r} split to evaluate (splits: {list(data)})")
+        for split in [split for split in data if eval_splits is not None and split not in ("train", *eval_splits)]:
+            del data[split]
         if not train:
             data.pop("train", None)
         elif "train" not in data:
@@ -240,9 +247,12 @@ def evaluate_splits(trainer: transformers.Trainer, eval_splits: dict[str, Any], 
 
 
 def run_recipe(
-    recipe: Recipe, resume: bool = False, callbacks: list[transformers.TrainerCallback] | None = None
+    recipe: Recipe,
+    resume: bool = False,
+    callbacks: list[transformers.TrainerCallback] | None = None,
+    eval_splits: Sequence[str] | None = None,
 ) -> dict[str, dict]:
-    """Fine-tune and evaluate one recipe (no sweep); return the metrics by split.
+    """Fine-tune and evaluate one recipe (no sweep); return the metrics by split (``eval_splits``: only these).
 
     A run directory that already holds a run is only reused with ``resume=True``, which continues from its
     last Trainer checkpoint (or starts afresh if there is none). Launched by ``torchrun`` or
@@ -264,7 +274,7 @@ def run_recipe(
         (run_dir / RECIPE_FILE).write_text(recipe.to_yaml())
     try:
         recipe = recipe.task_kind.before_training(recipe, run_dir, args)
-        trainer, eval_splits = prepare(recipe, run_dir, callbacks, args=args)
+        trainer, evaluated = prepare(recipe, run_dir, callbacks, args=args, eval_splits=eval_splits)
     except BaseException:
         # Bad data or a model that does not load: a run that never started leaves no directory that a rerun
         # would take for a run to --resume.
@@ -272,7 +282,7 @@ def run_recipe(
             _remove_run(run_dir, keep_folder=existed)
         raise
     try:
-        return _train_save_evaluate(trainer, eval_splits, recipe, run_dir, resume)
+        return _train_save_evaluate(trainer, evaluated, recipe, run_dir, resume)
     except Exception as error:
         # A full disk: one error that says so and where to resume from, whatever the library that hit it said.
         full = disk_full_error(error, run_dir)
@@ -302,17 +312,18 @@ def _remove_run(run_dir: Path, keep_folder: bool) -> None:
         shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
 
 
-def evaluate_run(run_dir: str | Path) -> dict[str, dict]:
-    """Re-evaluate the final model of a run on its evaluation splits (rewrites eval/<split>/metrics.json)."""
+def evaluate_run(run_dir: str | Path, splits: Sequence[str] | None = None) -> dict[str, dict]:
+    """Re-evaluate the final model of a run on its evaluation splits (``splits``: only these), rewriting their
+    eval/<split>/metrics.json."""
     run_dir = Path(run_dir)
     recipe = read_run_recipe(run_dir)
     if (run_dir / ADAPTER_CONFIG).is_file():
         # A PEFT run saved its adapter: rebuild the base as the run did, then load the adapter onto it.
-        trainer, eval_splits = prepare(recipe, run_dir, train=False, adapter_dir=run_dir)
+        trainer, eval_splits = prepare(recipe, run_dir, train=False, adapter_dir=run_dir, eval_splits=splits)
         return evaluate_splits(trainer, eval_splits, run_dir)
     recipe.model.name_or_path = str(run_dir)
     recipe.model.gguf_file = None  # the run saved an ordinary checkpoint
     recipe.ea.enabled = False  # the saved model is already what it is: EA or baseline
     recipe.peft.method = None
-    trainer, eval_splits = prepare(recipe, run_dir, train=False)
+    trainer, eval_splits = prepare(recipe, run_dir, train=False, eval_splits=splits)
     return evaluate_splits(trainer, eval_splits, run_dir)

@@ -1,0 +1,162 @@
+"""Selection on validation, the runner's protocol for a sweep that compares EA with its baseline.
+
+A recipe with ``select.metric`` (see :class:`~.recipe.SelectSection`) runs in two stages:
+
+1. every run of its sweep and variants trains and is evaluated on the selection split alone (``validation``);
+2. its configurations, each pooling the runs that differ only by seed, are ranked by their mean on that split;
+   the best one is chosen, and the best baseline (EA off, always among the candidates) is its reference. Only
+   the runs of these two are evaluated on the test split, once; the others never are.
+
+What was selected, on what and why is written to ``selection.json`` in the sweep's output directory, which
+``ea-hf card`` states in the cards of the runs below it.
+
+Example:
+    >>> candidates = [Candidate("runs/x/ea", {1: 0.80, 2: 0.84}, True), Candidate("runs/x/baseline", {1: 0.83}, False)]
+    >>> ranked = rank(candidates, lower_is_better=False)
+    >>> [candidate.name for candidate in ranked], round(ranked[0].mean, 3)
+    (['runs/x/baseline', 'runs/x/ea'], 0.83)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .evidence import seed_group_name
+from .recipe import Recipe
+from .run_dir import read_metrics, write_atomically
+
+SELECTION_FILE = "selection.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration: its runs' directory without the seed part, each seed's score on the selection split,
+    and whether it evolves attention."""
+
+    name: str
+    scores: dict[int, float]
+    evolving: bool
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.scores.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What a selection chose: the configuration, the baseline it is compared with (the best one with EA off;
+    the same as ``chosen`` where no EA setting did better), every candidate in rank order, and on what."""
+
+    metric: str
+    split: str
+    test_split: str
+    lower_is_better: bool
+    ranked: tuple[Candidate, ...]
+    chosen: Candidate
+    baseline: Candidate
+
+    def to_dict(self) -> dict[str, Any]:
+        direction = "lowest" if self.lower_is_better else "highest"
+        return {
+            "metric": self.metric,
+            "split": self.split,
+            "test_split": self.test_split,
+            "lower_is_better": self.lower_is_better,
+            "rule": (
+                f"the configuration with the {direction} mean {self.metric} on {self.split} over its seeds, among "
+                f"{len(self.ranked)} (the baseline, EA off, included); {self.test_split} evaluated once, for it "
+                "and the best baseline only"
+            ),
+            "chosen": self.chosen.name,
+            "baseline": self.baseline.name,
+            "candidates": [
+                {"name": c.name, "evolving": c.evolving, "mean": c.mean, "scores": c.scores} for c in self.ranked
+            ],
+        }
+
+    def table(self) -> str:
+        """The candidates in rank order with their validation means, the chosen and the baseline marked."""
+        lines = [f"Selection on {self.split} {self.metric} ({'lower' if self.lower_is_better else 'higher'} is "
+                 f"better), mean over seeds:"]  # fmt: skip
+        for candidate in self.ranked:
+            marks = [mark for mark, who in (("chosen", self.chosen), ("baseline", self.baseline)) if candidate is who]
+            seeds = len(candidate.scores)
+            lines.append(f"  {candidate.mean:.4f}  {candidate.name}  ({seeds} seed{'s' * (seeds > 1)})"
+                         + (f"  <- {', '.join(marks)}" if marks else ""))  # fmt: skip
+        if self.chosen is self.baseline:
+            lines.append("No EA setting reached the baseline on validation: the baseline is the choice.")
+        return "\n".join(lines)
+
+
+def rank(candidates: Sequence[Candidate], lower_is_better: bool) -> list[Candidate]:
+    """Best first by mean score; a tie goes to the baseline, then to the order of the recipe (stable)."""
+    return sorted(candidates, key=lambda c: ((c.mean if lower_is_better else -c.mean), c.evolving))
+
+
+def candidates_of(runs: Sequence[Recipe], metric: str, split: str) -> list[Candidate]:
+    """The runs' configurations (their seeds pooled) with each run's ``metric`` on ``split``, in run order."""
+    groups: dict[str, Candidate] = {}
+    for recipe in runs:
+        name = seed_group_name(recipe.output_dir)
+        scores = read_metrics(recipe.output_dir).get(split, {})
+        if metric not in scores:
+            raise ValueError(f"{recipe.output_dir} has no {metric} on {split!r}; was it evaluated?")
+        group = groups.setdefault(name, Candidate(name, {}, recipe.ea.enabled))
+        group.scores[recipe.train.seed] = float(scores[metric])
+    return list(groups.values())
+
+
+def select(runs: Sequence[Recipe]) -> Selection:
+    """Choose among the finished stage-1 runs of one selection recipe (see the module docstring)."""
+    settings = runs[0].select
+    metric, kind = settings.metric, runs[0].task_kind
+    lower_is_better = kind.lower_is_better(metric)
+    ranked = tuple(rank(candidates_of(runs, metric, settings.split), lower_is_better))
+    baselines = [candidate for candidate in ranked if not candidate.evolving]
+    if not baselines:
+        raise ValueError("a selection needs a baseline (EA off) among its runs")
+    return Selection(metric, settings.split, settings.test_split, lower_is_better, ranked, ranked[0], baselines[0])
+
+
+def selected_runs(runs: Sequence[Recipe], selection: Selection) -> list[Recipe]:
+    """The runs of the chosen configuration and of the baseline: the only ones evaluated on the test split."""
+    names = {selection.chosen.name, selection.baseline.name}
+    return [recipe for recipe in runs if seed_group_name(recipe.output_dir) in names]
+
+
+def write_selection(output_dir: str | Path, selection: Selection) -> Path:
+    return write_atomically(Path(output_dir) / SELECTION_FILE, json.dumps(selection.to_dict(), indent=2) + "\n")
+
+
+def selection_of(run_dir: str | Path) -> dict[str, Any] | None:
+    """The selection that ``run_dir`` took part in (``selection.json`` in a folder above it), or None."""
+    run_dir = Path(run_dir).resolve()
+    for folder in run_dir.parents:
+        path = folder / SELECTION_FILE
+        if path.is_file():
+            selection = json.loads(path.read_text())
+            names = {Path(candidate["name"]).resolve() for candidate in selection["candidates"]}
+            if Path(seed_group_name(run_dir)).resolve() in names:
+                return selection
+    return None
+
+
+def selection_sentence(run_dir: str | Path) -> str | None:
+    """What a model card says of the selection ``run_dir`` took part in (None: none): the rule, and whether this
+    run is of the chosen configuration or of the baseline."""
+    selection = selection_of(run_dir)
+    if selection is None:
+        return None
+    group = Path(seed_group_name(Path(run_dir).resolve()))
+    roles = [role for role in ("chosen", "baseline") if Path(selection[role]).resolve() == group]
+    role = {
+        ("chosen",): "This run is of the configuration chosen.",
+        ("baseline",): "This run is of the baseline the choice is compared with.",
+        ("chosen", "baseline"): "This run is of the baseline, which no EA setting beat on validation.",
+    }.get(tuple(roles), "This run was not chosen: its test split was not evaluated.")
+    return f"Selected on {selection['split']}, as `ea-hf run` does with `select`: {selection['rule']}. {role}"
