@@ -222,7 +222,7 @@ _DECODER_ONLY: dict[str, ArchitectureSpec] = {
             "qwen3_5_moe_text": "Qwen3_5Moe",
             # Chunked layers mask the keys outside their chunk, as sliding-window layers do.
             "llama4_text": "Llama4Text",
-            # A learned sink logit per head joins each row's softmax, not the evolving map (attention.join_sinks).
+            # A learned sink logit per head joins each row's softmax, not the evolving map (sinks.join_sinks).
             "gpt_oss": "GptOss",
         }.items()
     },

@@ -27,10 +27,10 @@ REPLAYS_KEY = "replays"
 #: write this layer's probabilities into them instead of allocating a new map.
 SPARE_KEY = "spare"
 #: Chain entry with a layer's attention weights once returned without autograd: the next layer may write its
-#: product QK^T into them instead of allocating a new map (see attention.spare_map).
+#: product QK^T into them instead of allocating a new map (see map_reuse.spare_map).
 SPENT_WEIGHTS_KEY = "spent_weights"
 #: Chain entry with the maps a layer's backward has spent, for the next layer down to recompute its P into
-#: (see attention_core.leave_spare_map): one dict per call, emptied when the backward pass ends.
+#: (see map_reuse.leave_spare_map): one dict per call, emptied when the backward pass ends.
 BACKWARD_SPARES_KEY = "backward_spares"
 #: Chain entry with the ``position_ids`` the stack was called with, where it got no attention mask: transformers
 #: then looks for packed sequences in them (documents whose positions restart), see packing.py.
