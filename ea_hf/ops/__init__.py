@@ -18,7 +18,9 @@ none applies, the core runs the same steps as torch operations.
   softmax and the product with the values after it, flash-style, without forming P), which run as the torch
   operators of :mod:`~ea_hf.ops.triton.operators` while torch.compile traces.
 - :mod:`ea_hf.ops.fused_step`: the step's forward as one pass of a kernel's correlation, and the operators'
-  schemas, shared by both; :mod:`ea_hf.ops.limits`: the largest step both kernels take.
+  schemas, shared by both, and when both step aside: while ``torch.onnx.export`` or ``torch.jit.trace`` traces
+  (``tracing_without_kernels``), which then record the torch operations; :mod:`ea_hf.ops.limits`: the largest
+  step both kernels take.
 """
 
 from ..modeling import register_fused_attention_tail, register_fused_kernel

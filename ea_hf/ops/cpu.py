@@ -3,8 +3,9 @@
 
 The kernel is C++ compiled on first use (:mod:`ea_hf.ops.native_build`), called through ctypes
 (:mod:`ea_hf.ops.cpu_binding`) and declared as torch operators (:mod:`ea_hf.ops.cpu_operators`), so that
-``torch.compile`` and ``torch.export`` see it as one node of the graph instead of stopping at a ctypes call. This
-module dispatches: while torch.compile traces, and where autograd differentiates the result, the evolution calls
+``torch.compile`` and ``torch.export`` see it as one node of the graph instead of stopping at a ctypes call (ONNX
+has no translation of them: while ``torch.onnx.export`` traces, :func:`applicable` is False). This module
+dispatches: while torch.compile traces, and where autograd differentiates the result, the evolution calls
 the operators; elsewhere (inference and decoding steps, the attention core's forward and backward) it calls their
 bodies directly, whose Python dispatch would cost a decoding step as much as the kernel itself.
 
@@ -26,7 +27,7 @@ from .cpu_binding import (
     select_kept,
     using_library,
 )
-from .fused_step import evolve_by_correlation, schema_arguments
+from .fused_step import evolve_by_correlation, schema_arguments, tracing_without_kernels
 from .limits import MAX_HEADS, MAX_KERNEL_COLUMNS, MAX_KERNEL_ROWS
 
 __all__ = [  # the kernel's protocol, and the library's controls that benchmarks and tests use
@@ -43,7 +44,8 @@ __all__ = [  # the kernel's protocol, and the library's controls that benchmarks
 
 
 def applicable(*tensors: Tensor | None, keep: Tensor | None = None, weight: Tensor) -> bool:
-    """Whether the CPU kernel can take these maps and this kernel: float32 on CPU, a mask shared by the heads."""
+    """Whether the CPU kernel can take these maps and this kernel: float32 on CPU, a mask shared by the heads, and
+    no ONNX export or jit trace running (:func:`~.fused_step.tracing_without_kernels`)."""
     if weight.shape[-2] > MAX_KERNEL_ROWS or weight.shape[-1] // 2 > MAX_KERNEL_COLUMNS // 2:
         return False
     maps = [t for t in tensors if t is not None]
@@ -53,7 +55,7 @@ def applicable(*tensors: Tensor | None, keep: Tensor | None = None, weight: Tens
         return False
     if keep is not None and keep.dim() == 4 and keep.shape[1] != 1:
         return False
-    return kernel_available()
+    return kernel_available() and not tracing_without_kernels()
 
 
 def evolve(

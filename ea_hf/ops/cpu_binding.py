@@ -33,7 +33,7 @@ import torch
 
 from ..modeling.step import EvolutionStep, GradientIn, ScaledMap, StepMaps, checked_packed_gate, pack_gate
 from . import native_build
-from .fused_step import CorrelationOptions
+from .fused_step import CorrelationOptions, tracing_without_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,8 @@ def select_kept(
     """``keep ? scale * x : fill`` in one pass of the kernel (``ea_select_kept``), into ``out`` where given (it may
     be ``x``), or ``None`` where the kernel does not take these tensors: ``x`` (and ``out``) a contiguous float32
     [B, H, Q, K] map on CPU of at least :data:`SELECT_KEPT_MIN_ENTRIES` entries, ``keep`` a bool mask that
-    broadcasts to it and is contiguous along the keys. Called directly, outside autograd and compilation (see
+    broadcasts to it and is contiguous along the keys, and no jit trace running
+    (:func:`~.fused_step.tracing_without_kernels`). Called directly, outside autograd and compilation (see
     ``ea_hf.modeling.convolution.select_kept``).
 
     Example:
@@ -183,7 +184,7 @@ def select_kept(
     except RuntimeError:  # does not broadcast
         return None
     library = cpu_kernel()
-    if (x.shape[-1] > 1 and keep.stride(-1) != 1) or library is None:
+    if (x.shape[-1] > 1 and keep.stride(-1) != 1) or library is None or tracing_without_kernels():
         return None
     out = torch.empty_like(x) if out is None else out
     batch, heads, rows, cols = x.shape

@@ -78,6 +78,23 @@ def evolve_by_correlation(
     return logits, saved
 
 
+def tracing_without_kernels() -> bool:
+    """Whether a trace that cannot record the fused kernels runs now: ``torch.onnx.export`` (either exporter: ONNX has
+    no translation of the kernels' torch operators) or ``torch.jit.trace`` (its tracer does not see the ctypes calls
+    and Triton launches of the operators' bodies). The kernels then decline every step, so that the trace records the
+    evolution's torch operations (``ea_hf.modeling.convolution``), which compute the same to float rounding. Plain
+    ``torch.export`` and ``torch.compile`` keep the operators. Checked by each kernel's ``applicable``: two flag
+    reads outside a trace.
+
+    Example:
+        >>> tracing_without_kernels()
+        False
+    """
+    if torch.jit.is_tracing():
+        return True
+    return torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export()
+
+
 def schema_arguments(step: EvolutionStep) -> tuple[float, float, int]:
     """The operators' primitive arguments for ``step``: (alpha, blend = 1 - beta, context_rows). The operators
     correlate masked tails (``step.skip_masked_tails`` is left out) and take the kernel's shape from its weight

@@ -32,6 +32,7 @@ from types import FunctionType, SimpleNamespace
 import torch
 
 from ...modeling.versions import release
+from ..fused_step import tracing_without_kernels
 
 #: The oldest triton the kernels compile with (the ``gpu`` extra's floor). An older one, such as the triton 3.2
 #: to 3.5 that torch 2.6 to 2.9 install with themselves, counts as absent: no kernel applies (and the evolution kernels
@@ -65,8 +66,9 @@ def opted_in() -> bool:
 
 
 def enabled() -> bool:
-    """Whether any kernel may run: a usable triton is installed and the kernels are asked for."""
-    return triton is not None and opted_in()
+    """Whether any kernel may run: a usable triton is installed, the kernels are asked for, and no ONNX export or
+    jit trace runs (:func:`~ea_hf.ops.fused_step.tracing_without_kernels`)."""
+    return triton is not None and opted_in() and not tracing_without_kernels()
 
 
 def float32_precision() -> str:

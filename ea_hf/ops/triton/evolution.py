@@ -92,10 +92,10 @@ TILE_NAMES = (
 def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor) -> bool:
     """Whether these kernels take these maps and this kernel weight.
 
-    True only with triton importable, ``EA_HF_TRITON=1`` (and ``TRITON_INTERPRET=1`` for CPU tensors),
-    4-D maps of one dtype (float32, bfloat16 or float16) on one CUDA or CPU device, fewer than 2**31 entries in
-    one batch element's map (offsets within it are int32), a mask shared by the heads, and a kernel of odd width
-    within the CPU kernel's limits.
+    True only with triton importable, ``EA_HF_TRITON=1`` (and ``TRITON_INTERPRET=1`` for CPU tensors), no ONNX
+    export or jit trace running (see :func:`.common.enabled`), 4-D maps of one dtype (float32, bfloat16 or
+    float16) on one CUDA or CPU device, fewer than 2**31 entries in one batch element's map (offsets within it are
+    int32), a mask shared by the heads, and a kernel of odd width within the CPU kernel's limits.
     """
     if not common.enabled():
         if common.TOO_OLD_TRITON is not None and common.opted_in():
