@@ -17,6 +17,8 @@ Sub-commands:
                                                           bootstrap CI and sign test against the reference)
     ea-hf viz RUN_DIR --text "..." [--compare [MODEL]]    plot a run's attention maps layer by layer (PNG)
     ea-hf card RUN_DIR [-o README.md]                     render a run's model card (no network)
+    ea-hf export --onnx RUN_DIR [--output DIR]            write model.onnx with its config and tokenizer
+                                                          (default DIR: RUN_DIR/onnx), checked in onnxruntime
     ea-hf push RUN_DIR --repo-id USER/NAME [--private] [--revision BRANCH] [--endpoint URL]
                                                           upload a run with its model card (token: HF_TOKEN
                                                           or `hf auth login`)
@@ -179,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     card.add_argument("run_dir")
     card.add_argument("--repo-id", default=None, help="repository id the card names (default: the recipe's name)")
     card.add_argument("--output", "-o", default=None, help="write the card to this file instead of printing it")
+    export = commands.add_parser("export", help="export the model of a run directory to ONNX, for onnxruntime")
+    export.add_argument(
+        "--onnx", action="store_true", required=True, help="write model.onnx (the one format so far; onnx extra)"
+    )
+    export.add_argument("run_dir", help="run directory or saved (EA) checkpoint")
+    export.add_argument("--output", "-o", default=None, help="directory to write, new or empty (default: RUN_DIR/onnx)")
     push = commands.add_parser("push", help="upload a run directory to the Hugging Face Hub with its model card")
     push.add_argument("run_dir")
     push.add_argument("--repo-id", required=True, help="USER/NAME or ORG/NAME of the model repository")

@@ -313,6 +313,17 @@ def card(args: argparse.Namespace) -> int:
     return 0
 
 
+def export(args: argparse.Namespace) -> int:
+    from ..integrations.onnx import export_checkpoint
+    from ..training.run_dir import check_finished
+
+    run_dir = check_finished(args.run_dir)
+    output = Path(args.output) if args.output else run_dir / "onnx"
+    exported = export_checkpoint(run_dir, output)
+    print(f"wrote {exported.path} ({exported.head.task}) with its config and preprocessor files to {output}")
+    return 0
+
+
 def push(args: argparse.Namespace) -> int:
     from ..hub.runs import push_run
 
