@@ -627,9 +627,9 @@ def markdown_report(report: dict) -> str:
     targets = (
         f"Targets (EA variants against eager): training step at most {TIME_TARGETS[512]}x at N = 512 and "
         f"{TIME_TARGETS[2048]}x at N = 2048; peak memory at most {MEMORY_TARGET}x. *Triton calls/step*: calls of "
-        "`triton_kernels.correlate` + `backward` per step (warm-ups included; compiled, the backward runs as an "
-        "operator and only `correlate` is counted); an `ea-triton` row with 0 fell back "
-        "to torch operations."
+        "`ea_hf.ops.triton.evolution.correlate` + `backward` per step (warm-ups included; compiled, the backward "
+        "runs as an operator and only `correlate` is counted); an `ea-triton` row with 0 fell back to torch "
+        "operations."
     )
     return (
         f"# Evolving Attention on GPU: eager vs sdpa vs EA (torch, Triton, torch.compile)\n\n{intro}\n\n{targets}\n\n"

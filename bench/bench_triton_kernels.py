@@ -40,6 +40,7 @@ from harness.cli import parse_case  # noqa: E402
 from harness.host import gpu_results_folder, utc_now, versions  # noqa: E402
 from harness.models import TORCH_DTYPES, torch_dtype  # noqa: E402
 from harness.timing import alternating, median_seconds, stopwatch  # noqa: E402
+from harness.traffic import evolution_traffic  # noqa: E402
 
 HEADS = 12
 FULL_CASES = ((512, 8), (2048, 2))
@@ -58,6 +59,9 @@ SWEEP = [
     {"WEIGHT_BLOCK_ROWS": 4, "WEIGHT_BLOCK_COLS": 16, "WEIGHT_TAP_BLOCK": 128, "WEIGHT_NUM_WARPS": 8},
     {"WEIGHT_BLOCK_ROWS": 8, "WEIGHT_BLOCK_COLS": 32, "WEIGHT_TAP_BLOCK": 16, "WEIGHT_NUM_WARPS": 4},
 ]
+#: How far a swept setting's step may be from torch operations' in float64 (largest error relative to the largest
+#: value) to be chosen by ``--tune``: the accuracy rule of the kernels' tests for each dtype.
+TUNE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}
 #: Where ``--liger`` finds Liger-Kernel's Multi-Token Attention module (the import its README shows).
 LIGER_CLASS = ("liger_kernel.transformers", "LigerMultiTokenAttention")
 #: What each side of the Liger comparison computes, recorded beside the times: the two do different work on maps
@@ -161,6 +165,12 @@ def run_case(dtype: str, length: int, batch: int, causal: bool, args: argparse.N
     case: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "causal": causal, "heads": HEADS}
     case |= time_paths(inputs, args)
     case["relative_errors"] = path_errors(inputs)
+    # The bandwidth each path achieved on the least bytes the step must move (bench/harness/traffic.py).
+    traffic = evolution_traffic(batch, HEADS, length, dtype)
+    for path in ("triton", "torch"):
+        case[f"{path}_forward_gb_s"] = traffic.forward_bytes / case[f"{path}_forward_ms"] / 1e6
+        both = traffic.forward_bytes + traffic.backward_bytes
+        case[f"{path}_forward_backward_gb_s"] = both / case[f"{path}_forward_backward_ms"] / 1e6
     for name in MODES.values():
         case[f"{name}_triton_over_torch"] = case[f"triton_{name}_ms"] / case[f"torch_{name}_ms"]
     return case
@@ -261,11 +271,54 @@ def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace) -> 
                     for mode, name in MODES.items():
                         step = functools.partial(evolve, inputs, mode)
                         row[f"{name}_ms"] = 1000 * median_seconds(step, device, args.repeats, args.warmup)
+                    if args.tune:  # a setting is chosen only where it computes the step right
+                        row["largest_relative_error"] = max(path_errors(inputs).values())
                 except Exception as error:  # e.g. out of shared memory: recorded, the sweep goes on
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             rows.append(row)
             print(f"  sweep {dtype} N={length} {setting}: {row.get('forward_ms', row.get('error'))}", flush=True)
     return rows
+
+
+def tuned_entry(rows: list[dict], capability: str, bucket: int) -> dict | None:
+    """The tuned-tile table's entry (``ea_hf/ops/triton/tuned_tiles.json``) for one dtype's sweep ``rows``: the
+    fastest correct forward tiles (by the forward's time; they also shape the input gradient's launch) and the
+    fastest correct weight-gradient tiles (by forward and backward); None where no setting was correct."""
+    dtype = rows[0]["dtype"]
+    tolerance = TUNE_TOLERANCE[dtype]
+    correct = [row for row in rows if "error" not in row and row["largest_relative_error"] <= tolerance]
+    tiles: dict[str, Any] = {}
+    for weight_tiles, time in ((False, "forward_ms"), (True, "forward_backward_ms")):
+        group = [row for row in correct if any(name.startswith("WEIGHT_") for name in row["setting"]) == weight_tiles]
+        if group:
+            tiles |= min(group, key=lambda row: row[time])["setting"]
+    if not tiles:
+        return None
+    return {"family": "evolution", "capability": capability, "dtype": str(torch_dtype(dtype)).removeprefix("torch."),
+            "bucket": bucket, "tiles": tiles,
+            "chosen_on": f"N={rows[0]['n']}, batch {rows[0]['batch']}, {HEADS} heads"}  # fmt: skip
+
+
+def write_tuned_table(path: str, sweeps: list[dict], capability: str) -> list[dict]:
+    """The committed tuned-tile table with this GPU's entries (one per dtype, from its largest case) in place of
+    any of the same key, written to ``path``; returns the new entries."""
+    kernels = ea.triton_kernels()
+    from ea_hf.ops.triton import common
+
+    table = json.loads(common.TUNED_TILES_FILE.read_text())
+    entries = []
+    for dtype in dict.fromkeys(row["dtype"] for row in sweeps):
+        rows = [row for row in sweeps if row["dtype"] == dtype]
+        largest = max((row["n"], row["batch"]) for row in rows)
+        entry = tuned_entry([row for row in rows if (row["n"], row["batch"]) == largest], capability,
+                            kernels.tile_bucket(HEADS))  # fmt: skip
+        if entry is not None:
+            entries.append(entry)
+    keys = ("family", "capability", "dtype", "bucket")
+    kept = [old for old in table["entries"] if not any(all(old[k] == new[k] for k in keys) for new in entries)]
+    table["entries"] = kept + entries
+    Path(path).write_text(json.dumps(table, indent=2) + "\n")
+    return entries
 
 
 def run_cases(args: argparse.Namespace, liger_class: Any) -> tuple[list[dict], list[dict]]:
@@ -286,7 +339,7 @@ def run_cases(args: argparse.Namespace, liger_class: Any) -> tuple[list[dict], l
                 if liger_class is not None and not causal:  # Liger's kernel is centred, 3x3 as the step's
                     case["liger"] = compare = compare_liger(liger_class, dtype, length, batch, args)
                     print(liger_line(compare), flush=True)
-            if args.sweep:
+            if args.sweep or args.tune:
                 sweeps.extend(run_sweep(dtype, length, batch, args))
     return cases, sweeps
 
@@ -334,6 +387,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--liger", action="store_true", help="also time Liger-Kernel's Multi-Token Attention (centred cases)"
     )
+    parser.add_argument(
+        "--tune",
+        metavar="TABLE",
+        help="sweep the tiles, check each setting against torch operations, and write the tuned-tile table with "
+        "this GPU's fastest correct settings to TABLE (copy it to ea_hf/ops/triton/tuned_tiles.json to commit it)",
+    )
     parser.add_argument("--repeats", type=int, help="timed calls (default 20; dry run 2)")
     parser.add_argument("--warmup", type=int, help="untimed calls first (default 3; dry run 1)")
     parser.add_argument("--out", help="output folder (default bench/results/<gpu name slug>, or .../cpu dry)")
@@ -345,9 +404,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def torch_capability() -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     report = collect(args)
+    if args.tune:
+        capability = "interpreter" if args.dry_run else "{}.{}".format(*torch_capability())
+        report["tuned_entries"] = write_tuned_table(args.tune, report["sweep"], capability)
+        print(f"tuned tiles for {capability}: {report['tuned_entries']}; wrote {args.tune}")
     name = "triton_kernels_dry_run.json" if args.dry_run else "triton_kernels.json"
     folder = gpu_results_folder(args.out, report["gpu"])
     folder.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,6 @@ both GPUs.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -24,59 +23,14 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import RESULTS_DIR  # noqa: E402
 from harness.models import DTYPE_BYTES  # noqa: E402
+from harness.traffic import Gpu, Traffic, evolution_traffic  # noqa: E402
 
 RESULTS = RESULTS_DIR / "nvidia-h200"
-
-
-@dataclasses.dataclass(frozen=True)
-class Gpu:
-    """Peak HBM bandwidth (bytes/s) and dense tensor-core throughput (FLOP/s) from the vendor's data sheets."""
-
-    name: str
-    bandwidth: float
-    flops: dict[str, float]
 
 
 #: SXM parts. fp32 maps multiply as TF32 on tensor cores (cuDNN's and the kernels' default).
 H100 = Gpu("H100 SXM", 3.35e12, {"bf16": 989e12, "fp32": 495e12})
 H200 = Gpu("H200 SXM", 4.8e12, {"bf16": 989e12, "fp32": 495e12})
-
-
-@dataclasses.dataclass(frozen=True)
-class Traffic:
-    """The least bytes and the FLOPs of one layer's evolution step, forward and backward."""
-
-    forward_bytes: int
-    backward_bytes: int
-    forward_flops: int
-    backward_flops: int
-
-    def seconds(self, gpu: Gpu, dtype: str, passes: str = "both") -> float:
-        """The roofline time: the larger of the memory time and the compute time, per pass."""
-        bytes_flops = {
-            "forward": [(self.forward_bytes, self.forward_flops)],
-            "both": [(self.forward_bytes, self.forward_flops), (self.backward_bytes, self.backward_flops)],
-        }[passes]
-        return sum(max(b / gpu.bandwidth, f / gpu.flops[dtype]) for b, f in bytes_flops)
-
-
-def evolution_traffic(batch: int, heads: int, n: int, dtype: str, kernel: int = 3) -> Traffic:
-    """What one layer's fused evolution step must move and compute (see the module docstring); the padding mask
-    (one map of the model's dtype per sequence) is read once a pass.
-
-    Example:
-        >>> traffic = evolution_traffic(8, 12, 512, "bf16")
-        >>> round(traffic.forward_bytes / 1e6), round(traffic.backward_bytes / 1e6)  # MB
-        (158, 367)
-    """
-    elements = batch * heads * n * n
-    size = DTYPE_BYTES[dtype]
-    mask = batch * n * n * size
-    gate = elements / 8  # bit-packed
-    forward = 3 * size * elements + gate + mask  # S, A_prev in; A_logit, the gate out
-    backward = 7 * size * elements + 2 * gate + 2 * mask  # G, addend, S, A_prev, G again in; 2 grads out
-    flops = 2 * kernel * kernel * heads * elements
-    return Traffic(forward, backward, flops, 2 * flops)
 
 
 def eager_traffic(batch: int, heads: int, n: int, dtype: str, head_dim: int = 64) -> Traffic:

@@ -1,5 +1,6 @@
 """The benchmark's bookkeeping: ratios, targets and the table from known figures (no model is run)."""
 
+import json
 import os
 import sys
 
@@ -230,7 +231,7 @@ if args and args[0].startswith("bench/") and args[0].endswith(".py"):
 @pytest.mark.parametrize(
     ("session", "scripts"),
     [
-        ("gpu_session.sh", {"bench_attention", "bench_gpu", "bench_decoder"}),
+        ("gpu_session.sh", {"bench_attention", "bench_gpu", "bench_decoder", "bench_triton_kernels"}),
         ("cpu_host_session.sh", {"bench_attention"}),
     ],
 )
@@ -251,6 +252,34 @@ def test_every_command_of_a_session_script_parses(tmp_path, session, scripts):
     subprocess.run(["bash", f"bench/{session}"], cwd=repo, env=environment, capture_output=True, timeout=120)
     assert not (tmp_path / "failed.log").exists(), (tmp_path / "failed.log").read_text()
     parsed = [json.loads(line) for line in (tmp_path / "parsed.log").read_text().splitlines()]
-    if session == "gpu_session.sh" and list((repo / "bench" / "wheels").glob("liger_kernel-*.whl")):
-        scripts = scripts | {"bench_triton_kernels"}
     assert {Path(args[0]).stem for args in parsed} == scripts
+
+
+@pytest.mark.slow
+def test_the_gpu_session_dry_run_runs_every_step(tmp_path):
+    """``DRY_RUN=1 bash bench/gpu_session.sh``: every step's CPU dry run (Triton's interpreter, tiny models) ends
+    well within its limit and leaves its results in the one tarball that comes back, the tuned-tile table
+    included."""
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    environment = {**os.environ, "OUT": str(tmp_path), "DRY_RUN": "1", "PYTHON": sys.executable}
+    completed = subprocess.run(["bash", "bench/gpu_session.sh"], cwd=repo, env=environment, capture_output=True,
+                               text=True, timeout=600)  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["gpu_session.tgz", "session.log"]
+    with tarfile.open(tmp_path / "gpu_session.tgz") as archive:
+        names = set(archive.getnames())
+        statuses = {
+            name.split("/")[0]: archive.extractfile(name).read().decode().split()
+            for name in names
+            if name.endswith("status.txt")
+        }
+        table = json.loads(archive.extractfile("c_tune/tuned_tiles.json").read())
+    assert statuses == {"a_smoke": ["0"], "b_table": ["0", "0", "0"], "c_tune": ["0"], "e_decoder": ["0"]}
+    for result in ("512", "2048", "compiled"):
+        assert f"b_table/{result}/bench_gpu_dry_run.json" in names
+    assert {"c_tune/triton_kernels_dry_run.json", "a_smoke/tests.xml", "machine.txt"} <= names
+    assert [entry["capability"] for entry in table["entries"]] == ["interpreter"]

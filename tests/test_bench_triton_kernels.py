@@ -31,7 +31,7 @@ def triton_kernels(bench):
     return bench.ea.triton_kernels()
 
 
-def test_dry_run_times_both_paths_and_sweeps_the_tiles(bench, triton_kernels, tmp_path, monkeypatch):
+def test_dry_run_times_both_paths_and_tunes_the_tiles(bench, triton_kernels, tmp_path, monkeypatch):
     calls = spy_on(monkeypatch, triton_kernels)
     tiles = {name: getattr(triton_kernels, name) for name in bench.ea.triton_tile_names()}
     environment = {name: os.environ.get(name) for name in ("EA_HF_TRITON", "TRITON_INTERPRET")}
@@ -39,7 +39,8 @@ def test_dry_run_times_both_paths_and_sweeps_the_tiles(bench, triton_kernels, tm
 
     # One timed call after the warm-up (the dry run's default is two): each still runs on the kernels and is timed;
     # the interpreter's times mean nothing, and every call of the sweep is slow in it.
-    bench.main(["--dry-run", "--sweep", "--repeats", "1", "--out", str(tmp_path)])
+    table = tmp_path / "tuned_tiles.json"
+    bench.main(["--dry-run", "--tune", str(table), "--repeats", "1", "--out", str(tmp_path)])
 
     report = json.loads((tmp_path / "triton_kernels_dry_run.json").read_text())
     assert [(c["dtype"], c["n"], c["batch"], c["causal"]) for c in report["cases"]] == [
@@ -55,12 +56,27 @@ def test_dry_run_times_both_paths_and_sweeps_the_tiles(bench, triton_kernels, tm
         assert set(case["relative_errors"]) == {"output", "scores", "previous", "weight", "bias"}
         assert max(case["relative_errors"].values()) <= 1e-5
     # Every timed Triton call and the sweep ran on the kernels: per case 3 modes x (1 warm-up + 1) calls, the
-    # error check, then 8 settings x 3 modes x 2 calls; backward once per call of the backward mode.
-    assert calls.count("correlate") == 2 * (3 * 2 + 1) + len(bench.SWEEP) * 3 * 2
-    assert calls.count("backward") == 2 * (2 + 1) + len(bench.SWEEP) * 2
+    # error check, then 8 settings x (3 modes x 2 calls + the setting's error check); backward once per call of
+    # the backward mode and check.
+    assert calls.count("correlate") == 2 * (3 * 2 + 1) + len(bench.SWEEP) * (3 * 2 + 1)
+    assert calls.count("backward") == 2 * (2 + 1) + len(bench.SWEEP) * (2 + 1)
     assert [row["setting"] for row in report["sweep"]] == bench.SWEEP
     for row in report["sweep"]:
         assert "error" not in row and all(row[f"{mode}_ms"] > 0 for mode in bench.MODES.values())
+        assert row["largest_relative_error"] <= bench.TUNE_TOLERANCE["fp32"]
+    # --tune: the committed table with this machine's entry, the fastest forward and weight-gradient settings.
+    fastest = {
+        weight: min((row for row in report["sweep"] if ("WEIGHT_BLOCK_ROWS" in row["setting"]) == weight),
+                    key=lambda row: row["forward_backward_ms" if weight else "forward_ms"])["setting"]
+        for weight in (False, True)
+    }  # fmt: skip
+    (entry,) = json.loads(table.read_text())["entries"]
+    assert entry["tiles"] == fastest[False] | fastest[True] and report["tuned_entries"] == [entry]
+    key = {name: entry[name] for name in ("family", "capability", "dtype", "bucket")}
+    assert key == {"family": "evolution", "capability": "interpreter", "dtype": "float32", "bucket": 16}
+    assert set(entry["tiles"]) <= set(triton_kernels.TILE_NAMES)
+    for case in report["cases"]:  # the bandwidth each path achieved on the step's least bytes
+        assert 0 < case["triton_forward_gb_s"] and 0 < case["torch_forward_backward_gb_s"]
     assert report["settings"]["dry_run"] is True and report["gpu"] is None
     defaults = bench.parse_args(["--dry-run"])  # what the dry run times without --repeats
     assert (report["settings"]["repeats"], defaults.repeats, defaults.warmup) == (1, 2, 1)

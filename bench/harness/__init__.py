@@ -10,7 +10,8 @@
 - :mod:`harness.host`: the machine and library versions, what other processes did meanwhile, result folders;
 - :mod:`harness.children`: a script's internal mode run in a fresh process, its one JSON result line read back;
 - :mod:`harness.tables`: cells, ratios, targets and Markdown tables;
-- :mod:`harness.cli`: command-line pieces more than one script parses.
+- :mod:`harness.cli`: command-line pieces more than one script parses;
+- :mod:`harness.traffic`: the least bytes and FLOPs of one layer's evolution step (roofline and achieved bandwidth).
 
 The scripts are not a package: each puts ``bench/`` on ``sys.path`` and imports ``harness`` from there, and no
 script imports another.

@@ -42,11 +42,9 @@ def triton_kernels() -> ModuleType:
     """ea_hf's Triton kernels of the evolution step: the module whose tiles the benchmarks set and whose entry
     points (``correlate``, ``backward``) they count. The one place the benchmarks name it."""
     import_ea_hf()
-    try:
-        from ea_hf.ops.triton import evolution as module
-    except ImportError:  # its name in a checkout without the ea_hf.ops.triton package
-        from ea_hf.ops import triton_kernels as module
-    return module
+    from ea_hf.ops.triton import evolution
+
+    return evolution
 
 
 def fused_kernels(kernels: list[ModuleType]) -> contextlib.AbstractContextManager[None]:
@@ -60,8 +58,7 @@ def fused_kernels(kernels: list[ModuleType]) -> contextlib.AbstractContextManage
 
 def triton_tile_names() -> tuple[str, ...]:
     """The names of the Triton kernels' tile settings (module attributes, :func:`triton_kernels`)."""
-    module = triton_kernels()
-    return tuple(getattr(module, "TILE_NAMES", None) or module._TILE_NAMES)
+    return triton_kernels().TILE_NAMES
 
 
 @contextlib.contextmanager

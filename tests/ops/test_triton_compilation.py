@@ -8,6 +8,7 @@ takes every kernel as launched, that a program's shared memory fits an H100, and
 tensor cores.
 """
 
+import json
 import os
 
 import pytest
@@ -111,6 +112,38 @@ def test_compiled_under_the_triton_asked_for():
     if expected is None:
         pytest.skip("EA_HF_EXPECT_TRITON not set: the installed triton is the one meant")
     assert release(triton.__version__)[: len(release(expected))] == release(expected), triton.__version__
+
+
+def test_tiles_tuned_on_a_gpu_apply_to_their_capability_dtype_and_heads_only(monkeypatch, tmp_path):
+    """An entry of the tuned-tile table (bench_triton_kernels.py --tune) goes over GPU_TILES where its key matches
+    the launch: compiled, on a GPU of its capability, maps of its dtype, heads of its bucket; nowhere else."""
+    from ea_hf.ops.triton import common
+
+    entry = {"family": "evolution", "capability": "9.0", "dtype": "bfloat16", "bucket": 16}
+    table = tmp_path / "tuned_tiles.json"
+    table.write_text(json.dumps({"entries": [entry | {"tiles": {"BLOCK_ROWS": 32, "NUM_WARPS": 2}}]}))
+    monkeypatch.setattr(common, "TUNED_TILES_FILE", table)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cuda, half = torch.device("cuda"), kernels.GPU_TILES["half"]
+    tuned = kernels.tile_settings(torch.bfloat16, 12, cuda)
+    assert (tuned.BLOCK_ROWS, tuned.NUM_WARPS, tuned.TAP_BLOCK) == (32, 2, half["TAP_BLOCK"])
+    for other in [(torch.float16, 12, cuda), (torch.bfloat16, 17, cuda), (torch.bfloat16, 12, torch.device("cpu"))]:
+        assert kernels.tile_settings(*other).BLOCK_ROWS == half["BLOCK_ROWS"], other
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert kernels.tile_settings(torch.bfloat16, 12, cuda).BLOCK_ROWS == half["BLOCK_ROWS"]
+    monkeypatch.setattr(kernels, "GPU_TILES", kernels.NO_GPU_TILES)  # what tests and sweeps set: module tiles
+    assert kernels.tile_settings(torch.bfloat16, 12, cuda).BLOCK_ROWS == kernels.BLOCK_ROWS
+
+
+def test_the_shipped_tuned_tiles_name_real_tiles():
+    """A misspelt tile in the committed table would be ignored without a word."""
+    from ea_hf.ops.triton import common
+
+    entries = json.loads(common.TUNED_TILES_FILE.read_text())["entries"]
+    for entry in entries:
+        assert {"family", "capability", "dtype", "bucket", "tiles"} <= set(entry)
+        assert entry["family"] == "evolution" and set(entry["tiles"]) <= set(kernels.TILE_NAMES), entry
 
 
 @pytest.mark.slow

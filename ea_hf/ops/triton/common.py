@@ -25,8 +25,11 @@ annotations``), which triton reads as such, so that the kernel modules import wi
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import threading
+from pathlib import Path
 from types import FunctionType, SimpleNamespace
 
 import torch
@@ -53,6 +56,39 @@ if triton is not None and release(triton.__version__) < release(MIN_TRITON):
 
 #: The dtypes of the maps the kernels take.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+#: The tiles chosen on GPUs (``bench/bench_triton_kernels.py --tune``), read by :func:`tuned_tiles`.
+TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
+
+
+def tile_key(family: str, device: torch.device, dtype: torch.dtype, bucket: int) -> dict[str, object]:
+    """What an entry of the tuned-tile table is keyed by: the kernel family, the GPU's compute capability
+    (``"9.0"``), the maps' dtype and the family's size bucket (a power of two: the padded heads of the evolution
+    kernels)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return {"family": family, "capability": f"{major}.{minor}", "dtype": str(dtype).removeprefix("torch."),
+            "bucket": bucket}  # fmt: skip
+
+
+@functools.cache
+def _tuned_entries(path: Path) -> tuple[dict, ...]:
+    return tuple(json.loads(path.read_text())["entries"]) if path.is_file() else ()
+
+
+def tuned_tiles(key: dict[str, object], path: Path | None = None) -> dict[str, object]:
+    """The tiles the table at ``path`` (:data:`TUNED_TILES_FILE`) holds for ``key`` (see :func:`tile_key`), or
+    none: the kernels' defaults.
+
+    Example:
+        >>> key = {"family": "evolution", "capability": "0.0", "dtype": "bfloat16", "bucket": 16}
+        >>> tuned_tiles(key)  # no GPU of capability 0.0 was tuned
+        {}
+    """
+    for entry in _tuned_entries(path or TUNED_TILES_FILE):
+        if all(entry.get(name) == value for name, value in key.items()):
+            return dict(entry["tiles"])
+    return {}
 
 
 def interpreting() -> bool:

@@ -313,8 +313,8 @@ def correlate(
     most of a GPU idle), so the scratch is at most the map itself and usually a fraction of it.
     """
     options = CorrelationOptions(**options)
-    kernels, tiles = jitted(), tile_settings(x.dtype)
     batch, heads, rows, cols = x.shape
+    kernels, tiles = jitted(), tile_settings(x.dtype, heads, x.device)
     x = x.contiguous()
     weight = _float32(weight, x.device)
     bias = _float32(bias, x.device)
@@ -565,7 +565,7 @@ def backward_pass(
     keep, *keep_strides = _keep_view(keep, batch, rows, cols)
     grad_scores = torch.empty_like(scores)
     grad_previous = None if previous is None else torch.empty_like(scores)
-    tiles = tile_settings(scores.dtype)
+    tiles = tile_settings(scores.dtype, heads, scores.device)
     grid = (batch, triton.cdiv(rows, tiles.BLOCK_ROWS), triton.cdiv(cols, tiles.BLOCK_COLS))
     kernels.input_grad[grid](
         incoming,
@@ -639,13 +639,27 @@ def backward_pass(
     return grad_scores, grad_previous, grad_weight, sums[:, columns - 1].contiguous()
 
 
-def tile_settings(dtype: torch.dtype) -> SimpleNamespace:
-    """The tile settings for maps of ``dtype``: the module's, with GPU_TILES of the dtype over them where the
-    kernels are compiled (read at call time, so that tests can set them)."""
+def tile_settings(dtype: torch.dtype, heads: int = 1, device: torch.device | None = None) -> SimpleNamespace:
+    """The tile settings for ``heads`` maps of ``dtype``: the module's, where the kernels are compiled with
+    GPU_TILES of the dtype over them, and over those the tiles chosen on this GPU (:func:`~.common.tuned_tiles`,
+    keyed by :func:`tile_bucket`). Read at call time, so that tests can set them."""
     tiles = {name: globals()[name] for name in TILE_NAMES}
     if not common.interpreting():
         tiles.update(GPU_TILES["float32" if dtype == torch.float32 else "half"])
+        if device is not None and device.type == "cuda" and GPU_TILES is not NO_GPU_TILES:
+            tiles.update(common.tuned_tiles(common.tile_key("evolution", device, dtype, tile_bucket(heads))))
     return SimpleNamespace(**tiles)
+
+
+def tile_bucket(heads: int) -> int:
+    """The tuned-tile table's bucket of ``heads`` maps: the heads padded to a power of two of at least 16, as the
+    products pad them (BLOCK_H), so that tiles tuned on 12 heads serve 16.
+
+    Example:
+        >>> tile_bucket(12), tile_bucket(16), tile_bucket(40)
+        (16, 16, 64)
+    """
+    return max(16, 1 << (heads - 1).bit_length())
 
 
 def product_tiles(
@@ -655,7 +669,7 @@ def product_tiles(
     smallest side), the pixel tile, the reduction block, and how the maps are multiplied
     (:func:`~.common.product_switches`)."""
     return {
-        "BLOCK_H": max(16, triton.next_power_of_2(heads)),
+        "BLOCK_H": tile_bucket(heads),
         "BLOCK_Q": block_rows,
         "BLOCK_K": block_cols,
         "BLOCK_TAPS": tap_block,
