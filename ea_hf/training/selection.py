@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,7 +61,13 @@ class Selection:
     chosen: Candidate
     baseline: Candidate
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, folder: Path | None = None) -> dict[str, Any]:
+        """The selection as ``selection.json`` records it; ``folder``: the configurations named relative to it
+        (the sweep's folder, so that the record stays true when the folder moves)."""
+
+        def named(candidate: Candidate) -> str:
+            return candidate.name if folder is None else os.path.relpath(candidate.name, folder)
+
         direction = "lowest" if self.lower_is_better else "highest"
         return {
             "metric": self.metric,
@@ -72,10 +79,10 @@ class Selection:
                 f"{len(self.ranked)} (the baseline, EA off, included); {self.test_split} evaluated once, for it "
                 "and the best baseline only"
             ),
-            "chosen": self.chosen.name,
-            "baseline": self.baseline.name,
+            "chosen": named(self.chosen),
+            "baseline": named(self.baseline),
             "candidates": [
-                {"name": c.name, "evolving": c.evolving, "mean": c.mean, "scores": c.scores} for c in self.ranked
+                {"name": named(c), "evolving": c.evolving, "mean": c.mean, "scores": c.scores} for c in self.ranked
             ],
         }
 
@@ -130,30 +137,33 @@ def selected_runs(runs: Sequence[Recipe], selection: Selection) -> list[Recipe]:
 
 
 def write_selection(output_dir: str | Path, selection: Selection) -> Path:
-    return write_atomically(Path(output_dir) / SELECTION_FILE, json.dumps(selection.to_dict(), indent=2) + "\n")
+    """``selection.json`` in the sweep's folder ``output_dir``, its configurations named relative to it."""
+    record = selection.to_dict(Path(output_dir))
+    return write_atomically(Path(output_dir) / SELECTION_FILE, json.dumps(record, indent=2) + "\n")
 
 
-def selection_of(run_dir: str | Path) -> dict[str, Any] | None:
-    """The selection that ``run_dir`` took part in (``selection.json`` in a folder above it), or None."""
-    run_dir = Path(run_dir).resolve()
-    for folder in run_dir.parents:
+def selection_of(run_dir: str | Path) -> tuple[dict[str, Any], str] | None:
+    """The selection that ``run_dir`` took part in (``selection.json`` in a folder above it), and the name it has
+    there (its configuration's folder relative to the selection's); None where it took part in none."""
+    group = Path(seed_group_name(Path(run_dir).resolve()))
+    for folder in group.parents if group.name else ():
         path = folder / SELECTION_FILE
         if path.is_file():
             selection = json.loads(path.read_text())
-            names = {Path(candidate["name"]).resolve() for candidate in selection["candidates"]}
-            if Path(seed_group_name(run_dir)).resolve() in names:
-                return selection
+            name = os.path.relpath(group, folder)
+            if name in {candidate["name"] for candidate in selection["candidates"]}:
+                return selection, name
     return None
 
 
 def selection_sentence(run_dir: str | Path) -> str | None:
     """What a model card says of the selection ``run_dir`` took part in (None: none): the rule, and whether this
     run is of the chosen configuration or of the baseline."""
-    selection = selection_of(run_dir)
-    if selection is None:
+    found = selection_of(run_dir)
+    if found is None:
         return None
-    group = Path(seed_group_name(Path(run_dir).resolve()))
-    roles = [role for role in ("chosen", "baseline") if Path(selection[role]).resolve() == group]
+    selection, name = found
+    roles = [role for role in ("chosen", "baseline") if selection[role] == name]
     role = {
         ("chosen",): "This run is of the configuration chosen.",
         ("baseline",): "This run is of the baseline the choice is compared with.",
