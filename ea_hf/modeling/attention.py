@@ -27,7 +27,13 @@ except ImportError:  # pragma: no cover - a transformers without it (see attenti
 
 from .chain import CHAIN_KWARG, WEIGHTS_READ_KEY
 from .evolution import AttentionMapEvolution
-from .history import ConvolutionHistory, convolution_history
+from .history import (
+    ConvolutionHistory,
+    StaticConvolutionHistory,
+    convolution_history,
+    static_convolution_history,
+    static_layout,
+)
 from .kernels import FusedAttentionTail, fused_attention_tail
 from .map_reuse import leave_spent_weights, spare_map, spent_weights, writes_into_weights
 from .masks import AttentionMask, convolution_mask, evolving_attention_mask, split_attention_mask
@@ -146,11 +152,11 @@ def attend(
 class EvolvingCall(NamedTuple):
     """What an evolving layer's call finds before it attends: the convolution's input mask (``conv_mask``), the
     earlier rows of its convolution input where it decodes with a cache (``history``; else None), and the number
-    of cached query positions before this call's (``past``)."""
+    of cached query positions before this call's (``past``: a tensor where a static cache's history counts them)."""
 
     conv_mask: torch.Tensor | None
-    history: ConvolutionHistory | None
-    past: int
+    history: ConvolutionHistory | StaticConvolutionHistory | None
+    past: int | torch.Tensor
 
 
 def evolving_call(
@@ -179,10 +185,14 @@ def evolving_call(
             f"{type(module).__name__} attends to {key.shape[-2]} keys from {query_length} queries, but its KV "
             f"cache did not reach evolving attention: the module takes it under none of {CACHE_ARGUMENTS}."
         )
-    past = 0 if cache is None else cache.get_seq_length() - query_length
-    history = None
-    if cache is not None and evolution.causal and evolution.beta != 0.0:
-        history = convolution_history(cache, evolution.key, past)
+    keeps_rows = cache is not None and evolution.causal and evolution.beta != 0.0
+    if keeps_rows and static_layout(cache):
+        # A static cache (torch.compile's): the tokens seen are a tensor of the kept rows, not read on the host.
+        history = static_convolution_history(cache, evolution.key, query_length, evolution.context_rows)
+        past = 0 if history.seen_tokens is None else history.seen_tokens.clone()
+    else:
+        past = 0 if cache is None else cache.get_seq_length() - query_length
+        history = convolution_history(cache, evolution.key, past) if keeps_rows else None
     conv_mask = convolution_mask(evolution.role, mask.allowed, query_length, past, chain if chain is not None else {})
     return EvolvingCall(conv_mask, history, past)
 

@@ -42,8 +42,8 @@ def split_attention_mask(attention_mask: torch.Tensor | None) -> AttentionMask:
     return AttentionMask(attention_mask > MASKED_LOGIT_THRESHOLD, attention_mask)
 
 
-def first_key_position(query_length: int, key_length: int, past: int) -> int:
-    """The position in the sequence of the first key of a self-attention map.
+def first_key_position(query_length: int, key_length: int, past: int | torch.Tensor) -> int | torch.Tensor:
+    """The position in the sequence of the first key of a self-attention map (a tensor where ``past`` is one).
 
     Every KV cache hands attention the keys in order, ending with the newest query's: all of them (dynamic
     caches), a static buffer whose unfilled tail the mask removes (static caches, first key 0), or only the
@@ -52,15 +52,27 @@ def first_key_position(query_length: int, key_length: int, past: int) -> int:
     Example:
         >>> first_key_position(1, 4, past=9)  # a 4-token window after 9 cached tokens: keys 6..9
         6
+        >>> first_key_position(1, 4, past=torch.tensor(9))
+        tensor(6)
     """
+    if isinstance(past, torch.Tensor):
+        return (past + (query_length - key_length)).clamp_min(0)
     return max(0, past + query_length - key_length)
 
 
-def real_query_rows(allowed: torch.Tensor, query_length: int, past: int = 0) -> torch.Tensor:
+def real_query_rows(allowed: torch.Tensor, query_length: int, past: int | torch.Tensor = 0) -> torch.Tensor:
     """[B, 1 or H, Q, 1]: True for query rows of real (non-padding) tokens in self-attention.
 
     Queries and keys are the same tokens, query row i being the key at sequence position ``past + i``; a token
-    is real exactly when it may attend to itself.
+    is real exactly when it may attend to itself. ``past`` may be a tensor (a static cache's count, see
+    ``history.StaticConvolutionHistory``): the diagonal is then gathered by an index computed on the device.
+
+    Example:
+        >>> allowed = torch.tensor([[[True, True, False]], [[False, False, False]]])  # 2 sequences, 1 query
+        >>> real_query_rows(allowed, 1, past=1).flatten().tolist()  # the query is key 1
+        [True, False]
+        >>> real_query_rows(allowed, 1, past=torch.tensor(1)).flatten().tolist()
+        [True, False]
     """
     key_length = allowed.shape[-1]
     allowed = allowed.expand(*allowed.shape[:-2], query_length, key_length)
@@ -70,6 +82,9 @@ def real_query_rows(allowed: torch.Tensor, query_length: int, past: int = 0) -> 
             f"got {query_length} queries after {past} cached tokens over {key_length} keys."
         )
     offset = past - first_key_position(query_length, key_length, past)
+    if isinstance(offset, torch.Tensor) or torch.compiler.is_compiling():  # (diagonal would specialize a SymInt)
+        index = (offset + torch.arange(query_length, device=allowed.device)).view(query_length, 1)
+        return allowed.gather(-1, index.expand(*allowed.shape[:-1], 1))
     return torch.diagonal(allowed, offset=offset, dim1=-2, dim2=-1).unsqueeze(-1)
 
 
@@ -79,7 +94,7 @@ def self_attention_conv_mask(allowed: torch.Tensor | None, query_length: int, pa
 
 
 def convolution_mask(
-    role: str, allowed: torch.Tensor | None, query_length: int, past: int, chain: dict[Any, Any]
+    role: str, allowed: torch.Tensor | None, query_length: int, past: int | torch.Tensor, chain: dict[Any, Any]
 ) -> torch.Tensor | None:
     """Which entries of the [B, H, Q, K] map the convolution of an attention ``role`` may read.
 
