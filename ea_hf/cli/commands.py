@@ -214,9 +214,8 @@ def _train_each(args: argparse.Namespace, runs: list, eval_splits: list[str] | N
 def _run_selection(args: argparse.Namespace, runs: list) -> int:
     """Selection on validation (``ea_hf.training.selection``): every run trained and evaluated on the selection
     split, the choice, then the test split for the chosen configuration and the baseline only."""
-    from ..training.evidence import seed_evidence, seed_group_name
-    from ..training.run_dir import compare_runs, read_metrics
-    from ..training.selection import select, selected_runs, write_selection
+    from ..training.run_dir import read_metrics
+    from ..training.selection import held_out_report, select, selected_runs, write_selection
     from ..training.trainer import evaluate_run
 
     settings = runs[0].select
@@ -233,14 +232,7 @@ def _run_selection(args: argparse.Namespace, runs: list) -> int:
         evaluate_run(recipe.output_dir, splits=[settings.test_split])
     _wait_for_everyone()
     if _is_main():
-        run_dirs = [recipe.output_dir for recipe in chosen]
-        print(f"{settings.test_split}, evaluated once, for the chosen configuration and the baseline:")
-        if len({seed_group_name(run_dir) for run_dir in run_dirs}) < len(run_dirs):  # seeds to pool
-            print(seed_evidence(
-                run_dirs, reference=selection.baseline.name, metric=selection.metric, split=settings.test_split
-            ))  # fmt: skip
-        else:
-            print(compare_runs(run_dirs, splits=[settings.test_split]))
+        print(held_out_report(runs, selection))
     return 0
 
 

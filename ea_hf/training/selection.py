@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .evidence import seed_group_name
+from .evidence import seed_evidence, seed_group_name
 from .recipe import Recipe
-from .run_dir import read_metrics, write_atomically
+from .run_dir import compare_runs, read_metrics, write_atomically
 
 SELECTION_FILE = "selection.json"
 
@@ -134,6 +134,19 @@ def selected_runs(runs: Sequence[Recipe], selection: Selection) -> list[Recipe]:
     """The runs of the chosen configuration and of the baseline: the only ones evaluated on the test split."""
     names = {selection.chosen.name, selection.baseline.name}
     return [recipe for recipe in runs if seed_group_name(recipe.output_dir) in names]
+
+
+def held_out_report(runs: Sequence[Recipe], selection: Selection) -> str:
+    """The test split of the chosen configuration and the baseline, the only runs evaluated on it: the seed
+    comparison (``ea-hf compare --seeds``, against the baseline) where seeds are pooled, else the runs side by
+    side."""
+    run_dirs = [recipe.output_dir for recipe in selected_runs(runs, selection)]
+    head = f"{selection.test_split}, evaluated once, for the chosen configuration and the baseline:\n"
+    if len({seed_group_name(run_dir) for run_dir in run_dirs}) == len(run_dirs):  # one seed each
+        return head + compare_runs(run_dirs, splits=[selection.test_split])
+    reference = Path(selection.baseline.name).name  # as seed_evidence names its groups
+    return head + str(seed_evidence(run_dirs, reference=reference, metric=selection.metric,
+                                    split=selection.test_split))  # fmt: skip
 
 
 def write_selection(output_dir: str | Path, selection: Selection) -> Path:

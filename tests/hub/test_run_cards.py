@@ -32,6 +32,8 @@ pytest.importorskip("aeon", reason="the time-series runs read .ts files with the
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "runs_v0_1"
 #: The quickstart as ea_hf 0.1 shipped it: two epochs on the SST-2-format sample (then in recipes/data).
+#: The quickstart's EA settings in ea_hf 0.1 (the papers'; 0.1 had no ramp), which its runs were written with.
+V0_1_EA = ["ea.alpha=0.2", "ea.beta=0.2", "ea.ramp_ratio=0"]
 V0_1_QUICKSTART = [
     "data.source=local",
     f"data.files={{train: {RECIPES_DIR / 'data/sst2-sample/train.tsv'}, "
@@ -42,6 +44,7 @@ V0_1_QUICKSTART = [
     "train.eval_strategy=epoch",
     "train.save_strategy=epoch",
     "train.logging_steps=10",
+    *V0_1_EA,
 ]
 QUICK = ["train.max_steps=2", "train.eval_strategy=no", "train.save_strategy=no", "train.batch_size=8"]
 TINY_SERIES_MODEL = ["model.config.hidden_size=16", "model.config.num_layers=1", "model.config.num_attention_heads=2"]
@@ -97,7 +100,8 @@ def runs(tmp_path_factory, digits_folders) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("kind-runs")
     recipes = {
         "glue": load_recipe(
-            "quickstart", [*SST2_SAMPLE, "data.max_train_samples=32", "data.max_eval_samples=16", *QUICK]
+            "quickstart",
+            [*SST2_SAMPLE, "data.max_train_samples=32", "data.max_eval_samples=16", *V0_1_EA, *QUICK],
         ),
         "image": load_recipe(
             "vision/ea-vit-base-imagenet",

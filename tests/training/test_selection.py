@@ -10,7 +10,7 @@ from ea_hf.cli import main
 from ea_hf.hub.runs import run_card
 from ea_hf.training.recipe import RecipeError, expand_sweep, load_recipe
 from ea_hf.training.run_dir import read_metrics
-from ea_hf.training.selection import SELECTION_FILE, select, selected_runs
+from ea_hf.training.selection import SELECTION_FILE, held_out_report, select, selected_runs
 
 
 def selection_recipe(tmp_path, *overrides):
@@ -51,6 +51,17 @@ def test_the_choice_pools_seeds_and_a_tie_goes_to_the_baseline(tmp_path):
     assert selection.chosen.mean == pytest.approx(0.825) and selection.chosen.scores == {1: 0.85, 2: 0.80}
     assert [c.name.split("/")[-1] for c in selection.ranked] == ["large", "baseline", "small"]
     assert {run.output_dir.split("/")[-2] for run in selected_runs(runs, selection)} == {"large", "baseline"}
+    for run in selected_runs(runs, selection):  # as the runner leaves them: their recipe, test evaluated once
+        (tmp_path / run.output_dir / "recipe.yaml").write_text(run.to_yaml())
+        test = tmp_path / run.output_dir / "eval" / "test"
+        test.mkdir()
+        seed = run.train.seed
+        (test / "metrics.json").write_text(json.dumps({"accuracy": 0.7 + 0.01 * seed * (run.ea.enabled + 1)}))
+    report = held_out_report(runs, selection)
+    assert report.startswith("test, evaluated once, for the chosen configuration and the baseline:")
+    assert "| baseline vs | pairs |" in report and "| large | 5 |" not in report  # paired with the baseline
+    # The baseline's 0.71 and 0.72 minus the chosen's 0.72 and 0.74, seed by seed.
+    assert "| large | 2 | -0.0150 | [-0.0200, -0.0100] | 0 / 2 / 0 | 0.500 | baseline worse |" in report
 
     scores["large"] = (0.84, 0.78)  # level with the baseline: no EA setting beat it
     (tmp_path / "again").mkdir()

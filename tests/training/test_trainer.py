@@ -59,7 +59,7 @@ def test_quickstart_runs_and_saves_everything(tmp_path, capsys):
     # `eval` re-evaluates the saved model and finds the same numbers.
     assert main(["eval", str(run_dir)]) == 0
     assert read_metrics(run_dir)["validation"]["accuracy"] == metrics["accuracy"]
-    assert abs(read_metrics(run_dir)["validation"]["loss"] - metrics["loss"]) <= 1e-5
+    assert abs(read_metrics(run_dir)["validation"]["loss"] - metrics["loss"]) <= 1e-6
 
     # The baseline is the same recipe with EA off; `compare` shows both.
     baseline = tmp_path / "baseline"
@@ -69,7 +69,7 @@ def test_quickstart_runs_and_saves_everything(tmp_path, capsys):
     capsys.readouterr()
     assert main(["compare", str(run_dir), str(baseline)]) == 0
     table = capsys.readouterr().out
-    assert "a=0.2 b=0.2 k=3" in table and " off " in table and table.count("accuracy=") == 2
+    assert "a=0.1 b=0.1 k=3" in table and " off " in table and table.count("accuracy=") == 2
 
     # An existing run is never overwritten; --skip-finished leaves it as it is and goes on.
     assert main(["run", "quickstart", *SHORT, f"output_dir={run_dir}"]) == 2
@@ -184,7 +184,7 @@ def test_two_cpu_processes_train_the_quickstart_data_parallel(tmp_path, launcher
     run_dir = tmp_path / "ddp"
     # One epoch of 48 samples in batches of 8: 6 steps in one process, 3 when two processes share the data.
     overrides = [*SST2_SAMPLE, "data.max_train_samples=48", "data.max_eval_samples=24", "train.batch_size=8"]
-    overrides += ["train.epochs=1", "train.save_strategy=epoch", "train.eval_batch_size=8"]
+    overrides += ["train.epochs=1", "train.save_strategy=epoch"]  # evaluation batches of 64: a part-filled one
     assert LAUNCHERS[launcher](["quickstart", *overrides, f"output_dir={run_dir}"]) == 0
 
     (checkpoint,) = (run_dir / "checkpoints").iterdir()
@@ -195,7 +195,7 @@ def test_two_cpu_processes_train_the_quickstart_data_parallel(tmp_path, launcher
     assert ea_hf.is_patched(model)
     # The saved model is the trained one: evaluating it again in this process gives the run's numbers.
     assert evaluate_run(run_dir)["validation"]["accuracy"] == metrics["accuracy"]
-    assert abs(read_metrics(run_dir)["validation"]["loss"] - metrics["loss"]) <= 1e-5
+    assert abs(read_metrics(run_dir)["validation"]["loss"] - metrics["loss"]) <= 1e-6
 
 
 @pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
