@@ -92,13 +92,16 @@ step a_smoke 50 "${ON_GPU_CPUS[@]}" $PYTHON -m pytest -q -p no:cacheprovider -rs
 
 # b. the decision table
 DRY=$(gpu_or_dry "" "--dry-run --repeats 1 --warmup 1")
-step b_table 150 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry "--cases 512:8 --dtypes bf16 fp32" \
-    "--cases 16:2") --variants eager sdpa ea-torch ea-triton --out "$OUT/b_table/512"
-step b_table 45 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry "--cases 2048:2 --dtypes bf16" \
-    "--cases 24:2") --modes training --no-check --variants eager sdpa ea-torch ea-triton --out "$OUT/b_table/2048"
-step b_table 70 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry "--cases 512:8 --dtypes bf16" \
-    "--cases 16:2") --modes training --no-check --variants eager ea-compile ea-triton-compile \
-    --out "$OUT/b_table/compiled"
+# (The dry run's variants: one of each kind, on the CPU's budget.)
+step b_table 150 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
+    "--cases 512:8 --dtypes bf16 fp32 --variants eager sdpa ea-torch ea-triton" \
+    "--cases 16:2 --variants eager ea-triton") --out "$OUT/b_table/512"
+step b_table 45 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
+    "--cases 2048:2 --dtypes bf16 --variants eager sdpa ea-torch ea-triton" "--cases 24:2 --variants eager") \
+    --modes training --no-check --out "$OUT/b_table/2048"
+step b_table 70 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
+    "--cases 512:8 --dtypes bf16 --variants eager ea-compile ea-triton-compile" "--cases 16:2 --variants ea-compile") \
+    --modes training --no-check --out "$OUT/b_table/compiled"
 
 # c. tiles tuned on this GPU, and the bandwidth each case achieved
 step c_tune 50 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_triton_kernels.py --tune "$OUT/c_tune/tuned_tiles.json" \
@@ -116,7 +119,8 @@ fi
 
 # e. the decoder
 step e_decoder 50 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_decoder.py $(gpu_or_dry \
-    "--device cuda --paired-rounds 3 --decode-tokens 16 --threads 4" "--tiny --gpu-protocol --quiet-wait 0") \
+    "--device cuda --paired-rounds 3 --decode-tokens 16 --threads 4" \
+    "--tiny --gpu-protocol --quiet-wait 0 --paired-rounds 1 --decode-tokens 2") \
     --out "$OUT/e_decoder"
 
 # f. Liger-Kernel
