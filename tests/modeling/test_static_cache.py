@@ -215,6 +215,8 @@ def test_eager_decoding_refuses_a_cache_cropped_outside_generate():
     inputs = left_padded_inputs()
     cache = transformers.StaticCache(config=model.config, max_cache_len=16)
     step = {"input_ids": torch.full((3, 1), 7), "past_key_values": cache, "use_cache": True}
+    if not hasattr(cache.layers[0], "crop"):
+        pytest.skip(f"transformers {transformers.__version__}'s static cache cannot be cropped")
     with torch.no_grad():
         model(**inputs, past_key_values=cache, use_cache=True)
         cache.crop(-1)
