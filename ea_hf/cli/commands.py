@@ -171,7 +171,7 @@ def _leave_process_group() -> None:
 
 
 def _run_each(args: argparse.Namespace, runs: list) -> int:
-    from ..training.evidence import seed_evidence, seed_group_name
+    from ..training.evidence import pools_seeds, seed_evidence
     from ..training.run_dir import compare_runs
 
     if runs[0].select.metric is not None:
@@ -180,7 +180,7 @@ def _run_each(args: argparse.Namespace, runs: list) -> int:
     if _is_main():
         run_dirs = [recipe.output_dir for recipe in runs]
         print(compare_runs(run_dirs))
-        if len({seed_group_name(run_dir) for run_dir in run_dirs}) < len(run_dirs):  # seeds to pool
+        if pools_seeds(run_dirs):
             print(seed_evidence(run_dirs))
     return 0
 

@@ -275,6 +275,16 @@ def seed_group_name(run_dir: str | Path) -> str:
     return str(Path(*parts)) if parts else str(run_dir)
 
 
+def pools_seeds(run_dirs: Sequence[str | Path]) -> bool:
+    """Whether some of the runs differ only by seed (what :func:`seed_evidence` pools).
+
+    Example:
+        >>> pools_seeds(["runs/x/ea/seed=1", "runs/x/ea/seed=2"]), pools_seeds(["runs/x/ea", "runs/x/baseline"])
+        (True, False)
+    """
+    return len({seed_group_name(run_dir) for run_dir in run_dirs}) < len(run_dirs)
+
+
 def seed_evidence(
     run_dirs: Sequence[str | Path],
     *,

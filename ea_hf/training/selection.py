@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .evidence import seed_evidence, seed_group_name
+from .evidence import pools_seeds, seed_evidence, seed_group_name
 from .recipe import Recipe
 from .run_dir import compare_runs, read_metrics, write_atomically
 
@@ -142,7 +142,7 @@ def held_out_report(runs: Sequence[Recipe], selection: Selection) -> str:
     side."""
     run_dirs = [recipe.output_dir for recipe in selected_runs(runs, selection)]
     head = f"{selection.test_split}, evaluated once, for the chosen configuration and the baseline:\n"
-    if len({seed_group_name(run_dir) for run_dir in run_dirs}) == len(run_dirs):  # one seed each
+    if not pools_seeds(run_dirs):  # one seed each
         return head + compare_runs(run_dirs, splits=[selection.test_split])
     reference = Path(selection.baseline.name).name  # as seed_evidence names its groups
     return head + str(seed_evidence(run_dirs, reference=reference, metric=selection.metric,
