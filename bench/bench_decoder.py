@@ -21,6 +21,15 @@ the maps (``EA_HF_TRITON=1``: ea_hf's Triton kernels; else torch operations).
     python bench/bench_decoder.py --device cuda --paired-rounds 3  # bench/results/<gpu>/bench_decoder_gpu.*
     python bench/bench_decoder.py --gpu-protocol --tiny            # the same protocol on the CPU, a dry run
 
+With ``--static``, fast generation as transformers documents it: a static cache, and each of eager, sdpa and EA
+decoding as it is and with ``torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")`` (CUDA graphs),
+side by side in one process per N; the report holds each against plain (sdpa) decoding run alike, the graphs each
+compiled, and whether EA meets fast generation's targets (compiled decoding within 1.10x of plain compiled, the
+prefill within 1.3x of plain).
+
+    python bench/bench_decoder.py --static --device cuda --lengths 512   # <gpu>/bench_decoder_static.*
+    python bench/bench_decoder.py --static --tiny --compile-backend eager # a dry run on the CPU
+
 Timing, memory, kernel-call counters, the result-line protocol and the machine's description come from
 bench/harness.
 """
@@ -53,6 +62,22 @@ DTYPES = ("fp32", "bf16")
 DEFAULT_DTYPES = {"cpu": "fp32", "cuda": "bf16"}
 NO_CUDA_MESSAGE = "bench_decoder.py: --device cuda, but no CUDA device is available (--gpu-protocol: a CPU dry run)"
 EA_VARIANTS = ("ea", "ea-layers")
+#: --static: the attentions timed with a static cache, each as it is and with its decoding step compiled (the
+#: variant ``<attention>-compile``); PLAIN, the unpatched model's default attention, is what EA is held against.
+STATIC_ATTENTIONS = ("eager", "sdpa", "ea")
+PLAIN = "sdpa"
+COMPILED_SUFFIX = "-compile"
+#: Fast generation's targets, (figure, variant): the most it may cost against plain run alike.
+STATIC_TARGETS = {("decode", "ea-compile"): 1.10, ("prefill", "ea"): 1.3}
+#: What the reports of a --gpu-protocol run and a --static run measured.
+DEVICE_BENCHMARK = (
+    "Random Llama-style decoder (~125M) on a GPU: prefill time and memory, and decoding latency, of eager vs sdpa vs "
+    "ea_hf Evolving Attention (all layers and every 4th layer), side by side"
+)
+STATIC_BENCHMARK = (
+    "Random Llama-style decoder (~125M) with a static cache: prefill and decoding per token of plain and Evolving "
+    "Attention models, each as they are and compiled"
+)
 #: Every EA_LAYER_STRIDE-th layer is evolved in the ``ea-layers`` variant (a quarter: 0, 4, 8 of 12 layers).
 EA_LAYER_STRIDE = 4
 
@@ -367,31 +392,40 @@ def one_turn(model: Any, input_ids: Any, decode_tokens: int, device: str) -> dic
     }
 
 
-def paired_turns(models: dict[str, Any], input_ids: Any, rounds: int, decode_tokens: int, device: str) -> dict:
-    """Every variant's turn (:func:`one_turn`), round after round, in an order that rotates from round to round; a
-    first round warms up (and on CUDA selects and loads its kernels) and is not timed.
+def paired_turns(
+    turns: dict[str, Callable[[], dict]], rounds: int, evolving: set[str], compiled: set[str] = frozenset()
+) -> dict:
+    """Every variant's turn (``turns[variant]()``: :func:`one_turn` or :func:`static_turn`), round after round, in
+    an order that rotates from round to round; a first round warms up (on CUDA selects and loads its kernels; under
+    torch.compile compiles) and is not timed. ``evolving``: the variants whose maps evolve; ``compiled``: those that
+    run under torch.compile.
 
     Returns, per variant: the seconds of each timed prefill and decoding step, the bytes each timed prefill added
-    at its peak (None on the CPU), the fused kernels' calls over all its turns, and from its last turn the rows EA
-    kept on the cache after the prefill, the KV cache's bytes per layer and the cache's length after decoding;
-    and the wall time, with the cores other processes kept busy meanwhile.
+    at its peak (None on the CPU), the fused kernels' calls over all its turns, the graphs torch.compile made for it,
+    and from its last turn the rest of what the turn returned (the rows EA kept on the cache after the prefill, the
+    KV cache's bytes per layer, the cache's length after decoding; a static turn's tokens); and the wall time, with
+    the cores other processes kept busy meanwhile.
     """
     import torch
+    from torch._dynamo.utils import counters
 
-    prefill, decode, peaks = ({variant: [] for variant in VARIANTS} for _ in range(3))
-    calls = {variant: {} for variant in VARIANTS}
+    variants = list(turns)
+    prefill, decode, peaks = ({variant: [] for variant in variants} for _ in range(3))
+    calls, graphs = {variant: {} for variant in variants}, dict.fromkeys(variants, 0)
     last = {}
     with host.host_activity() as activity, torch.no_grad(), ea.counted_kernel_calls() as counts:
         for round_index in range(rounds + 1):
-            for variant in rotation(VARIANTS, round_index):
-                before = dict(counts)
-                last[variant] = turn = one_turn(models[variant], input_ids, decode_tokens, device)
+            for variant in rotation(variants, round_index):
+                before, graphs_before = dict(counts), counters["stats"]["unique_graphs"]
+                last[variant] = turn = turns[variant]()
                 calls[variant] = {key: calls[variant].get(key, 0) + counts[key] - before[key] for key in counts}
+                graphs[variant] += counters["stats"]["unique_graphs"] - graphs_before
                 if round_index > 0:
                     prefill[variant].append(turn["prefill_s"])
                     decode[variant].extend(turn["decode_s"])
                     peaks[variant].append(turn["added_bytes"])
-    kept_keys = ("kept_rows_after_prefill", "kv_cache_bytes_per_layer", "cache_length_after_decode")
+    timing_keys = ("prefill_s", "decode_s", "added_bytes")
+    kept_keys = [key for key in last[variants[0]] if key not in timing_keys]
     return {
         "prefill_times_s": prefill,
         "decode_times_s": decode,
@@ -400,20 +434,25 @@ def paired_turns(models: dict[str, Any], input_ids: Any, rounds: int, decode_tok
             variant: {"triton": ea.triton_calls(counted), "cpu_kernel": ea.cpu_kernel_calls(counted)}
             for variant, counted in calls.items()
         },
-        "evolution_path": {variant: ea.evolution_path(variant in EA_VARIANTS, calls[variant]) for variant in VARIANTS},
-        **{key: {variant: last[variant][key] for variant in VARIANTS} for key in kept_keys},
+        "evolution_path": {
+            variant: ea.evolution_path(variant in evolving, calls[variant], variant in compiled) for variant in variants
+        },
+        "graphs_compiled": graphs,
+        **{key: {variant: last[variant][key] for variant in variants} for key in kept_keys},
         "measured_wall_s": activity.wall_s,
         "other_processes_cores": activity.other_cores,
     }
 
 
-def baseline_ratios(figures: dict[str, dict[str, float | None]]) -> dict[str, dict[str, float | None]]:
-    """``{what}_over_eager`` and ``{what}_over_sdpa`` for each ``what`` of ``figures`` (``{what: {variant:
-    figure}}``): every variant's figure over eager's and over sdpa's (None where a figure is missing)."""
+def baseline_ratios(
+    figures: dict[str, dict[str, float | None]], baselines: tuple[str, ...] = ("eager", "sdpa")
+) -> dict[str, dict[str, float | None]]:
+    """``{what}_over_{baseline}`` for each ``what`` of ``figures`` (``{what: {variant: figure}}``) and each of
+    ``baselines``: every variant's figure over the baseline's (None where a figure is missing)."""
     return {
-        f"{what}_over_{baseline}": {variant: ratio(values[variant], values[baseline]) for variant in VARIANTS}
+        f"{what}_over_{baseline}": {variant: ratio(value, values[baseline]) for variant, value in values.items()}
         for what, values in figures.items()
-        for baseline in ("eager", "sdpa")
+        for baseline in baselines
     }
 
 
@@ -422,12 +461,49 @@ def run_device_paired(length: int, rounds: int, decode_tokens: int, dtype: str, 
     Returns the times, their medians per variant (the prefill memory: the largest of the rounds), the ratios of
     each to eager's and sdpa's, and where and how it ran: the device's name, the dtype, torch's version,
     ``EA_HF_TRITON`` and the path that evolved each EA variant's maps."""
-    import torch
-
     ea.import_ea_hf()
     models = {variant: llama(variant, tiny, dtype, device) for variant in VARIANTS}
     config = models["eager"].config
-    turns = paired_turns(models, prompt(config.vocab_size, length, device), rounds, decode_tokens, device)
+    input_ids = prompt(config.vocab_size, length, device)
+    turns = paired_turns(
+        {
+            variant: functools.partial(one_turn, model, input_ids, decode_tokens, device)
+            for variant, model in models.items()
+        },
+        rounds,
+        set(EA_VARIANTS),
+    )
+    evolution = turns.pop("evolution_path")
+    return {
+        "n": length,
+        "rounds": rounds,
+        "decode_tokens": decode_tokens,
+        "tiny": tiny,
+        **where_it_ran(device, dtype),
+        "evolution_path": evolution,
+        "evolved_layers": {variant: evolved_layers(variant, config.num_hidden_layers) for variant in VARIANTS},
+        "parameters": parameter_count(models["eager"]),
+        **with_medians(turns, ("eager", "sdpa")),
+    }
+
+
+def where_it_ran(device: str, dtype: str) -> dict:
+    """The device type and name, the dtype, torch's version and ``EA_HF_TRITON`` of a paired timing."""
+    import torch
+
+    return {
+        "device": torch.device(device).type,
+        "device_name": torch.cuda.get_device_name(device) if is_cuda(device) else "cpu",
+        "dtype": dtype,
+        "torch": torch.__version__,
+        # On CUDA ea_hf evolves the maps with torch operations unless EA_HF_TRITON=1 selects its Triton kernels.
+        "ea_hf_triton": os.environ.get("EA_HF_TRITON"),
+    }
+
+
+def with_medians(turns: dict, baselines: tuple[str, ...]) -> dict:
+    """:func:`paired_turns`' figures with their medians per variant (the prefill memory: the largest of the rounds)
+    and each median's ratio to the ``baselines``' (:func:`baseline_ratios`)."""
     prefill_median = {variant: statistics.median(times) for variant, times in turns["prefill_times_s"].items()}
     decode_median = {
         variant: statistics.median(times) if times else None for variant, times in turns["decode_times_s"].items()
@@ -436,26 +512,14 @@ def run_device_paired(length: int, rounds: int, decode_tokens: int, dtype: str, 
         variant: None if added is None else max(added) / memory.MIB
         for variant, added in turns["prefill_memory_added_bytes"].items()
     }
-    evolution = turns.pop("evolution_path")
     return {
-        "n": length,
-        "rounds": rounds,
-        "decode_tokens": decode_tokens,
-        "tiny": tiny,
-        "device": torch.device(device).type,
-        "device_name": torch.cuda.get_device_name(device) if is_cuda(device) else "cpu",
-        "dtype": dtype,
-        "torch": torch.__version__,
-        # On CUDA ea_hf evolves the maps with torch operations unless EA_HF_TRITON=1 selects its Triton kernels.
-        "ea_hf_triton": os.environ.get("EA_HF_TRITON"),
-        "evolution_path": evolution,
-        "evolved_layers": {variant: evolved_layers(variant, config.num_hidden_layers) for variant in VARIANTS},
-        "parameters": parameter_count(models["eager"]),
         **turns,
         "prefill_median_s": prefill_median,
         "decode_median_s": decode_median,
         "prefill_memory_added_mib": memory_mib,
-        **baseline_ratios({"prefill": prefill_median, "decode": decode_median, "prefill_memory": memory_mib}),
+        **baseline_ratios(
+            {"prefill": prefill_median, "decode": decode_median, "prefill_memory": memory_mib}, baselines
+        ),
     }
 
 
@@ -478,14 +542,221 @@ def spawn_paired(length: int, args: argparse.Namespace) -> dict:
     arguments += ["--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)]
     arguments += ["--device", args.device, "--dtype", args.dtype]
     arguments += [*(["--gpu-protocol"] if args.gpu_protocol else []), *(["--tiny"] if args.tiny else [])]
+    if args.static:
+        arguments += ["--static", "--static-attentions", *args.static_attentions]
+        arguments += ["--compile-mode", args.compile_mode, "--compile-backend", args.compile_backend]
     return run_child(__file__, arguments, args.threads, f"paired timing N={length}")
 
 
 def run_paired_in_process(length: int, args: argparse.Namespace) -> dict:
     """:func:`spawn_paired`'s timing in this process (the child's work; tests)."""
+    if args.static:
+        return run_static_paired(length, args)
     if args.gpu_protocol:
         return run_device_paired(length, args.paired_rounds, args.decode_tokens, args.dtype, args.device, args.tiny)
     return run_paired(length, args.paired_rounds, args.decode_tokens, args.threads, args.tiny, args.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Static cache (--static): decoding as it is and compiled, the way fast generation runs.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def compiled_name(attention: str) -> str:
+    """The --static variant of ``attention`` whose decoding step runs under torch.compile."""
+    return attention + COMPILED_SUFFIX
+
+
+def static_variants(attentions: list[str]) -> list[str]:
+    """The --static variants: each attention as it is, then compiled."""
+    return [name for attention in attentions for name in (attention, compiled_name(attention))]
+
+
+def compiled_forward(model: Any, mode: str, backend: str) -> Callable:
+    """``model.forward`` under ``torch.compile(fullgraph=True)``: with inductor in ``mode`` (``reduce-overhead``:
+    CUDA graphs on a GPU), or with another ``backend`` (the dry run's ``eager``: dynamo's graphs run as they are)."""
+    import torch
+
+    options = {"mode": mode} if backend == "inductor" else {"backend": backend}
+    return torch.compile(model.forward, fullgraph=True, **options)
+
+
+def static_turn(model: Any, step: Callable, input_ids: Any, decode_tokens: int, device: str) -> dict:
+    """One turn on a new static cache of N + ``decode_tokens`` positions, as ``generate`` runs it: the prefill by
+    the model as it is, then ``decode_tokens`` greedy steps by ``step`` (the model, or its compiled forward), each
+    given its cache position; a new CUDA-graph step is marked before each. The figures of :func:`one_turn`."""
+    import torch
+    import transformers
+
+    length = input_ids.shape[1]
+    cache = transformers.StaticCache(config=model.config, max_cache_len=length + decode_tokens)
+    allocated = memory.reset_gpu_peak(device)
+    prefill = timed(lambda: model(input_ids, past_key_values=cache, use_cache=True), device)
+    added = memory.gpu_peak_added_bytes(device, allocated)
+    next_token, seconds, prefill = prefill.output.logits[:, -1:].argmax(-1), prefill.seconds, None
+    kept, kv_bytes = kept_rows(cache), kv_cache_bytes(cache)
+    positions = torch.arange(length, length + decode_tokens, device=input_ids.device)
+    times, tokens = [], []
+    for index in range(decode_tokens):
+        torch.compiler.cudagraph_mark_step_begin()
+        call = functools.partial(
+            step, input_ids=next_token, past_key_values=cache, cache_position=positions[index : index + 1]
+        )
+        run = timed(call, device)
+        times.append(run.seconds)
+        # The argmax copies the token out of the logits, which the next replay of a CUDA graph overwrites.
+        next_token, run = run.output.logits[:, -1:].argmax(-1), None
+        tokens.append(int(next_token))
+    return {
+        "prefill_s": seconds,
+        "decode_s": times,
+        "added_bytes": added,
+        "kept_rows_after_prefill": kept,
+        "kv_cache_bytes_per_layer": kv_bytes,
+        "cache_length_after_decode": int(cache.get_seq_length()),
+        "decoded_tokens": tokens,
+    }
+
+
+def run_static_paired(length: int, args: argparse.Namespace) -> dict:
+    """The --static paired timing of N = ``length`` in this process: each of ``--static-attentions`` built in
+    ``--dtype`` on ``--device``, its turns (:func:`static_turn`) as it is and with its decoding step compiled
+    (``--compile-mode``, ``--compile-backend``), side by side for ``--paired-rounds`` rounds after one that warms
+    up and compiles. Medians, ratios to plain (sdpa) decoding as it is and compiled, and the graphs each compiled."""
+    ea.import_ea_hf()
+    models = {attention: llama(attention, args.tiny, args.dtype, args.device) for attention in args.static_attentions}
+    config = models[PLAIN].config
+    input_ids = prompt(config.vocab_size, length, args.device)
+    turns = {}
+    for attention, model in models.items():
+        forward = compiled_forward(model, args.compile_mode, args.compile_backend)
+        turns[attention] = functools.partial(static_turn, model, model, input_ids, args.decode_tokens, args.device)
+        turns[compiled_name(attention)] = functools.partial(
+            static_turn, model, forward, input_ids, args.decode_tokens, args.device
+        )
+    evolving = {name for name in turns if name.removesuffix(COMPILED_SUFFIX) == "ea"}
+    compiled = {name for name in turns if name.endswith(COMPILED_SUFFIX)}
+    timing = paired_turns(turns, args.paired_rounds, evolving, compiled)
+    return {
+        "n": length,
+        "rounds": args.paired_rounds,
+        "decode_tokens": args.decode_tokens,
+        "tiny": args.tiny,
+        "compile": {"mode": args.compile_mode, "backend": args.compile_backend, "fullgraph": True},
+        **where_it_ran(args.device, args.dtype),
+        "parameters": parameter_count(models[PLAIN]),
+        **with_medians(timing, (PLAIN, compiled_name(PLAIN))),
+    }
+
+
+def static_rows(timings: list[dict]) -> list[dict]:
+    """One row per (N, variant) of a --static run: its medians, each against plain (sdpa) decoding compiled alike
+    (*x plain*) and against its own attention as it is (*x as is*: what compiling saves), and the graphs compiled."""
+    rows = []
+    for timing in timings:
+        for variant in timing["prefill_median_s"]:
+            attention = variant.removesuffix(COMPILED_SUFFIX)
+            plain = compiled_name(PLAIN) if variant != attention else PLAIN
+            decode = timing["decode_median_s"]
+            rows.append(
+                {
+                    "variant": variant,
+                    "n": timing["n"],
+                    "prefill_ms": timing["prefill_median_s"][variant] * 1e3,
+                    "prefill_over_plain": timing[f"prefill_over_{plain}"][variant],
+                    "prefill_memory_added_mib": timing["prefill_memory_added_mib"][variant],
+                    "decode_ms_per_token": decode[variant] * 1e3,
+                    "decode_over_plain": timing[f"decode_over_{plain}"][variant],
+                    "decode_over_as_is": ratio(decode[variant], decode[attention]),
+                    "graphs_compiled": timing["graphs_compiled"][variant],
+                    "same_tokens_as_is": timing["decoded_tokens"][variant] == timing["decoded_tokens"][attention],
+                    "evolution_path": timing["evolution_path"][variant],
+                    "other_processes_cores": timing["other_processes_cores"],
+                }
+            )
+    return rows
+
+
+def static_targets(rows: list[dict]) -> list[dict]:
+    """The targets of fast generation, each met or not on every N: EA's compiled decoding per token against
+    plain compiled decoding, and EA's prefill against plain's."""
+    checks = []
+    for (what, variant), limit in STATIC_TARGETS.items():
+        for row in rows:
+            if row["variant"] == variant:
+                value = row[f"{what}_over_plain"]
+                checks.append({"what": what, "variant": variant, "n": row["n"], "ratio": value, "limit": limit,
+                               "met": value is not None and value <= limit})  # fmt: skip
+    return checks
+
+
+def static_table(rows: list[dict]) -> str:
+    """The --static rows as Markdown."""
+    header = ["variant", "N", "prefill ms", "prefill x plain", "prefill peak added MiB", "decode ms/token"]
+    header += ["decode x plain", "decode x as is", "graphs compiled", "tokens as is", "evolution", "others' cores"]
+    cells = [
+        [r["variant"], str(r["n"]), number(r["prefill_ms"], 2), number(r["prefill_over_plain"], 3)]
+        + [number(r["prefill_memory_added_mib"], 1), number(r["decode_ms_per_token"], 2)]
+        + [number(r["decode_over_plain"], 3), number(r["decode_over_as_is"], 3), str(r["graphs_compiled"])]
+        + ["same" if r["same_tokens_as_is"] else "differ"]
+        + [r["evolution_path"] or "-", number(r["other_processes_cores"], 2)]
+        for r in rows
+    ]
+    return markdown_table(header, "llrrrrrrrllr", cells) + "\n"
+
+
+def static_markdown_report(report: dict) -> str:
+    """The Markdown file of a --static run: what was run, the table, the targets."""
+    settings, compile_settings = report["settings"], report["paired_timing"][0]["compile"]
+    targets = "\n".join(
+        f"- {t['variant']} {t['what']} at N = {t['n']}: {number(t['ratio'], 3)}x plain (target <= {t['limit']}): "
+        f"{'met' if t['met'] else 'NOT met'}"
+        for t in report["targets"]
+    )
+    return (
+        f"# Fast generation on {report['device_name']}: a static cache, decoding as it is and compiled "
+        f"({report['model']})\n\n"
+        f"{report['machine_line']}. {report['parameters']:,} parameters, {settings['dtype']}, batch 1, "
+        f"`torch.no_grad()`, eval mode. EA: alpha = {ea.EA_ALPHA}, beta = {ea.EA_BETA}, kernel 3. Each turn makes "
+        f"a new `StaticCache` of N + {settings['decode_tokens']} positions, runs the prefill by the model as it is "
+        f"(as `generate` does) and then {settings['decode_tokens']} greedy steps `forward(next_token, "
+        "past_key_values=cache, cache_position=...)`: the model's own forward, or (*-compile*) "
+        f"`torch.compile(model.forward, fullgraph=True, {compile_settings_text(compile_settings)})`. The variants "
+        f"run in turns for {settings['paired_rounds']} rounds after one that warms up and compiles, the order "
+        "rotating; medians over the rounds (a new cache's first compiled step may record its CUDA graph again). "
+        "*x plain*: against the plain model (sdpa) run alike, as it is or compiled; *x as is*: against the same "
+        "attention's decoding without compiling; *graphs compiled*: torch.compile's graphs over all its turns (one: "
+        "no recompilation between steps or caches); *tokens as is*: whether the greedy tokens of the last turn are "
+        f"those of the same attention without compiling. Total run {report['wall_time_s']:.0f} s.\n\n"
+        f"{report['markdown_table']}\n"
+        f"Targets:\n\n{targets}\n"
+    )
+
+
+def compile_settings_text(settings: dict) -> str:
+    """``mode="reduce-overhead"`` for inductor, else ``backend="eager"``."""
+    return f'mode="{settings["mode"]}"' if settings["backend"] == "inductor" else f'backend="{settings["backend"]}"'
+
+
+def run_static_timings(args: argparse.Namespace, paired_run: Callable[[int, argparse.Namespace], dict]) -> list[dict]:
+    """The --static paired timing of each N, printed as each finishes."""
+    timings = []
+    for length in args.lengths:
+        timings.append(paired_run(length, args))
+        for row in static_rows(timings[-1:]):
+            print(
+                f"  {row['variant']:<14} N={length:<5} prefill {row['prefill_ms']:8.2f} ms  decode "
+                f"{row['decode_ms_per_token']:7.2f} ms/token ({number(row['decode_over_plain'], 3)}x plain, "
+                f"{number(row['decode_over_as_is'], 3)}x as is)  graphs {row['graphs_compiled']}",
+                flush=True,
+            )
+    return timings
+
+
+def static_comparison(timings: list[dict]) -> dict:
+    """A --static report's rows, its targets and its table."""
+    rows = static_rows(timings)
+    return {"comparison": rows, "targets": static_targets(rows), "markdown_table": static_table(rows)}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -861,7 +1132,7 @@ def device_output_paths(args: argparse.Namespace, gpu: str | None) -> tuple[Path
     by default under bench/results/cpu; a dtype other than the device's default and the tiny config add a suffix."""
     cuda = args.device == "cuda"
     out = host.gpu_results_folder(args.out, gpu if cuda else None)
-    stem = "bench_decoder_gpu" + ("" if cuda else "_dry_run")
+    stem = ("bench_decoder_static" if args.static else "bench_decoder_gpu") + ("" if cuda else "_dry_run")
     stem += ("" if args.dtype == DEFAULT_DTYPES[args.device] else f"_{args.dtype}") + ("_tiny" if args.tiny else "")
     return out / f"{stem}.json", out / f"{stem}.md"
 
@@ -919,6 +1190,9 @@ def report_settings(args: argparse.Namespace, num_layers: int) -> dict:
     settings["tiny"] = args.tiny
     if device:
         settings["device"] = args.device
+    if args.static:
+        settings |= {"static_attentions": args.static_attentions, "compile_mode": args.compile_mode}
+        settings["compile_backend"] = args.compile_backend
     else:
         settings |= {"quiet_wait_s": args.quiet_wait, "max_other_cores": args.max_other_cores, "retries": args.retries}
     settings |= {"dtype": TORCH_DTYPES[args.dtype], **protocol_settings(num_layers)}
@@ -928,9 +1202,10 @@ def report_settings(args: argparse.Namespace, num_layers: int) -> dict:
 def collect_device(
     args: argparse.Namespace, paired_run: Callable[[int, argparse.Namespace], dict] = spawn_paired
 ) -> dict:
-    """The --gpu-protocol run: the paired timing of each N on ``--device`` (``paired_run``: a fresh process each
-    by default), compared, written as JSON and Markdown. No fresh process per case: their RSS says nothing of a
-    GPU, and the allocator's peak, reset before each prefill, measures memory in the paired process itself."""
+    """The --gpu-protocol run (and --static's): the paired timing of each N on ``--device`` (``paired_run``: a
+    fresh process each by default), compared, written as JSON and Markdown. No fresh process per case: their RSS
+    says nothing of a GPU, and the allocator's peak, reset before each prefill, measures memory in the paired
+    process itself."""
     elapsed = stopwatch()
     info = host.machine_info(args.threads)
     # machine_info says cuda wherever a GPU is visible; the device is what the run used.
@@ -938,32 +1213,31 @@ def collect_device(
     json_path, markdown_path = device_output_paths(args, info["gpu"])
     json_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"machine: {host.machine_line(info)}; {args.dtype}", flush=True)
-    timings = run_device_timings(args, paired_run)
+    timings = (run_static_timings if args.static else run_device_timings)(args, paired_run)
     config = model_config(args.tiny)
-    rows = device_rows(timings)
     first = timings[0]
     report = {
-        **report_head(
-            "Random Llama-style decoder (~125M) on a GPU: prefill time and memory, and decoding latency, of eager "
-            "vs sdpa vs ea_hf Evolving Attention (all layers and every 4th layer), side by side",
-            args,
-            info,
-        ),
+        **report_head(STATIC_BENCHMARK if args.static else DEVICE_BENCHMARK, args, info),
         **{key: first[key] for key in ("device_name", "torch", "ea_hf_triton")},
         "config": config.to_diff_dict(),
         "parameters": first["parameters"],
         "settings": report_settings(args, config.num_hidden_layers),
         "paired_timing": timings,
-        "comparison": rows,
-        "markdown_table": paired_table(rows, device=True),
+        **(static_comparison(timings) if args.static else device_comparison(timings)),
     }
     report["wall_time_s"] = elapsed()
     json_path.write_text(json.dumps(report, indent=2) + "\n")
-    markdown_path.write_text(device_markdown_report(report))
+    markdown_path.write_text((static_markdown_report if args.static else device_markdown_report)(report))
     print()
     print(report["markdown_table"])
     print(f"wall time {report['wall_time_s']:.0f} s; wrote {json_path}, {markdown_path}")
     return report
+
+
+def device_comparison(timings: list[dict]) -> dict:
+    """A --gpu-protocol report's rows and its table."""
+    rows = device_rows(timings)
+    return {"comparison": rows, "markdown_table": paired_table(rows, device=True)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -991,6 +1265,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--gpu-protocol", action="store_true", help="only the paired processes, one per N, with the peak memory "
         "each prefill adds by the device's allocator (none on the CPU) and no fresh process per case; on the CPU "
         "a dry run of a GPU run")  # fmt: skip
+    add("--static", action="store_true", help="fast generation: a static cache, each of --static-attentions "
+        "decoding as it is and with its step compiled, in paired processes (as --gpu-protocol); "
+        "bench_decoder_static.*")  # fmt: skip
+    add("--static-attentions", nargs="+", choices=STATIC_ATTENTIONS, default=list(STATIC_ATTENTIONS),
+        help=f"--static: the attentions (default all; {PLAIN} and ea at least)")  # fmt: skip
+    add("--compile-mode", default="reduce-overhead", help="--static: torch.compile's mode with inductor (default "
+        "reduce-overhead: CUDA graphs)")  # fmt: skip
+    add("--compile-backend", default="inductor", help="--static: torch.compile's backend (default inductor; the "
+        "CPU's dry run: eager)")  # fmt: skip
     add("--case", nargs=2, metavar=("VARIANT", "N"), help="internal: run one case, print its JSON")
     add("--paired", type=int, metavar="N", help="internal: run the paired timing, print its JSON")
     return parser
@@ -1006,7 +1289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.decode_tokens = args.decode_tokens if args.decode_tokens is not None else defaults[2]
     args.paired_rounds = args.paired_rounds if args.paired_rounds is not None else defaults[3]
     args.dtype = args.dtype or DEFAULT_DTYPES[args.device]
-    args.gpu_protocol = args.gpu_protocol or args.device == "cuda"
+    args.gpu_protocol = args.gpu_protocol or args.device == "cuda" or args.static
+    if args.static and not {PLAIN, "ea"} <= set(args.static_attentions):
+        parser.error(f"--static-attentions must include {PLAIN} and ea")
     if args.gpu_protocol and (args.case or args.paired_rounds < 1):
         parser.error("--gpu-protocol (and --device cuda) runs paired processes only: no --case, --paired-rounds >= 1")
     if args.case:

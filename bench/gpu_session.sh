@@ -12,11 +12,14 @@
 #      ea_hf/ops/triton/tuned_tiles.json); the cases' achieved bandwidth on the least bytes          -> c_tune/
 #   d. each kernel's bandwidth measured by Nsight Compute (`ncu --clock-control none`) where the machine has it;
 #      otherwise step c's bytes over time stand                                                       -> d_bandwidth/
-#   e. the decoder: a ~125M Llama's prefill, its memory and decoding, bf16                            -> e_decoder/
+#   e. the decoder, a ~125M Llama in bf16: fast generation first (a static cache; sdpa and EA decoding as they
+#      are and compiled with mode="reduce-overhead", against the targets), then the prefill, its memory and
+#      decoding of eager, sdpa and EA with the dynamic cache                                         -> e_decoder/
 #   f. the evolution step beside Liger-Kernel's Multi-Token Attention (where bench/wheels holds its wheel) -> f_liger/
 # Meanwhile, on four cores of their own with CUDA hidden, the paired CPU timing and step memory of bench_attention.py
-# (cpu/). Everything ends within about 480 s and comes back as one file, $OUT/gpu_session.tgz, beside this script's
-# log (session.log). The device machine has torch, transformers and triton but not ea_hf (it runs from the working
+# (cpu/). Everything comes back as one file, $OUT/gpu_session.tgz, beside this script's log (session.log). The steps'
+# limits add up to 525 s, more than the lease's 510: a run cut short leaves the folders of the steps it finished
+# under $OUT, untarred, and the last step (f) is the one cut. The device machine has torch, transformers and triton but not ea_hf (it runs from the working
 # tree) and no network: run bench/fetch_wheels.sh here first and carry bench/wheels.
 #     device run: bash bench/gpu_session.sh   (timeout_s 510, carry ["bench/wheels"])
 # DRY_RUN=1 runs every step's CPU dry run instead (Triton's interpreter, tiny models): what CI runs
@@ -93,7 +96,7 @@ step a_smoke 50 "${ON_GPU_CPUS[@]}" $PYTHON -m pytest -q -p no:cacheprovider -rs
 # b. the decision table
 DRY=$(gpu_or_dry "" "--dry-run --repeats 1 --warmup 1")
 # (The dry run's variants: one of each kind, on the CPU's budget.)
-step b_table 150 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
+step b_table 130 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
     "--cases 512:8 --dtypes bf16 fp32 --variants eager sdpa ea-torch ea-triton" \
     "--cases 16:2 --variants eager ea-triton") --out "$OUT/b_table/512"
 step b_table 45 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
@@ -117,8 +120,12 @@ else
     echo "no ncu here (or a dry run): the achieved bandwidth is step c's bytes over time" | tee "$OUT/d_bandwidth/log.txt"
 fi
 
-# e. the decoder
-step e_decoder 50 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_decoder.py $(gpu_or_dry \
+# e. the decoder: compiled static-cache decoding (two inductor compiles), then the dynamic cache's paired timing
+step e_decoder 90 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_decoder.py --static --static-attentions sdpa ea $(gpu_or_dry \
+    "--device cuda --lengths 512 --paired-rounds 3 --decode-tokens 32 --threads 4" \
+    "--tiny --compile-backend eager --lengths 16 --paired-rounds 1 --decode-tokens 2") \
+    --out "$OUT/e_decoder"
+step e_decoder 40 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_decoder.py $(gpu_or_dry \
     "--device cuda --paired-rounds 3 --decode-tokens 16 --threads 4" \
     "--tiny --gpu-protocol --quiet-wait 0 --paired-rounds 1 --decode-tokens 2") \
     --out "$OUT/e_decoder"

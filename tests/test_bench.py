@@ -278,8 +278,10 @@ def test_the_gpu_session_dry_run_runs_every_step(tmp_path):
             if name.endswith("status.txt")
         }
         table = json.loads(archive.extractfile("c_tune/tuned_tiles.json").read())
-    assert statuses == {"a_smoke": ["0"], "b_table": ["0", "0", "0"], "c_tune": ["0"], "e_decoder": ["0"]}
+    assert statuses == {"a_smoke": ["0"], "b_table": ["0", "0", "0"], "c_tune": ["0"], "e_decoder": ["0", "0"]}
     for result in ("512", "2048", "compiled"):
         assert f"b_table/{result}/bench_gpu_dry_run.json" in names
     assert {"c_tune/triton_kernels_dry_run.json", "a_smoke/tests.xml", "machine.txt"} <= names
+    decoder = {"e_decoder/bench_decoder_static_dry_run_tiny.json", "e_decoder/bench_decoder_gpu_dry_run_tiny.json"}
+    assert decoder <= names
     assert [entry["capability"] for entry in table["entries"]] == ["interpreter"]

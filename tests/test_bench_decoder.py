@@ -288,3 +288,70 @@ def test_a_case_runs_in_its_own_process(bench, tmp_path):
     paired = bench.spawn_paired(16, args)
     assert paired["n"] == 16 and paired["rounds"] == 1 and paired["process_wall_s"] > 0
     assert {len(times) for times in paired["decode_times_s"].values()} == {2}
+
+
+@pytest.fixture(scope="module")
+def static_report(bench, tmp_path_factory):
+    """A tiny --static run on the CPU, dynamo's graphs run as they are (the eager backend: inductor would take
+    minutes here), each N's paired timing in this process."""
+    out = tmp_path_factory.mktemp("bench_decoder_static")
+    args = bench.parse_args(
+        ["--static", "--tiny", "--compile-backend", "eager", "--out", str(out), "--lengths", "16", "--threads", "1"]
+        + ["--decode-tokens", str(DECODE_TOKENS), "--paired-rounds", "2"]
+    )
+    return bench.collect_device(args, paired_run=bench.run_paired_in_process), out
+
+
+def test_static_decoding_compiles_one_graph_and_decodes_the_same_tokens(bench, static_report):
+    """Every attention as it is and compiled, over three new caches (a warm-up round and two timed): one graph
+    each, no recompilation between steps or caches, and the same greedy tokens as uncompiled."""
+    result, _ = static_report
+    (timing,) = result["paired_timing"]
+    variants = bench.static_variants(list(bench.STATIC_ATTENTIONS))
+    assert list(timing["prefill_times_s"]) == variants == [
+        "eager", "eager-compile", "sdpa", "sdpa-compile", "ea", "ea-compile"
+    ]  # fmt: skip
+    for variant in variants:
+        prefills, steps = timing["prefill_times_s"][variant], timing["decode_times_s"][variant]
+        assert len(prefills) == 2 and len(steps) == 2 * DECODE_TOKENS and min(prefills + steps) > 0
+        assert timing["graphs_compiled"][variant] == (1 if variant.endswith("-compile") else 0)
+        assert timing["cache_length_after_decode"][variant] == 16 + DECODE_TOKENS
+    tokens = timing["decoded_tokens"]
+    for attention in bench.STATIC_ATTENTIONS:
+        assert tokens[f"{attention}-compile"] == tokens[attention] and len(tokens[attention]) == DECODE_TOKENS
+    # The static cache's kept rows: one row per head over the whole cache plus the convolution's k // 2 columns.
+    heads, layers = bench.TINY_CONFIG["num_attention_heads"], bench.TINY_CONFIG["num_hidden_layers"]
+    kept = timing["kept_rows_after_prefill"]["ea-compile"]
+    assert len(kept) == layers and {tuple(r["shape"]) for r in kept.values()} == {(1, heads, 1, 16 + DECODE_TOKENS + 1)}
+    assert timing["evolution_path"]["sdpa-compile"] is None and timing["evolution_path"]["ea"] is not None
+
+
+def test_static_decoding_is_held_against_plain_run_alike_and_the_targets(bench, static_report):
+    result, out = static_report
+    (timing,) = result["paired_timing"]
+    decode, prefill = timing["decode_median_s"], timing["prefill_median_s"]
+    rows = {r["variant"]: r for r in result["comparison"]}
+    assert rows["ea-compile"]["decode_over_plain"] == pytest.approx(decode["ea-compile"] / decode["sdpa-compile"])
+    assert rows["ea"]["decode_over_plain"] == pytest.approx(decode["ea"] / decode["sdpa"])
+    assert rows["ea-compile"]["decode_over_as_is"] == pytest.approx(decode["ea-compile"] / decode["ea"])
+    assert rows["sdpa-compile"]["decode_over_plain"] == rows["sdpa"]["decode_over_plain"] == 1.0
+    assert all(row["same_tokens_as_is"] for row in rows.values())
+    targets = {(t["what"], t["variant"]): t for t in result["targets"]}
+    assert set(targets) == set(bench.STATIC_TARGETS)
+    assert targets[("prefill", "ea")]["ratio"] == pytest.approx(prefill["ea"] / prefill["sdpa"])
+    assert targets[("decode", "ea-compile")]["met"] is (rows["ea-compile"]["decode_over_plain"] <= 1.10)
+    data = json.loads((out / "bench_decoder_static_dry_run_tiny.json").read_text())
+    assert data["settings"]["compile_backend"] == "eager" and data["comparison"] == result["comparison"]
+    markdown = (out / "bench_decoder_static_dry_run_tiny.md").read_text()
+    assert 'backend="eager"' in markdown and markdown.count("(target <= ") == 2
+    assert sum(line.startswith("| ea-compile | 16 | ") for line in markdown.splitlines()) == 1
+
+
+def test_static_arguments(bench):
+    args = bench.parse_args(["--static", "--device", "cuda", "--lengths", "512"])
+    assert (args.gpu_protocol, args.compile_mode, args.compile_backend, args.dtype) == (
+        True, "reduce-overhead", "inductor", "bf16"
+    )  # fmt: skip
+    assert bench.device_output_paths(args, "NVIDIA H200")[0].name == "bench_decoder_static.json"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--static", "--static-attentions", "eager", "ea"])  # no plain model to hold EA against
