@@ -127,7 +127,7 @@ step e_decoder 90 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_decoder.py --static --
     --out "$OUT/e_decoder"
 step e_decoder 40 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_decoder.py $(gpu_or_dry \
     "--device cuda --paired-rounds 3 --decode-tokens 16 --threads 4" \
-    "--tiny --gpu-protocol --quiet-wait 0 --paired-rounds 1 --decode-tokens 2") \
+    "--tiny --gpu-protocol --quiet-wait 0 --lengths 16 --paired-rounds 1 --decode-tokens 2") \
     --out "$OUT/e_decoder"
 
 # f. Liger-Kernel
