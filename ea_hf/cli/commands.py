@@ -175,14 +175,19 @@ def _run_each(args: argparse.Namespace, runs: list) -> int:
     from ..training.run_dir import compare_runs
 
     if runs[0].select.metric is not None:
-        return _run_selection(args, runs)
-    _train_each(args, runs)
-    if _is_main():
-        run_dirs = [recipe.output_dir for recipe in runs]
-        print(compare_runs(run_dirs))
-        if pools_seeds(run_dirs):
-            print(seed_evidence(run_dirs))
-    return 0
+        status = _run_selection(args, runs)
+    else:
+        _train_each(args, runs)
+        status = 0
+        if _is_main():
+            run_dirs = [recipe.output_dir for recipe in runs]
+            print(compare_runs(run_dirs))
+            if pools_seeds(run_dirs):
+                print(seed_evidence(run_dirs))
+    notes = dict.fromkeys(recipe.evidence for recipe in runs if recipe.evidence and recipe.ea.enabled)
+    if _is_main() and notes:
+        print("\n".join(["", *notes]))
+    return status
 
 
 def _is_main() -> bool:

@@ -259,6 +259,10 @@ class Recipe:
 
     name: str = ""
     description: str = ""
+    #: What the developers' own evidence says of the recipe's EA settings against the baseline, printed beside
+    #: the result of every run with EA on (the quickstart: whether they reached the baseline within noise on
+    #: validation, and the command of the baseline).
+    evidence: str = ""
     #: The task kind (see ``ea_hf.training.task_kind``): ``glue``, ``image``, ``timeseries``...; it decides
     #: the recipe class, and with it the ``data`` section's fields and any sections of the kind's own.
     kind: str = "glue"

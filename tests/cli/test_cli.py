@@ -147,8 +147,12 @@ def test_a_multi_run_recipe_reports_progress_and_ends_with_the_table(tmp_path, c
     tiny = ["model.config.hidden_size=32", "model.config.intermediate_size=48", "model.config.num_hidden_layers=1"]
     tiny += ["data.block_size=32", "data.max_train_samples=2", "data.max_eval_samples=1", "train.max_steps=2"]
     tiny += ["train.eval_strategy=no", "sweep={train.seed: [1, 2]}", f"output_dir={tmp_path}"]
-    assert main(["run", "causal_lm/quickstart", *tiny]) == 0
+    evidence = (
+        "These settings: 0.5 points below the baseline. The baseline: ea-hf run causal_lm/quickstart ea.enabled=false"
+    )
+    assert main(["run", "causal_lm/quickstart", *tiny, f"evidence='{evidence}'"]) == 0
     out, err = capsys.readouterr()
+    assert out.endswith(f"\n\n{evidence}\n")  # the recipe's evidence, once, after the result
     assert f"[ea-hf] run 1 of 2: {tmp_path}/seed=1\n" in err
     assert re.search(
         rf"\[ea-hf\] run 2 of 2: {re.escape(str(tmp_path))}/seed=2 \(1 done in 0 min \d+ s; about 0 min \d+ s left\)",

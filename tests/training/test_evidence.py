@@ -208,8 +208,8 @@ EVIDENCE = ROOT / "bench" / "results" / "evidence"
 
 def test_the_docs_tables_of_the_text_evidence_are_the_committed_runs():
     """docs/does-ea-help.md shows what ``ea-hf compare --seeds`` computes from the committed run records
-    (bench/results/evidence, written by bench/collect_evidence.py from real runs), for MiniLM and SmolLM2, and
-    every search run."""
+    (bench/results/evidence, written by bench/collect_evidence.py from real runs), for MiniLM, the quickstart's
+    settings and SmolLM2, and every search run."""
     page = (ROOT / "docs" / "does-ea-help.md").read_text()
     runs = sorted((EVIDENCE / "minilm-rotten-tomatoes").glob("*/seed=*"), key=str)  # as the shell sorts them
     assert len(runs) == 5 * 5  # 5 variants, 5 seeds
@@ -217,6 +217,9 @@ def test_the_docs_tables_of_the_text_evidence_are_the_committed_runs():
     for run in sorted((EVIDENCE / "minilm-rotten-tomatoes-search").iterdir()):
         accuracy = json.loads((run / "eval" / "validation" / "metrics.json").read_text())["accuracy"]
         assert re.search(rf"^\| `{re.escape(run.name)}` \|.*\| {accuracy:.4f} \|$", page, flags=re.M), run.name
+    quickstart = sorted((EVIDENCE / "quickstart-defaults").glob("*/seed=*"), key=str)
+    assert len(quickstart) == 3 * 5  # the baseline and two EA settings, 5 seeds, on validation
+    assert seed_evidence(quickstart, reference="baseline", split="validation").to_markdown() in page
     decoder = sorted((EVIDENCE / "smollm2-python-docs").glob("*/seed=*"), key=str)
     assert len(decoder) == 3 * 3  # baseline, EA and EA with LoRA, 3 seeds
     assert seed_evidence(decoder, reference="ea").to_markdown() in page

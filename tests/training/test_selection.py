@@ -105,6 +105,7 @@ def test_a_selection_sweep_runs_end_to_end(tmp_path, capsys):
         assert sum("eval_validation_accuracy" in entry for entry in history) == 2
     printed = capsys.readouterr().out
     assert "Selection on validation accuracy" in printed and "test, evaluated once" in printed
+    assert printed.endswith(f"\n\n{load_recipe(runs['small'] / 'recipe.yaml').evidence}\n")  # once, at the end
 
     # Nothing runs again with --skip-finished, and the choice stands.
     stamps = {name: (run / "eval").stat().st_mtime_ns for name, run in runs.items()}

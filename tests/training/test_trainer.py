@@ -41,6 +41,10 @@ def short_quickstart(run_dir, *overrides):
 def test_quickstart_runs_and_saves_everything(tmp_path, capsys):
     run_dir = tmp_path / "ea"
     assert main(["run", "quickstart", *SHORT, f"output_dir={run_dir}"]) == 0
+    # Where it prints its result, what the evidence says of its EA settings against the baseline.
+    evidence = load_recipe(run_dir / "recipe.yaml").evidence
+    assert "ea-hf run quickstart ea.enabled=false" in evidence
+    assert capsys.readouterr().out.endswith(f"\n\n{evidence}\n")
     files = {p.name for p in run_dir.iterdir()}
     assert {"recipe.yaml", "config.json", "model.safetensors", "model_classes.py", "tokenizer.json"} <= files
     metrics = json.loads((run_dir / "eval" / "validation" / "metrics.json").read_text())
@@ -66,10 +70,10 @@ def test_quickstart_runs_and_saves_everything(tmp_path, capsys):
     assert main(["run", "quickstart", *SHORT, f"output_dir={baseline}", "ea.enabled=false"]) == 0
     plain = transformers.AutoModelForSequenceClassification.from_pretrained(baseline)
     assert type(plain).__name__ == "BertForSequenceClassification" and not ea_hf.is_patched(plain)
-    capsys.readouterr()
+    assert evidence not in capsys.readouterr().out  # the baseline has no EA settings to speak of
     assert main(["compare", str(run_dir), str(baseline)]) == 0
     table = capsys.readouterr().out
-    assert "a=0.1 b=0.1 k=3" in table and " off " in table and table.count("accuracy=") == 2
+    assert "a=0.05 b=0.05 k=3" in table and " off " in table and table.count("accuracy=") == 2
 
     # An existing run is never overwritten; --skip-finished leaves it as it is and goes on.
     assert main(["run", "quickstart", *SHORT, f"output_dir={run_dir}"]) == 2
