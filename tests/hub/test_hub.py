@@ -70,7 +70,7 @@ def test_the_card_renders_offline_with_settings_results_recipe_versions_and_cita
     assert (result.metric_type, result.metric_value) == ("accuracy", round(accuracy, 4))
     text = parsed.text
     assert "| attention | alpha | beta | kernel_size | layers | init | method |" in text
-    assert "| encoder | 0.1 | 0.1 | 3 | all | kaiming_uniform | conv |" in text  # the quickstart's
+    assert "| encoder | 0.05 | 0.05 | 3 | all | kaiming_uniform | conv |" in text  # the quickstart's
     assert "The convolutions add 7,848 parameters to the\nEABertForSequenceClassification architecture" in text
     assert f'AutoModelForSequenceClassification.from_pretrained("{REPO}", trust_remote_code=True)' in text
     assert f"| SST-2-format local files | validation | accuracy | {accuracy:.4f} |" in text
@@ -163,7 +163,7 @@ def test_push_uploads_the_run_byte_for_byte_and_is_idempotent(run_dir, hub, monk
     assert not any(name.startswith(("checkpoints/", "eval/")) or name == "training_args.bin" for name in stored)
     assert stored["README.md"].decode() == str(run_card(run_dir, REPO))
     config = json.loads(stored["config.json"])
-    assert config["evolving_attention"]["encoder"]["alpha"] == 0.1 and "AutoModel" in config["auto_map"]
+    assert config["evolving_attention"]["encoder"]["alpha"] == 0.05 and "AutoModel" in config["auto_map"]
 
     commits = hub.commits(REPO)
     assert main(["push", str(run_dir), "--repo-id", REPO, "--endpoint", hub.endpoint]) == 0
@@ -295,7 +295,7 @@ def test_adapter_runs_get_an_adapter_card(tmp_path):
     assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
     assert card.data.base_model_relation == "adapter" and card.data.license == "apache-2.0"
     assert "ea_hf.adapters.load_adapter(base" in card.text
-    assert "| encoder | 0.1 | 0.1 | 3 | all | kaiming_uniform | conv |" in card.text
+    assert "| encoder | 0.05 | 0.05 | 3 | all | kaiming_uniform | conv |" in card.text
     assert "The convolutions add 7,848 parameters" in card.text
     assert "package:" not in str(card)
 
