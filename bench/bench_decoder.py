@@ -567,11 +567,6 @@ def compiled_name(attention: str) -> str:
     return attention + COMPILED_SUFFIX
 
 
-def static_variants(attentions: list[str]) -> list[str]:
-    """The --static variants: each attention as it is, then compiled."""
-    return [name for attention in attentions for name in (attention, compiled_name(attention))]
-
-
 def compiled_forward(model: Any, mode: str, backend: str) -> Callable:
     """``model.forward`` under ``torch.compile(fullgraph=True)``: with inductor in ``mode`` (``reduce-overhead``:
     CUDA graphs on a GPU), or with another ``backend`` (the dry run's ``eager``: dynamo's graphs run as they are)."""

@@ -307,10 +307,8 @@ def test_static_decoding_compiles_one_graph_and_decodes_the_same_tokens(bench, s
     each, no recompilation between steps or caches, and the same greedy tokens as uncompiled."""
     result, _ = static_report
     (timing,) = result["paired_timing"]
-    variants = bench.static_variants(list(bench.STATIC_ATTENTIONS))
-    assert list(timing["prefill_times_s"]) == variants == [
-        "eager", "eager-compile", "sdpa", "sdpa-compile", "ea", "ea-compile"
-    ]  # fmt: skip
+    variants = ["eager", "eager-compile", "sdpa", "sdpa-compile", "ea", "ea-compile"]
+    assert list(timing["prefill_times_s"]) == variants
     for variant in variants:
         prefills, steps = timing["prefill_times_s"][variant], timing["decode_times_s"][variant]
         assert len(prefills) == 2 and len(steps) == 2 * DECODE_TOKENS and min(prefills + steps) > 0

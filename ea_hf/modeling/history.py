@@ -300,8 +300,14 @@ def split_convolution_histories(cache: Any, parts: list[Any]) -> None:
 def split_history(history: ConvolutionHistory | StaticConvolutionHistory, index: int) -> Any:
     """Example ``index`` of a history's batch, on the CPU."""
     rows = None if history.rows is None else history.rows[index : index + 1].cpu()
+    return with_rows(history, rows, torch.device("cpu"))
+
+
+def with_rows(history: ConvolutionHistory | StaticConvolutionHistory, rows: torch.Tensor | None, device: Any) -> Any:
+    """A copy of ``history`` holding ``rows``, a static history's count of tokens seen copied to ``device`` (a
+    buffer of its own, as the rows are)."""
     if isinstance(history, StaticConvolutionHistory) and history.seen_tokens is not None:
-        return dataclasses.replace(history, rows=rows, seen_tokens=history.seen_tokens.cpu().clone())
+        return dataclasses.replace(history, rows=rows, seen_tokens=history.seen_tokens.to(device).clone())
     return dataclasses.replace(history, rows=rows)
 
 
@@ -315,8 +321,5 @@ def stack_convolution_histories(parts: list[Any], cache: Any, device: torch.devi
     for key, history in kept[0].items():
         rows = [histories[key].rows for histories in kept]
         joined = None if rows[0] is None else torch.cat(rows).to(device)
-        if isinstance(history, StaticConvolutionHistory) and history.seen_tokens is not None:
-            stacked[key] = dataclasses.replace(history, rows=joined, seen_tokens=history.seen_tokens.to(device).clone())
-        else:
-            stacked[key] = dataclasses.replace(history, rows=joined)
+        stacked[key] = with_rows(history, joined, device)
     setattr(cache, CACHE_ATTRIBUTE, stacked)
