@@ -1,8 +1,13 @@
 """Checkpoints saved by earlier ea_hf versions keep loading, with ea_hf and (as remote code) without it, and give
-the outputs they gave when saved (tests/fixtures/checkpoints_v0_1, made by its make.py)."""
+the outputs they gave when saved (tests/fixtures/checkpoints_v0_1, made by its make.py).
+
+The fixture keeps one copy of the 0.1 modeling files (``code/``) beside the weights of each checkpoint; a
+checkpoint as it was saved (weights and its remote code in one folder) is assembled from them where a test loads
+it without ea_hf."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,6 +28,16 @@ CASES = {
     "seq2seq": ("AutoModelForSeq2SeqLM", ("input_ids", "attention_mask", "decoder_input_ids")),
     "dc_transformer": ("AutoModelForSequenceClassification", ("values", "attention_mask")),
 }
+
+
+def saved_checkpoint(name: str, destination: Path) -> Path:
+    """The fixture ``name`` as ea_hf 0.1 saved it: its weights, config and expected outputs with the modeling
+    files beside them (every 0.1 file: a checkpoint's auto_map names the ones it loads, which import their
+    siblings)."""
+    folder = shutil.copytree(FIXTURES / name, destination / name)
+    for code in (FIXTURES / "code").glob("*.py"):
+        shutil.copy(code, folder)
+    return folder
 
 
 def expected(folder: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -74,7 +89,8 @@ REMOTE = textwrap.dedent(
 
 @pytest.mark.slow
 def test_old_checkpoints_load_without_ea_hf_as_remote_code(tmp_path):
-    cases = {str(FIXTURES / name): auto_class for name, (auto_class, _) in CASES.items()}
+    folders = {name: saved_checkpoint(name, tmp_path / "checkpoints") for name in CASES}
+    cases = {str(folders[name]): auto_class for name, (auto_class, _) in CASES.items()}
     env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     run = subprocess.run(
         [sys.executable, "-c", REMOTE, json.dumps(cases)], capture_output=True, text=True, env=env, cwd=tmp_path
