@@ -6,8 +6,9 @@ docs/performance.md, "Bytes per step".
 
 Cases (``harness/bytes.py``, ``CASES``): BERT-Base in bf16, training and inference at N = 512 batch 8, training at
 N = 2048 batch 2; the ~125M Llama of bench_decoder.py in bf16, prefill at N = 512 and 2048, and one decoding step on
-the cache of a 2048-token prefill. Variants: eager, ``ea-torch`` (EA on torch operations, the default on CUDA) and
-``ea-triton`` (the Triton kernels and the fused attention tail, counted by their operators' declared bytes). The
+the cache of a 2048-token prefill. Variants: eager, ``ea-torch`` (EA on torch operations, the default on CUDA),
+``ea-triton`` (the Triton kernels and the fused attention tail, counted by their operators' declared bytes) and
+``ea-torch-nhwc`` (torch operations, the convolutions channels-last on heads padded to a multiple of 8). The
 compiled variants are not counted (inductor fuses and plans buffers the meta device does not show).
 """
 

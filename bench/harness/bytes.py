@@ -7,6 +7,7 @@ that reads each input once and writes each output once moves them:
   nothing and are left out;
 - an argument an op writes (``add_``'s self, an ``out=``) counts as read and written, as it is an input and an
   output; ops that only write theirs (``copy_``, ``fill_``, ``zero_``, ``bernoulli_`` ...) count it once;
+- allocations (``empty``, ``new_empty``, ``empty_like`` ...) move nothing;
 - a broadcast input (stride 0 along a dimension) counts the elements it holds, not the ones it stands for;
 - ``embedding`` reads the rows it looks up, not the whole table;
 - a fused kernel's torch operator (``torch.ops.ea_hf.triton_*``) counts what its kernels read and write, declared
@@ -16,8 +17,10 @@ that reads each input once and writes each output once moves them:
 The meta device takes the choices ea_hf makes for CUDA tensors: every branch on ``device.type == "cpu"`` (the CPU
 kernel, the fused masked passes, the weight gradient by taps) goes the GPU way, and for autocast ``meta`` stands for
 ``cuda`` (:func:`meta_autocast`). The EA candidates are the variants of ``bench_gpu.py``: ``ea-torch`` (torch
-operations, the default on CUDA) and ``ea-triton`` (the Triton kernels and fused attention tail, counted through
-their operators on meta: :func:`triton_on_meta`). Compiled variants are not counted: inductor fuses and plans its own
+operations, the default on CUDA), ``ea-triton`` (the Triton kernels and fused attention tail, counted through
+their operators on meta: :func:`triton_on_meta`) and ``ea-torch-nhwc`` (torch operations with the convolutions on
+channels-last maps whose heads are padded to a multiple of 8, ``EA_HF_CHANNELS_LAST=1``: the padding and the
+layout's copies counted with the rest). Compiled variants are not counted: inductor fuses and plans its own
 buffers, which the meta device cannot show.
 
 The public API: :func:`count_bytes` (any callable), :func:`count_step_bytes` (a model's step by mode),
@@ -39,9 +42,11 @@ from harness.ea import EA_ALPHA, EA_BETA, attributes, environment, import_ea_hf
 from harness.tables import markdown_table
 
 #: The variants counted: eager attention and the EA candidates of bench_gpu.py's decision table that run uncompiled.
-VARIANTS = ("eager", "ea-torch", "ea-triton")
+VARIANTS = ("eager", "ea-torch", "ea-triton", "ea-torch-nhwc")
 #: What a step does: BERT's training step and forward; a decoder's prefill and one decoding step with the cache.
 MODES = ("training", "inference", "prefill", "decode")
+#: Ops that allocate without writing: they move nothing.
+ALLOCATIONS = frozenset({"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"})
 #: Ops that write an argument without reading it: the written argument counts once.
 WRITE_ONLY = frozenset(
     {"copy_", "fill_", "zero_", "bernoulli_", "normal_", "uniform_", "random_", "exponential_", "empty", "set_"}
@@ -108,9 +113,9 @@ def _declared_bytes() -> dict[str, Callable[..., int]]:
 
 def op_bytes(func: Any, args: tuple, kwargs: dict, output: Any, declared: dict[str, Callable[..., int]]) -> int | None:
     """The bytes ``func`` moved on ``args`` and ``kwargs`` giving ``output`` by the rules of the module docstring;
-    None for a view."""
+    None for a view or an allocation."""
     schema = func._schema
-    if func.__name__.split(".")[0] == "_unsafe_view" or any(
+    if func.__name__.split(".")[0] in {"_unsafe_view", *ALLOCATIONS} or any(
         ret.alias_info is not None and not ret.alias_info.is_write for ret in schema.returns
     ):
         return None
@@ -246,7 +251,8 @@ def variant_path(variant: str) -> Iterator[None]:
     CPU kernel off, which never takes meta tensors anyway)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r} is not one of {VARIANTS}")
-    with environment({"EA_HF_KERNELS": "0", "EA_HF_TRITON": "0"}):
+    channels_last = "1" if variant == "ea-torch-nhwc" else "0"  # the torch path's channels-last candidate
+    with environment({"EA_HF_KERNELS": "0", "EA_HF_TRITON": "0", "EA_HF_CHANNELS_LAST": channels_last}):
         if variant == "ea-triton":
             with triton_on_meta():
                 yield
@@ -406,4 +412,5 @@ def byte_table(rows: list[dict[str, Any]], variants: tuple[str, ...] = VARIANTS)
 
 def environment_variables() -> dict[str, str | None]:
     """The environment variables that pick ea_hf's paths, as they are now (recorded beside a table)."""
-    return {name: os.environ.get(name) for name in ("EA_HF_KERNELS", "EA_HF_TRITON", "TRITON_INTERPRET")}
+    names = ("EA_HF_KERNELS", "EA_HF_TRITON", "EA_HF_CHANNELS_LAST", "TRITON_INTERPRET")
+    return {name: os.environ.get(name) for name in names}
