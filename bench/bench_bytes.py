@@ -53,13 +53,18 @@ def markdown_report(rows: list[dict], variants: tuple[str, ...], top: int) -> st
     return "\n".join(parts)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's options (what gpu_session.sh's parsing test calls)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="folder for bench_bytes.{json,md} (default: print only)")
     parser.add_argument("--cases", nargs="+", type=parse_case, default=list(counted.CASES))
     parser.add_argument("--variants", nargs="+", choices=counted.VARIANTS, default=list(counted.VARIANTS))
     parser.add_argument("--top", type=int, default=5, help="largest ops listed per case and variant")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     variants = tuple(args.variants)
     rows = counted.count_cases(tuple(args.cases), variants)
     report = markdown_report(rows, variants, args.top)

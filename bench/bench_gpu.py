@@ -703,8 +703,8 @@ def cases_table(rows: list[dict], cases: list[dict]) -> str:
     """The comparison rows (:func:`compare`) and the notes of their cases as Markdown."""
     cells = [
         [str(row["n"]), str(row["batch"]), row["dtype"], row["mode"], row["variant"], number(row["median_ms"], 2)]
-        + [number(row["time_over_eager"], 3), number(row["time_over_sdpa"], 3), number(row["counted_gb"], 2)]
-        + [number(row["achieved_gb_s"], 0), number(row["peak_mib"], 0)]
+        + [number(row["time_over_eager"], 3), number(row["time_over_sdpa"], 3), number(row["counted_gb"], 3)]
+        + [number(row["achieved_gb_s"], 2), number(row["peak_mib"], 0)]
         + [number(row["above_loaded_mib"], 0), number(row["peak_over_eager"], 3), number(row["peak_over_sdpa"], 3)]
         + [number(row["triton_calls_per_step"], 1), target_cell(row["time_target"], row["time_pass"])]
         + [target_cell(row["memory_target"], row["memory_pass"]), notes(row, case)]
