@@ -393,7 +393,7 @@ def counted_step_bytes(variant: str, length: int, batch: int, mode: str, dtype_n
         return {"counted_bytes": None, "largest_ops": None, "bytes_source": f"{variant}: not counted"}
     case = counter.ByteCase("bert", mode, length, batch, {"bf16": "bfloat16", "fp32": "float32"}[dtype_name])
     try:
-        count = counter.count_case(case, variant, DRY_RUN_CONFIG if dry_run else None)
+        count = counter.count_case(case, variant, DRY_RUN_CONFIG if dry_run else FULL_CONFIG)
     except Exception as error:  # recorded: a count that fails leaves the case's times standing
         return {"counted_bytes": None, "largest_ops": None, "bytes_source": f"count failed: {error}"[:500]}
     return {
