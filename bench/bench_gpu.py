@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -47,11 +48,24 @@ from harness.models import build_model, parameter_count, random_batch, torch_dty
 from harness.tables import markdown_table, number, passes, ratio, target_cell  # noqa: E402
 from harness.timing import stopwatch, summary, timed  # noqa: E402
 
-VARIANTS = ("eager", "sdpa", "ea-torch", "ea-triton", "ea-compile", "ea-triton-compile")
-EA_VARIANTS = ("ea-torch", "ea-triton", "ea-compile", "ea-triton-compile")
+VARIANTS = ("eager", "sdpa", "ea-torch", "ea-triton", "ea-torch-nhwc", "ea-compile", "ea-triton-compile")
+EA_VARIANTS = ("ea-torch", "ea-triton", "ea-torch-nhwc", "ea-compile", "ea-triton-compile")
 #: The EA variants on the Triton kernels (``EA_HF_TRITON=1``), and those under ``torch.compile``.
 TRITON_VARIANTS = ("ea-triton", "ea-triton-compile")
 COMPILED_VARIANTS = ("ea-compile", "ea-triton-compile")
+#: The torch path's channels-last candidate (``EA_HF_CHANNELS_LAST=1``): the convolutions on maps whose heads are
+#: padded to a multiple of 8, stored NHWC.
+CHANNELS_LAST_VARIANTS = ("ea-torch-nhwc",)
+#: The paths ea_hf can take on CUDA without the user compiling: the candidates for its default (:func:`default_choice`).
+#: ``ea-torch`` is the reference the others are checked against.
+DEFAULT_CANDIDATES = ("ea-torch", "ea-triton", "ea-torch-nhwc")
+CHECKED_CANDIDATES = ("ea-triton", "ea-torch-nhwc")
+#: What each candidate's cases must show they evolved on (``evolution_path``): a case that fell back is not counted.
+CANDIDATE_PATHS = {
+    "ea-torch": "torch operations",
+    "ea-triton": "Triton kernels",
+    "ea-torch-nhwc": "torch operations, channels-last",
+}
 MODES = ("inference", "training")
 DTYPES = ("bf16", "fp32")
 #: (N, batch) of the full run; the dry run's tiny cases stand in for them, in this order.
@@ -79,18 +93,18 @@ DRY_RUN_CONFIG = {
     "vocab_size": 128,
     "max_position_embeddings": 64,
 }
-#: ea-torch vs ea-triton: largest acceptable output difference (absolute; outputs are LayerNorm'ed, so of order
-#: 1) and gradient difference (relative to the largest gradient), per dtype.
+#: ea-torch vs a candidate (ea-triton, ea-torch-nhwc): largest acceptable output difference (absolute; outputs are
+#: LayerNorm'ed, so of order 1) and gradient difference (relative to the largest gradient), per dtype.
 AGREEMENT_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 GRADIENT_TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2}
 OPTIMIZERS = ("none", "sgd", "adamw")
 TABLE_HEADER = (
-    "N", "batch", "dtype", "mode", "variant", "median ms", "x eager", "x sdpa", "peak MiB", "above loaded MiB",
-    "peak x eager", "peak x sdpa", "Triton calls/step", "time target", "memory target", "notes",
+    "N", "batch", "dtype", "mode", "variant", "median ms", "x eager", "x sdpa", "counted GB", "GB/s", "peak MiB",
+    "above loaded MiB", "peak x eager", "peak x sdpa", "Triton calls/step", "time target", "memory target", "notes",
 )  # fmt: skip
 AGREEMENT_HEADER = (
-    "N", "batch", "dtype", "no_grad output max abs diff", "training output max abs diff", "gradient max rel diff",
-    "Triton calls (ea-triton / ea-torch)", "agree",
+    "N", "batch", "dtype", "candidate", "no_grad output max abs diff", "training output max abs diff",
+    "gradient max rel diff", "path calls (candidate / ea-torch)", "agree",
 )  # fmt: skip
 NO_CUDA_MESSAGE = "bench_gpu.py: no CUDA device available; run it on a GPU, or use --dry-run for the CPU dry run"
 #: A case's GPU memory figures on the CPU, where none are measured.
@@ -111,6 +125,8 @@ def variant_path(variant: str) -> str | None:
     """The path ``variant`` evolves its maps on (:func:`harness.ea.path_environment`); None without EA."""
     if variant in TRITON_VARIANTS:
         return "triton"
+    if variant in CHANNELS_LAST_VARIANTS:
+        return ea.CHANNELS_LAST_PATH
     return "torch" if variant in EA_VARIANTS else None
 
 
@@ -365,6 +381,28 @@ def kernel_figures(variant: str, kernel_calls: dict[str, int], settings: Any) ->
     }
 
 
+def counted_step_bytes(variant: str, length: int, batch: int, mode: str, dtype_name: str, dry_run: bool) -> dict:
+    """The bytes of the case's step as bench/harness/bytes.py counts them on the meta device (the path CUDA takes,
+    every aten op's inputs and outputs, a fused operator's declared bytes): its BERT of the same dimensions, N,
+    batch, dtype and mode (a bare BertModel whose training loss is its last hidden state's mean square, where the
+    case trains a 2-label head: a few KB apart). None for the variants the counter does not count (sdpa, whose
+    fused kernel it cannot see, and the compiled ones, whose fusions it cannot see), or where counting failed."""
+    from harness import bytes as counter
+
+    if variant not in counter.VARIANTS:
+        return {"counted_bytes": None, "largest_ops": None, "bytes_source": f"{variant}: not counted"}
+    case = counter.ByteCase("bert", mode, length, batch, {"bf16": "bfloat16", "fp32": "float32"}[dtype_name])
+    try:
+        count = counter.count_case(case, variant, DRY_RUN_CONFIG if dry_run else FULL_CONFIG)
+    except Exception as error:  # recorded: a count that fails leaves the case's times standing
+        return {"counted_bytes": None, "largest_ops": None, "bytes_source": f"count failed: {error}"[:500]}
+    return {
+        "counted_bytes": count.total,
+        "largest_ops": dict(count.largest(5)),
+        "bytes_source": "bench/harness/bytes.py on the meta device",
+    }
+
+
 def break_reason(reason: str) -> str:
     """The headline and the explanation of a dynamo graph-break reason, without its hints and links."""
     lines = [line.strip() for line in reason.splitlines() if line.strip()]
@@ -390,40 +428,50 @@ def check_run(model: Any, inputs: dict, variant: str, device: Any) -> tuple[dict
     return {"inference": inference, "output": outputs(trained), "grads": gradients}, dict(counts)
 
 
-def differences(reference: dict, triton: dict) -> dict:
+def differences(reference: dict, candidate: dict) -> dict:
     """The largest differences of the outputs and gradients of two :func:`check_run` results."""
-    if reference["grads"].keys() != triton["grads"].keys():
-        raise RuntimeError("ea-torch and ea-triton gave gradients to different parameters")
-    gradient_diff = max((reference["grads"][k] - triton["grads"][k]).abs().max().item() for k in triton["grads"])
+    if reference["grads"].keys() != candidate["grads"].keys():
+        raise RuntimeError("ea-torch and the candidate gave gradients to different parameters")
+    gradient_diff = max((reference["grads"][k] - candidate["grads"][k]).abs().max().item() for k in candidate["grads"])
     gradient_scale = max(g.abs().max().item() for g in reference["grads"].values())
     return {
         "max_abs_output": reference["inference"].abs().max().item(),
-        "inference_max_abs_diff": (reference["inference"] - triton["inference"]).abs().max().item(),
-        "training_output_max_abs_diff": (reference["output"] - triton["output"]).abs().max().item(),
+        "inference_max_abs_diff": (reference["inference"] - candidate["inference"]).abs().max().item(),
+        "training_output_max_abs_diff": (reference["output"] - candidate["output"]).abs().max().item(),
         "gradient_max_abs_diff": gradient_diff,
         "gradient_max_abs": gradient_scale,
         "gradient_max_rel_diff": gradient_diff / gradient_scale if gradient_scale > 0 else 0.0,
-        "parameters_with_gradients": len(triton["grads"]),
+        "parameters_with_gradients": len(candidate["grads"]),
     }
 
 
+def path_calls(check: dict, variant: str) -> int:
+    """The calls in a check that prove ``variant`` ran its candidate's path: the Triton kernels', or the
+    channels-last candidate's (``{variant}_triton_calls`` / ``{variant}_channels_last_calls``)."""
+    kind = "channels_last" if check.get("candidate") in CHANNELS_LAST_VARIANTS else "triton"
+    return check[f"{variant}_{kind}_calls"]
+
+
 def agree(check: dict, dtype_name: str) -> bool:
-    """Whether a check's differences are within the tolerances, ea-triton ran on the kernels and ea-torch did not."""
+    """Whether a check's differences are within the tolerances, the candidate ran on its path and ea-torch did
+    not."""
     output_ok = max(check["inference_max_abs_diff"], check["training_output_max_abs_diff"]) <= (
         AGREEMENT_TOLERANCE[dtype_name] * (1.0 if dtype_name == "fp32" else check["max_abs_output"])
     )
     return (
         output_ok
         and check["gradient_max_rel_diff"] <= GRADIENT_TOLERANCE[dtype_name]
-        and check["ea-triton_triton_calls"] > 0
-        and check["ea-torch_triton_calls"] == 0
+        and path_calls(check, check["candidate"]) > 0
+        and path_calls(check, "ea-torch") == 0
     )
 
 
-def run_check(length: int, batch: int, dtype_name: str, settings: argparse.Namespace) -> dict:
-    """ea-torch against ea-triton on one model (same weights) and the same inputs: the largest differences of the
-    no_grad logits and last hidden state, of the same with autograd, and of the parameter gradients of the
-    training loss (the cross-entropy of the classification head)."""
+def run_check(
+    length: int, batch: int, dtype_name: str, settings: argparse.Namespace, candidate: str = "ea-triton"
+) -> dict:
+    """ea-torch against ``candidate`` (:data:`CHECKED_CANDIDATES`) on one model (same weights) and the same inputs:
+    the largest differences of the no_grad logits and last hidden state, of the same with autograd, and of the
+    parameter gradients of the training loss (the cross-entropy of the classification head)."""
     import torch
 
     ea.import_ea_hf()
@@ -431,7 +479,9 @@ def run_check(length: int, batch: int, dtype_name: str, settings: argparse.Names
         torch.set_num_threads(settings.threads)
     device = torch.device("cpu" if settings.dry_run else "cuda")
     config = DRY_RUN_CONFIG if settings.dry_run else FULL_CONFIG
-    result: dict[str, Any] = {"n": length, "batch": batch, "dtype": dtype_name, "status": "ok", "error": None}
+    result: dict[str, Any] = {
+        "n": length, "batch": batch, "dtype": dtype_name, "candidate": candidate, "status": "ok", "error": None,
+    }  # fmt: skip
     # TF32 convolutions would make the torch path differ from the fp32 kernels by TF32 rounding, not by a bug.
     tf32 = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
@@ -440,11 +490,12 @@ def run_check(length: int, batch: int, dtype_name: str, settings: argparse.Names
         model = bert_classifier("ea-torch", config, torch_dtype(dtype_name), device)
         inputs = random_batch(config["vocab_size"], batch, length, device, labels=2)
         model.eval()
-        for variant in ("ea-torch", "ea-triton"):
+        for variant in ("ea-torch", candidate):
             runs[variant], calls = check_run(model, inputs, variant, device)
             result[f"{variant}_triton_calls"] = ea.triton_calls(calls)
+            result[f"{variant}_channels_last_calls"] = ea.channels_last_calls(calls)
             result[f"{variant}_cpu_kernel_calls"] = ea.cpu_kernel_calls(calls)
-        result.update(differences(runs["ea-torch"], runs["ea-triton"]))
+        result.update(differences(runs["ea-torch"], runs[candidate]))
         result["agree"] = agree(result, dtype_name)
     except Exception as error:  # recorded like a failed case
         result.update(status="error", error=f"{type(error).__name__}: {error}"[:2000], agree=False)
@@ -488,9 +539,10 @@ def spawn_case(variant: str, length: int, batch: int, mode: str, dtype: str, arg
     return result
 
 
-def spawn_check(length: int, batch: int, dtype: str, args: argparse.Namespace) -> dict:
-    result = spawn(["--check", str(length), str(batch), dtype], args, f"check N={length} {dtype}")
-    result.update(n=length, batch=batch, dtype=dtype)
+def spawn_check(length: int, batch: int, dtype: str, args: argparse.Namespace, candidate: str) -> dict:
+    internal = ["--check", str(length), str(batch), dtype, candidate]
+    result = spawn(internal, args, f"check {candidate} N={length} {dtype}")
+    result.update(n=length, batch=batch, dtype=dtype, candidate=candidate)
     return result
 
 
@@ -523,6 +575,8 @@ def compare(cases: list[dict], dry_run: bool) -> list[dict]:
             "above_loaded_mib": case.get("above_loaded_mib"),
             "time_over_eager": ratio(case.get("median_s"), eager.get("median_s")),
             "time_over_sdpa": ratio(case.get("median_s"), sdpa.get("median_s")),
+            "counted_gb": None if case.get("counted_bytes") is None else case["counted_bytes"] / 1e9,
+            "achieved_gb_s": achieved_bandwidth(case),
             "peak_over_eager": ratio(case.get("peak_mib"), eager.get("peak_mib")),
             "peak_over_sdpa": ratio(case.get("peak_mib"), sdpa.get("peak_mib")),
             "above_loaded_over_eager": ratio(case.get("above_loaded_mib"), eager.get("above_loaded_mib")),
@@ -540,10 +594,94 @@ def compare(cases: list[dict], dry_run: bool) -> list[dict]:
     return rows
 
 
+def default_choice(rows: list[dict], checks: list[dict]) -> dict:
+    """The rule that sets ea_hf's default path on CUDA from the decision table: the fastest correct candidate.
+
+    The candidates are :data:`DEFAULT_CANDIDATES`. One is correct where every case of it in the table (``rows``, as
+    :func:`compare` gives them) ran without error on its own path (:data:`CANDIDATE_PATHS`: a case that fell back
+    measured another path) and, for all but the reference ``ea-torch``, it has agreement checks against ea-torch
+    (``checks``) and every one agrees. Of the correct ones, the fastest has the least geometric mean of its time over
+    eager across the cases (N, batch, dtype, mode) in which every correct candidate has one. Without such a case,
+    or without a correct candidate, the default stays ``ea-torch``.
+
+    Example:
+        >>> def row(variant, ratio):
+        ...     return {"n": 512, "batch": 8, "dtype": "bf16", "mode": "training", "variant": variant, "status": "ok",
+        ...             "time_over_eager": ratio, "evolution_path": CANDIDATE_PATHS[variant]}
+        >>> rows = [row("ea-torch", 2.0), row("ea-triton", 1.8), row("ea-torch-nhwc", 1.9)]
+        >>> checks = [{"candidate": "ea-triton", "status": "ok", "agree": False},
+        ...           {"candidate": "ea-torch-nhwc", "status": "ok", "agree": True}]
+        >>> choice = default_choice(rows, checks)
+        >>> choice["default"], choice["excluded"]
+        ('ea-torch-nhwc', {'ea-triton': 'disagrees with ea-torch in an agreement check'})
+    """
+    excluded = {}
+    for candidate in DEFAULT_CANDIDATES:
+        own = [row for row in rows if row["variant"] == candidate]
+        failed = [r for r in own if r["status"] != "ok" or r.get("evolution_path") != CANDIDATE_PATHS[candidate]]
+        own_checks = [check for check in checks if check.get("candidate", "ea-triton") == candidate]
+        if not own:
+            excluded[candidate] = "not in the table"
+        elif failed:
+            excluded[candidate] = f"{len(failed)} of its cases failed or ran on another path"
+        elif candidate != "ea-torch" and not own_checks:
+            excluded[candidate] = "no agreement check against ea-torch"
+        elif not all(check.get("status") == "ok" and check.get("agree") for check in own_checks):
+            excluded[candidate] = "disagrees with ea-torch in an agreement check"
+    correct = [candidate for candidate in DEFAULT_CANDIDATES if candidate not in excluded]
+    ratios: dict[tuple, dict[str, float]] = {}
+    for row in rows:
+        if row["variant"] in correct and row.get("time_over_eager") is not None:
+            ratios.setdefault((row["n"], row["batch"], row["dtype"], row["mode"]), {})[row["variant"]] = row[
+                "time_over_eager"
+            ]
+    compared = {group: times for group, times in ratios.items() if set(times) == set(correct)}
+    geomeans = {
+        candidate: math.exp(sum(math.log(times[candidate]) for times in compared.values()) / len(compared))
+        for candidate in correct
+        if compared
+    }
+    return {
+        "rule": "the fastest correct candidate: the least geometric mean of time over eager, over the cases every "
+        "correct candidate ran, among those whose cases ran on their path and that agree with ea-torch",
+        "default": min(geomeans, key=geomeans.get) if geomeans else "ea-torch",
+        "correct": correct,
+        "excluded": excluded,
+        "cases_compared": len(compared),
+        "geomean_time_over_eager": geomeans,
+        "fastest_by_case": [
+            {"n": n, "batch": batch, "dtype": dtype, "mode": mode, "fastest": min(times, key=times.get)}
+            for (n, batch, dtype, mode), times in compared.items()
+        ],
+    }
+
+
+def choice_text(choice: dict) -> str:
+    """:func:`default_choice`'s verdict as Markdown."""
+    means = ", ".join(f"`{name}` {mean:.3f}x" for name, mean in choice["geomean_time_over_eager"].items())
+    excluded = "; ".join(f"`{name}`: {why}" for name, why in choice["excluded"].items())
+    return (
+        f"Rule: {choice['rule']}. **Default on CUDA by this table: `{choice['default']}`.** Geometric mean of time "
+        f"over eager over {choice['cases_compared']} case(s): {means or 'none'}. Excluded: {excluded or 'none'}.\n"
+    )
+
+
+def achieved_bandwidth(case: dict) -> float | None:
+    """A case's counted bytes over its median step time, in GB/s (None without either)."""
+    moved, seconds = case.get("counted_bytes"), case.get("median_s")
+    return None if moved is None or not seconds else moved / seconds / 1e9
+
+
 def notes(row: dict, case: dict) -> str:
     parts = []
     if row["variant"] in TRITON_VARIANTS and row["status"] == "ok" and not row["ran_on_triton"]:
         parts.append("FELL BACK to torch operations (0 Triton calls)")
+    if (
+        row["variant"] in CHANNELS_LAST_VARIANTS
+        and row["status"] == "ok"
+        and row["evolution_path"] != (CANDIDATE_PATHS[row["variant"]])
+    ):
+        parts.append("FELL BACK to the default layout (no channels-last calls)")
     compiled = case.get("compile")
     if compiled:
         if compiled.get("failed"):
@@ -565,20 +703,22 @@ def cases_table(rows: list[dict], cases: list[dict]) -> str:
     """The comparison rows (:func:`compare`) and the notes of their cases as Markdown."""
     cells = [
         [str(row["n"]), str(row["batch"]), row["dtype"], row["mode"], row["variant"], number(row["median_ms"], 2)]
-        + [number(row["time_over_eager"], 3), number(row["time_over_sdpa"], 3), number(row["peak_mib"], 0)]
+        + [number(row["time_over_eager"], 3), number(row["time_over_sdpa"], 3), number(row["counted_gb"], 3)]
+        + [number(row["achieved_gb_s"], 2), number(row["peak_mib"], 0)]
         + [number(row["above_loaded_mib"], 0), number(row["peak_over_eager"], 3), number(row["peak_over_sdpa"], 3)]
         + [number(row["triton_calls_per_step"], 1), target_cell(row["time_target"], row["time_pass"])]
         + [target_cell(row["memory_target"], row["memory_pass"]), notes(row, case)]
         for row, case in zip(rows, cases, strict=True)
     ]
-    return markdown_table(TABLE_HEADER, "rrlll" + "r" * 8 + "lll", cells) + "\n"
+    return markdown_table(TABLE_HEADER, "rrlll" + "r" * 10 + "lll", cells) + "\n"
 
 
 def agreement_table(checks: list[dict]) -> str:
     """The agreement checks as Markdown; a failed check's row gives its error."""
     cells = []
     for check in checks:
-        head = [str(check["n"]), str(check["batch"]), check["dtype"]]
+        candidate = check.get("candidate", "ea-triton")
+        head = [str(check["n"]), str(check["batch"]), check["dtype"], candidate]
         if check.get("status") != "ok":
             error = (check.get("error") or "").split("\n")[0][:120].replace("|", "/")
             cells.append([*head, "-", "-", "-", "-", f"ERROR: {error}"])
@@ -587,11 +727,11 @@ def agreement_table(checks: list[dict]) -> str:
             [*head, f"{check['inference_max_abs_diff']:.2e}", f"{check['training_output_max_abs_diff']:.2e}"]
             + [
                 f"{check['gradient_max_rel_diff']:.2e}",
-                f"{check['ea-triton_triton_calls']} / {check['ea-torch_triton_calls']}",
+                f"{path_calls(check, candidate)} / {path_calls(check, 'ea-torch')}",
             ]
             + ["yes" if check["agree"] else "NO"]
         )
-    return markdown_table(AGREEMENT_HEADER, "rrlrrrrl", cells) + "\n"
+    return markdown_table(AGREEMENT_HEADER, "rrllrrrrl", cells) + "\n"
 
 
 def markdown_report(report: dict) -> str:
@@ -605,7 +745,9 @@ def markdown_report(report: dict) -> str:
         f"0; random input_ids, all-ones attention mask. EA: `ea_hf.patch(model, alpha={ea.EA_ALPHA}, "
         f"beta={ea.EA_BETA})` "
         "(3x3 kernel, every layer); `ea-torch` evolves with torch operations, `ea-triton` with the Triton kernels "
-        f"(`EA_HF_TRITON=1`), `ea-compile` and `ea-triton-compile` are those models under `torch.compile` (backend "
+        "(`EA_HF_TRITON=1`), `ea-torch-nhwc` with torch operations whose convolutions run on channels-last maps with "
+        "the heads padded to a multiple of 8 (`EA_HF_CHANNELS_LAST=1`), `ea-compile` and `ea-triton-compile` are "
+        "those models under `torch.compile` (backend "
         f"`{settings['compile_backend']}`, default mode; the Triton kernels and the fused attention tail run as torch "
         "operators). inference = forward (logits) under `torch.no_grad()`; "
         "training = forward with labels, `loss.backward()` (cross-entropy of the 2-label head)"
@@ -629,15 +771,19 @@ def markdown_report(report: dict) -> str:
         f"{TIME_TARGETS[2048]}x at N = 2048; peak memory at most {MEMORY_TARGET}x. *Triton calls/step*: calls of "
         "`ea_hf.ops.triton.evolution.correlate` + `backward` per step (warm-ups included; compiled, the backward "
         "runs as an operator and only `correlate` is counted); an `ea-triton` row with 0 fell back to torch "
-        "operations."
+        "operations. *Counted GB*: the bytes of the step by `bench/harness/bytes.py` on the meta device (every aten "
+        "op's inputs and outputs, views excluded; the fused operators' declared bytes; not counted for sdpa and the "
+        "compiled variants); *GB/s*: those bytes over the median step, the achieved bandwidth."
     )
     return (
         f"# Evolving Attention on GPU: eager vs sdpa vs EA (torch, Triton, torch.compile)\n\n{intro}\n\n{targets}\n\n"
         f"{report['markdown_table']}\n"
-        "## ea-torch vs ea-triton on the same weights and inputs\n\n"
+        "## ea-torch vs each candidate on the same weights and inputs\n\n"
         f"Tolerances: outputs {AGREEMENT_TOLERANCE} (absolute for fp32, relative to the largest output for bf16), "
         f"gradients {GRADIENT_TOLERANCE} relative to the largest gradient; TF32 off during the check.\n\n"
-        f"{report['markdown_agreement']}"
+        f"{report['markdown_agreement']}\n"
+        "## The default on CUDA\n\n"
+        f"{choice_text(report['default_choice'])}"
     )
 
 
@@ -677,15 +823,18 @@ def case_key(case: dict) -> tuple:
 
 
 def check_key(check: dict) -> tuple:
-    return check["n"], check["batch"], check["dtype"]
+    return check["n"], check["batch"], check["dtype"], check.get("candidate", "ea-triton")
 
 
 def case_order(key: tuple) -> tuple:
-    """Cases (and checks) by N, batch, dtype, mode and variant, in the order of DTYPES, MODES and VARIANTS."""
+    """Cases by N, batch, dtype, mode and variant, and checks by N, batch, dtype and candidate, in the order of
+    DTYPES, MODES and VARIANTS."""
     length, batch, dtype, *rest = key
     order = [length, batch, DTYPES.index(dtype)]
-    if rest:
+    if len(rest) == 2:
         order += [MODES.index(rest[0]), VARIANTS.index(rest[1])]
+    elif rest:
+        order.append(VARIANTS.index(rest[0]))
     return tuple(order)
 
 
@@ -735,6 +884,8 @@ def run_cases(args: argparse.Namespace, case_results: dict[tuple, dict], write: 
             result = spawn_case(variant, length, batch, mode, dtype, args)
         else:
             result = run_case(variant, length, batch, mode, dtype, args)
+        if "counted_bytes" not in result:  # the achieved bandwidth's bytes, counted here (no GPU needed)
+            result |= counted_step_bytes(variant, length, batch, mode, dtype, args.dry_run)
         case_results[key] = result
         write()
         median = result.get("median_s")
@@ -749,18 +900,24 @@ def run_cases(args: argparse.Namespace, case_results: dict[tuple, dict], write: 
 
 
 def run_checks(args: argparse.Namespace, check_results: dict[tuple, dict], write: Callable[[], None]) -> None:
-    """The agreement check of every (N, batch, dtype) not in ``check_results`` into it, the files rewritten after
-    each; only where both ea-torch and ea-triton run, and not with ``--no-check``."""
-    if "ea-torch" not in args.variants or "ea-triton" not in args.variants or args.no_check:
+    """The agreement check of every (N, batch, dtype, candidate) not in ``check_results`` into it, the files
+    rewritten after each: ea-torch against each of :data:`CHECKED_CANDIDATES` that runs beside it, and none with
+    ``--no-check``."""
+    candidates = [c for c in CHECKED_CANDIDATES if c in args.variants]
+    if "ea-torch" not in args.variants or args.no_check:
         return
-    for (length, batch), dtype in ((case, dtype) for case in args.cases for dtype in args.dtypes):
-        check = check_results.get((length, batch, dtype))
+    for (length, batch), dtype, candidate in (
+        (case, dtype, candidate) for case in args.cases for dtype in args.dtypes for candidate in candidates
+    ):
+        key = (length, batch, dtype, candidate)
+        check = check_results.get(key)
         if check is None:
-            check = spawn_check(length, batch, dtype, args) if args.isolate else run_check(length, batch, dtype, args)
-        check_results[(length, batch, dtype)] = check
+            run = spawn_check if args.isolate else run_check
+            check = run(length, batch, dtype, args, candidate)
+        check_results[key] = check
         write()
         print(
-            f"  check ea-torch vs ea-triton N={length} {dtype}: "
+            f"  check ea-torch vs {candidate} N={length} {dtype}: "
             + (
                 f"output diff {check['inference_max_abs_diff']:.2e}, gradient rel diff "
                 f"{check['gradient_max_rel_diff']:.2e}, agree {check['agree']}"
@@ -802,6 +959,7 @@ def collect(args: argparse.Namespace) -> dict:
             agreement=checks,
             markdown_table=cases_table(rows, cases),
             markdown_agreement=agreement_table(checks),
+            default_choice=default_choice(rows, checks),
             wall_time_s=elapsed(),
         )
         json_path.write_text(json.dumps(report, indent=2) + "\n")
@@ -813,6 +971,7 @@ def collect(args: argparse.Namespace) -> dict:
     print()
     print(report["markdown_table"])
     print(report["markdown_agreement"])
+    print(choice_text(report["default_choice"]))
     print(f"wall time {report['wall_time_s']:.0f} s; wrote {json_path}, {markdown_path}")
     return report
 
@@ -836,11 +995,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, help="torch.set_num_threads (default: torch's; dry run 1)")
     add("--isolate", action="store_true", help="run every case and check in a fresh process")
     add("--resume", action="store_true", help="reuse the finished cases of the output JSON")
-    add("--no-check", action="store_true", help="skip the ea-torch vs ea-triton agreement check")
+    add("--no-check", action="store_true", help="skip the agreement checks of ea-torch against the candidates")
     internal = parser.add_mutually_exclusive_group()
     internal.add_argument("--case", nargs=5, metavar=("VARIANT", "N", "BATCH", "MODE", "DTYPE"), help="internal: "
                           "run one case")  # fmt: skip
-    internal.add_argument("--check", nargs=3, metavar=("N", "BATCH", "DTYPE"), help="internal: run one check")
+    internal.add_argument("--check", nargs=4, metavar=("N", "BATCH", "DTYPE", "CANDIDATE"), help="internal: run "
+                          "one check")  # fmt: skip
     args = parser.parse_args(argv)
     dry = args.dry_run
     args.cases = args.cases or list(DRY_RUN_CASES if dry else FULL_CASES)
@@ -857,10 +1017,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--case expects VARIANT in {VARIANTS}, MODE in {MODES}, DTYPE in {DTYPES}")
         args.case = (variant, int(length), int(batch), mode, dtype)
     if args.check:
-        length, batch, dtype = args.check
-        if dtype not in DTYPES:
-            parser.error(f"--check expects DTYPE in {DTYPES}")
-        args.check = (int(length), int(batch), dtype)
+        length, batch, dtype, candidate = args.check
+        if dtype not in DTYPES or candidate not in CHECKED_CANDIDATES:
+            parser.error(f"--check expects DTYPE in {DTYPES}, CANDIDATE in {CHECKED_CANDIDATES}")
+        args.check = (int(length), int(batch), dtype, candidate)
     return args
 
 
@@ -878,7 +1038,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.case:
         print_result(run_case(*args.case, args))
     elif args.check:
-        print_result(run_check(*args.check, args))
+        length, batch, dtype, candidate = args.check
+        print_result(run_check(length, batch, dtype, args, candidate))
     else:
         collect(args)
 

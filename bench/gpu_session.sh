@@ -4,9 +4,13 @@
 # failing step leaves the others their time:
 #   a. smoke: every Triton kernel compiled on the GPU and checked against torch (the CUDA half of
 #      tests/ops/test_triton_{kernel,attention}.py)                                                   -> a_smoke/
-#   b. the decision table, BERT-Base: eager, sdpa, ea-torch, ea-triton on bf16 training and inference and fp32
-#      training at N = 512 (batch 8), bf16 training at N = 2048 (batch 2); then eager, ea-compile and
-#      ea-triton-compile on bf16 training at N = 512                                                  -> b_table/
+#   b. the decision table, BERT-Base: eager, sdpa and the candidates for the default on CUDA (ea-torch, ea-triton,
+#      ea-torch-nhwc) on bf16 and fp32 training and inference at N = 512 (batch 8), bf16 training at N = 2048
+#      (batch 2); then eager, ea-compile and ea-triton-compile on bf16 training at N = 512. Each case's bytes are
+#      counted (bench/harness/bytes.py, on the meta device) beside its time, and their quotient is its achieved
+#      bandwidth; the report names the default by the rule (bench_gpu.default_choice: the fastest correct
+#      candidate). The byte table of every case of issue 72 (bench_bytes.py) is counted meanwhile on the CPU, in
+#      the background                                                                                  -> b_table/
 #   c. the Triton tiles tuned on this GPU: every setting of the sweep timed and checked against torch operations,
 #      the fastest correct ones written into the tuned-tile table (commit c_tune/tuned_tiles.json as
 #      ea_hf/ops/triton/tuned_tiles.json); the cases' achieved bandwidth on the least bytes          -> c_tune/
@@ -17,9 +21,9 @@
 #      decoding of eager, sdpa and EA with the dynamic cache                                         -> e_decoder/
 #   f. the evolution step beside Liger-Kernel's Multi-Token Attention (where bench/wheels holds its wheel) -> f_liger/
 # Meanwhile, on four cores of their own with CUDA hidden, the paired CPU timing and step memory of bench_attention.py
-# (cpu/). Everything comes back as one file, $OUT/gpu_session.tgz, beside this script's log (session.log). The steps'
-# limits add up to 525 s, more than the lease's 510: a run cut short leaves the folders of the steps it finished
-# under $OUT, untarred, and the last step (f) is the one cut. The device machine has torch, transformers and triton but not ea_hf (it runs from the working
+# (cpu/), and on the GPU steps' cores the byte table (b_table/bytes/). Everything comes back as one file, $OUT/gpu_session.tgz, beside this script's log (session.log). The steps'
+# limits add up to 580 s, more than the lease's 510: a run cut short leaves the folders of the steps it finished
+# under $OUT, untarred, and the last steps (f, then e's dynamic cache) are the ones cut. The device machine has torch, transformers and triton but not ea_hf (it runs from the working
 # tree) and no network: run bench/fetch_wheels.sh here first and carry bench/wheels.
 #     device run: bash bench/gpu_session.sh   (timeout_s 510, carry ["bench/wheels"])
 # DRY_RUN=1 runs every step's CPU dry run instead (Triton's interpreter, tiny models): what CI runs
@@ -87,6 +91,15 @@ if [ "$DRY_RUN" != 1 ]; then
 fi
 ON_GPU_CPUS=(taskset -c "$OTHER_CPUS")  # the prefix of the GPU steps' commands
 [ "$DRY_RUN" = 1 ] && ON_GPU_CPUS=()
+# The byte table (no GPU: the meta device): in the background on a GPU run; a step of its own on a dry run, below.
+BYTES=(bench/bench_bytes.py --out "$OUT/b_table/bytes")
+if [ "$DRY_RUN" != 1 ]; then
+    (
+        CUDA_VISIBLE_DEVICES= timeout 150 taskset -c "$OTHER_CPUS" $PYTHON "${BYTES[@]}"
+        echo "$?" > "$OUT/b_table/bytes_status.txt"
+    ) > "$OUT/b_table/bytes.log" 2>&1 &
+    CPU_JOBS+=($!)
+fi
 
 # a. smoke
 step a_smoke 50 "${ON_GPU_CPUS[@]}" $PYTHON -m pytest -q -p no:cacheprovider -rs -x --junitxml="$OUT/a_smoke/tests.xml" \
@@ -95,16 +108,18 @@ step a_smoke 50 "${ON_GPU_CPUS[@]}" $PYTHON -m pytest -q -p no:cacheprovider -rs
 
 # b. the decision table
 DRY=$(gpu_or_dry "" "--dry-run --repeats 1 --warmup 1")
-# (The dry run's variants: one of each kind, on the CPU's budget.)
-step b_table 130 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
-    "--cases 512:8 --dtypes bf16 fp32 --variants eager sdpa ea-torch ea-triton" \
-    "--cases 16:2 --variants eager ea-triton") --out "$OUT/b_table/512"
-step b_table 45 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
-    "--cases 2048:2 --dtypes bf16 --variants eager sdpa ea-torch ea-triton" "--cases 24:2 --variants eager") \
-    --modes training --no-check --out "$OUT/b_table/2048"
+# (The dry run's variants: one of each kind, on the CPU's budget; the channels-last candidate's check, not Triton's.)
+step b_table 175 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
+    "--cases 512:8 --dtypes bf16 fp32 --variants eager sdpa ea-torch ea-triton ea-torch-nhwc" \
+    "--cases 16:2 --variants eager ea-torch ea-torch-nhwc") --out "$OUT/b_table/512"
+step b_table 55 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
+    "--cases 2048:2 --dtypes bf16 --variants eager sdpa ea-torch ea-triton ea-torch-nhwc" \
+    "--cases 24:2 --variants eager ea-triton") --modes training --no-check --out "$OUT/b_table/2048"
 step b_table 70 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
     "--cases 512:8 --dtypes bf16 --variants eager ea-compile ea-triton-compile" "--cases 16:2 --variants ea-compile") \
     --modes training --no-check --out "$OUT/b_table/compiled"
+[ "$DRY_RUN" = 1 ] && step b_table 60 $PYTHON "${BYTES[@]}" --cases "bert training 64 1" --variants eager ea-torch \
+    ea-torch-nhwc
 
 # c. tiles tuned on this GPU, and the bandwidth each case achieved
 step c_tune 50 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_triton_kernels.py --tune "$OUT/c_tune/tuned_tiles.json" \

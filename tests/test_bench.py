@@ -231,7 +231,7 @@ if args and args[0].startswith("bench/") and args[0].endswith(".py"):
 @pytest.mark.parametrize(
     ("session", "scripts"),
     [
-        ("gpu_session.sh", {"bench_attention", "bench_gpu", "bench_decoder", "bench_triton_kernels"}),
+        ("gpu_session.sh", {"bench_attention", "bench_gpu", "bench_bytes", "bench_decoder", "bench_triton_kernels"}),
         ("cpu_host_session.sh", {"bench_attention"}),
     ],
 )
@@ -278,9 +278,19 @@ def test_the_gpu_session_dry_run_runs_every_step(tmp_path):
             if name.endswith("status.txt")
         }
         table = json.loads(archive.extractfile("c_tune/tuned_tiles.json").read())
-    assert statuses == {"a_smoke": ["0"], "b_table": ["0", "0", "0"], "c_tune": ["0"], "e_decoder": ["0", "0"]}
+        decisions = json.loads(archive.extractfile("b_table/512/bench_gpu_dry_run.json").read())
+        counted = json.loads(archive.extractfile("b_table/bytes/bench_bytes.json").read())
+    assert statuses == {"a_smoke": ["0"], "b_table": ["0"] * 4, "c_tune": ["0"], "e_decoder": ["0", "0"]}
     for result in ("512", "2048", "compiled"):
         assert f"b_table/{result}/bench_gpu_dry_run.json" in names
+    # The candidates' table: the channels-last candidate ran, was checked against ea-torch, its bytes counted (also
+    # in the byte table) beside its time, and the rule named a default.
+    nhwc = [case for case in decisions["cases"] if case["variant"] == "ea-torch-nhwc"]
+    assert [case["evolution_path"] for case in nhwc] == ["torch operations, channels-last"] * 2
+    assert all(case["counted_bytes"] > 0 for case in nhwc)
+    assert [(check["candidate"], check["agree"]) for check in decisions["agreement"]] == [("ea-torch-nhwc", True)]
+    assert decisions["default_choice"]["default"] in ("ea-torch", "ea-torch-nhwc")
+    assert counted["variants"] == ["eager", "ea-torch", "ea-torch-nhwc"]
     assert {"c_tune/triton_kernels_dry_run.json", "a_smoke/tests.xml", "machine.txt"} <= names
     decoder = {"e_decoder/bench_decoder_static_dry_run_tiny.json", "e_decoder/bench_decoder_gpu_dry_run_tiny.json"}
     assert decoder <= names

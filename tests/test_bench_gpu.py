@@ -1,6 +1,7 @@
 """The GPU benchmark (bench/bench_gpu.py) in its CPU dry run: every case runs, the Triton variant really runs on the
-Triton kernels (Triton's interpreter) and agrees with the torch operations, the ratios and targets follow from the
-recorded medians, the files are written, and without CUDA the full run refuses to start."""
+Triton kernels (Triton's interpreter) and the channels-last variant on its candidate, both agree with the torch
+operations, the ratios, targets, counted bytes and achieved bandwidths follow from the recorded medians, the rule
+names the default, the files are written, and without CUDA the full run refuses to start."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from testing import INTERPRETER_TRITON, bench_script
 
@@ -15,7 +17,9 @@ BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 LENGTHS = (16, 24)
 LAYERS = 2
 #: Environment variables the cases set for their duration.
-SETTINGS = ("EA_HF_TRITON", "EA_HF_KERNELS", "TRITON_INTERPRET")
+SETTINGS = ("EA_HF_TRITON", "EA_HF_KERNELS", "EA_HF_CHANNELS_LAST", "TRITON_INTERPRET")
+#: The environment of a case on the Triton kernels, in the dry run.
+TRITON_ENVIRONMENT = {"EA_HF_TRITON": "1", "EA_HF_CHANNELS_LAST": "0", "EA_HF_KERNELS": "0", "TRITON_INTERPRET": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -75,17 +79,25 @@ def test_the_triton_variant_ran_on_the_triton_kernels_and_the_others_did_not(ben
             assert case["triton_calls"] == per_step * 3 and case["triton_calls_per_step"] == per_step
             assert case["ran_on_triton"] is True and case["evolution_path"] == "Triton kernels"
             assert calls["triton_backward"] == (LAYERS * 3 if mode == "training" else 0)
-            assert case["environment"] == {"EA_HF_TRITON": "1", "EA_HF_KERNELS": "0", "TRITON_INTERPRET": "1"}
+            assert case["environment"] == TRITON_ENVIRONMENT
         elif variant == "ea-triton-compile":
             # Compiled, the kernels run as operators: one correlation per layer and step in both modes (the
             # backward operator runs the kernels' backward body, which is not the counted entry point).
             assert case["triton_calls"] == LAYERS * 3 and calls["triton_backward"] == 0
             assert case["ran_on_triton"] is True and case["evolution_path"] == "Triton kernels under torch.compile"
-            assert case["environment"] == {"EA_HF_TRITON": "1", "EA_HF_KERNELS": "0", "TRITON_INTERPRET": "1"}
+            assert case["environment"] == TRITON_ENVIRONMENT
         else:
             assert case["triton_calls"] == 0 and case["ran_on_triton"] is False
         if variant == "ea-torch":
             assert case["evolution_path"] == "torch operations"
+        if variant == "ea-torch-nhwc":
+            # The candidate's forward once per layer and step, and in training its backward too; warm-ups included.
+            assert calls["channels_last_forward"] == LAYERS * 3
+            assert calls["channels_last_backward"] == (LAYERS * 3 if mode == "training" else 0)
+            assert case["evolution_path"] == "torch operations, channels-last"
+            assert case["environment"] == {"EA_HF_TRITON": "0", "EA_HF_CHANNELS_LAST": "1", "EA_HF_KERNELS": "0"}
+        else:
+            assert calls["channels_last_forward"] == calls["channels_last_backward"] == 0
         if variant in ("ea-compile", "ea-triton-compile"):
             compiled = case["compile"]
             assert compiled["backend"] == "eager" and compiled["failed"] is False and compiled["error"] is None
@@ -96,13 +108,14 @@ def test_the_triton_variant_ran_on_the_triton_kernels_and_the_others_did_not(ben
     assert result["environment_changed"] == {}  # the settings of a case do not outlive it
 
 
-def test_ea_torch_and_ea_triton_agree(report):
+def test_ea_torch_and_the_candidates_agree(report):
     result, _ = report
-    checks = {c["n"]: c for c in result["agreement"]}
-    assert set(checks) == set(LENGTHS)
-    for check in checks.values():
+    checks = {(c["n"], c["candidate"]): c for c in result["agreement"]}
+    assert set(checks) == {(n, candidate) for n in LENGTHS for candidate in ("ea-triton", "ea-torch-nhwc")}
+    for (_, candidate), check in checks.items():
         assert check["status"] == "ok", check["error"]
-        assert check["ea-triton_triton_calls"] > 0 and check["ea-torch_triton_calls"] == 0
+        kind = "triton" if candidate == "ea-triton" else "channels_last"
+        assert check[f"{candidate}_{kind}_calls"] > 0 and check[f"ea-torch_{kind}_calls"] == 0
         assert check["inference_max_abs_diff"] <= 1e-4 and check["training_output_max_abs_diff"] <= 1e-4
         assert check["gradient_max_rel_diff"] <= 1e-3 and check["gradient_max_abs"] > 0
         assert check["agree"] is True
@@ -110,7 +123,7 @@ def test_ea_torch_and_ea_triton_agree(report):
     cases = cases_by_key(result)
     for n in LENGTHS:
         reference = cases[("ea-torch", n, "inference")]["output_checksum"]
-        for variant in ("ea-triton", "ea-compile", "ea-triton-compile"):
+        for variant in ("ea-triton", "ea-torch-nhwc", "ea-compile", "ea-triton-compile"):
             assert cases[(variant, n, "inference")]["output_checksum"] == pytest.approx(reference, abs=1e-4)
 
 
@@ -138,6 +151,78 @@ def test_ratios_are_the_ratios_of_the_medians_and_targets_follow(bench, report):
             assert row["time_over_eager"] == pytest.approx(1.0)
 
 
+def test_counted_bytes_and_the_achieved_bandwidth(bench, report):
+    """The counter's bytes for the variants it counts, over the median step: the achieved bandwidth. The candidate
+    moves more than the default torch path on the meta device (its padded channels), never less."""
+    result, _ = report
+    cases, rows = cases_by_key(result), {(r["variant"], r["n"], r["mode"]): r for r in result["comparison"]}
+    for key, case in cases.items():
+        if key[0] in ("sdpa", "ea-compile", "ea-triton-compile"):
+            assert case["counted_bytes"] is None and rows[key]["achieved_gb_s"] is None
+            continue
+        assert case["counted_bytes"] > 0 and case["bytes_source"].startswith("bench/harness/bytes.py")
+        assert rows[key]["counted_gb"] == pytest.approx(case["counted_bytes"] / 1e9)
+        assert rows[key]["achieved_gb_s"] == pytest.approx(case["counted_bytes"] / case["median_s"] / 1e9)
+    for n in LENGTHS:
+        for mode in bench.MODES:
+            eager, default = cases[("eager", n, mode)], cases[("ea-torch", n, mode)]
+            assert (
+                eager["counted_bytes"] < default["counted_bytes"] < cases[("ea-torch-nhwc", n, mode)]["counted_bytes"]
+            )
+
+
+def test_the_rule_names_the_fastest_correct_candidate_of_the_dry_run(bench, report):
+    result, _ = report
+    choice = result["default_choice"]
+    assert choice == bench.default_choice(result["comparison"], result["agreement"])
+    assert choice["correct"] == list(bench.DEFAULT_CANDIDATES) and choice["excluded"] == {}
+    assert choice["cases_compared"] == len(LENGTHS) * len(bench.MODES)
+    means = choice["geomean_time_over_eager"]
+    assert choice["default"] == min(means, key=means.get)
+    for candidate, mean in means.items():
+        ratios = [r["time_over_eager"] for r in result["comparison"] if r["variant"] == candidate]
+        assert mean == pytest.approx(float(np.exp(np.mean(np.log(ratios)))))
+
+
+def rule_row(variant, dtype, ratio, path=None, status="ok"):
+    return {
+        "n": 512, "batch": 8, "dtype": dtype, "mode": "training", "variant": variant, "status": status,
+        "time_over_eager": ratio, "evolution_path": path or {
+            "ea-torch": "torch operations", "ea-triton": "Triton kernels",
+            "ea-torch-nhwc": "torch operations, channels-last",
+        }.get(variant),
+    }  # fmt: skip
+
+
+def test_the_rule_excludes_what_is_wrong_or_fell_back_and_takes_the_geometric_mean(bench):
+    agree = [{"candidate": c, "status": "ok", "agree": True} for c in ("ea-triton", "ea-torch-nhwc")]
+    rows = [rule_row("eager", "bf16", 1.0), rule_row("eager", "fp32", 1.0)]
+    rows += [rule_row("ea-torch", "bf16", 2.0), rule_row("ea-torch", "fp32", 1.6)]
+    rows += [rule_row("ea-triton", "bf16", 1.8), rule_row("ea-triton", "fp32", 1.8)]
+    rows += [rule_row("ea-torch-nhwc", "bf16", 1.5), rule_row("ea-torch-nhwc", "fp32", 2.4)]
+    choice = bench.default_choice(rows, agree)
+    # Geometric means: ea-torch sqrt(3.2) = 1.789, ea-triton 1.8, ea-torch-nhwc sqrt(3.6) = 1.897.
+    assert choice["default"] == "ea-torch" and choice["cases_compared"] == 2
+    assert choice["geomean_time_over_eager"]["ea-torch"] == pytest.approx(3.2**0.5)
+    assert [c["fastest"] for c in choice["fastest_by_case"]] == ["ea-torch-nhwc", "ea-torch"]
+    faster = [*rows[:6], rule_row("ea-torch-nhwc", "bf16", 1.5), rule_row("ea-torch-nhwc", "fp32", 1.2)]
+    assert bench.default_choice(faster, agree)["default"] == "ea-torch-nhwc"
+    disagreeing = [agree[0], {"candidate": "ea-torch-nhwc", "status": "ok", "agree": False}]
+    assert bench.default_choice(faster, disagreeing)["excluded"] == {
+        "ea-torch-nhwc": "disagrees with ea-torch in an agreement check"
+    }
+    assert bench.default_choice(faster, agree[:1])["excluded"] == {
+        "ea-torch-nhwc": "no agreement check against ea-torch"
+    }
+    fell_back = [*faster[:-1], rule_row("ea-torch-nhwc", "fp32", 1.2, path="torch operations")]
+    choice = bench.default_choice(fell_back, agree)
+    assert choice["excluded"] == {"ea-torch-nhwc": "1 of its cases failed or ran on another path"}
+    assert choice["default"] == "ea-torch" and set(choice["geomean_time_over_eager"]) == {"ea-torch", "ea-triton"}
+    # Only the cases every correct candidate ran are compared; with none, ea-torch stays the default.
+    assert bench.default_choice(rows[2:3], [])["default"] == "ea-torch"
+    assert bench.default_choice([], [])["default"] == "ea-torch"
+
+
 def test_files_are_written(bench, report):
     result, out = report
     data = json.loads((out / "bench_gpu_dry_run.json").read_text())
@@ -145,8 +230,9 @@ def test_files_are_written(bench, report):
     assert data["comparison"] == json.loads(json.dumps(result["comparison"]))
     markdown = (out / "bench_gpu_dry_run.md").read_text()
     assert "| " + " | ".join(bench.TABLE_HEADER) + " |" in markdown
-    assert "Dry run on CPU" in markdown and "ea-torch vs ea-triton" in markdown
-    rows = len(bench.VARIANTS) * len(bench.MODES) + 1  # + agreement
+    assert "Dry run on CPU" in markdown and "ea-torch vs each candidate" in markdown
+    assert f"**Default on CUDA by this table: `{result['default_choice']['default']}`.**" in markdown
+    rows = len(bench.VARIANTS) * len(bench.MODES) + len(bench.CHECKED_CANDIDATES)  # + agreement
     assert sum(line.startswith("| 16 | 2 | fp32 |") for line in markdown.splitlines()) == rows
     assert "FELL BACK" not in markdown and "FAILED" not in markdown
 

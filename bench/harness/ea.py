@@ -19,6 +19,9 @@ EA_BETA = 0.2
 EA_KERNEL_SIZE = 3
 #: The paths the maps evolve on (:func:`evolution_on`): torch operations, or ea_hf's Triton kernels.
 PATHS = ("torch", "triton")
+#: A candidate path of the decision table (:func:`evolution_on` takes it too): torch operations with the
+#: convolutions on channels-last maps whose heads are padded to a multiple of 8 (``EA_HF_CHANNELS_LAST=1``).
+CHANNELS_LAST_PATH = "torch-nhwc"
 #: Tiles for Triton's interpreter: one program per tiny map, as the interpreter runs every program in Python. The
 #: torch allocations do not depend on them but for the weight gradient's partial sums, a few KiB (memory_model.py
 #: measures under them). On a GPU the kernels' own tiles are used.
@@ -91,11 +94,13 @@ def attributes(owner: Any, values: dict[str, Any]) -> Iterator[None]:
 
 def path_environment(path: str | None, device_type: str) -> dict[str, str]:
     """The environment (read by ea_hf at call time) that makes EA evolve its maps on ``path``: ``torch``, ``triton``
-    (on CPU tensors only under Triton's interpreter), or None for a model without EA (Triton off).
+    (on CPU tensors only under Triton's interpreter), ``torch-nhwc`` (:data:`CHANNELS_LAST_PATH`), or None for a
+    model without EA (Triton off).
 
     Every EA path turns ea_hf's CPU kernel off, which would otherwise take float32 maps on the CPU before Triton or
     torch operations could; on CUDA it never applies."""
     variables = {"EA_HF_TRITON": "1" if path == "triton" else "0"}
+    variables["EA_HF_CHANNELS_LAST"] = "1" if path == CHANNELS_LAST_PATH else "0"
     if path is not None:
         variables["EA_HF_KERNELS"] = "0"
     if path == "triton" and device_type == "cpu":
@@ -132,10 +137,12 @@ def counting(function: Callable, counts: dict[str, int], key: str) -> Callable:
 @contextlib.contextmanager
 def counted_kernel_calls() -> Iterator[dict[str, int]]:
     """Counters (yielded) of the fused kernels' entry points while the context lasts: ``triton_correlate``,
-    ``triton_backward``, ``cpu_correlate`` and ``cpu_backward``. ea_hf calls the kernels through their modules
-    (the CPU kernel's correlation through ``cpu_binding``), so replacing the module attributes sees every call;
-    they are put back afterwards."""
+    ``triton_backward``, ``cpu_correlate`` and ``cpu_backward``, and of the torch path's channels-last candidate
+    (``channels_last_forward``, ``channels_last_backward``). ea_hf calls them through their modules (the CPU
+    kernel's correlation through ``cpu_binding``), so replacing the module attributes sees every call; they are
+    put back afterwards."""
     import_ea_hf()
+    from ea_hf.modeling import convolution
     from ea_hf.ops import cpu, cpu_binding
 
     kernels = triton_kernels()
@@ -144,6 +151,8 @@ def counted_kernel_calls() -> Iterator[dict[str, int]]:
         "triton_backward": (kernels, "backward"),
         "cpu_correlate": (cpu_binding, "correlate"),
         "cpu_backward": (cpu, "backward"),
+        "channels_last_forward": (convolution, "evolve_channels_last"),
+        "channels_last_backward": (convolution, "backward_channels_last"),
     }
     counts = dict.fromkeys(points, 0)
     with contextlib.ExitStack() as stack:
@@ -173,4 +182,11 @@ def evolution_path(evolving: bool, counts: dict[str, int], compiled: bool = Fals
         return "Triton kernels" + under
     if cpu_kernel_calls(counts):
         return "ea_hf CPU kernel"
+    if channels_last_calls(counts):
+        return "torch operations, channels-last"
     return "torch operations" + under
+
+
+def channels_last_calls(counts: dict[str, int]) -> int:
+    """The channels-last candidate's calls in :func:`counted_kernel_calls`' counts."""
+    return counts["channels_last_forward"] + counts["channels_last_backward"]

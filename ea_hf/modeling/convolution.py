@@ -11,6 +11,9 @@ transformers and sibling files (single-dot relative imports).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -116,6 +119,10 @@ def evolve_backward(
         grad_scores, grad_previous, grad_weight, grad_bias = kernel.backward(
             step, maps, grad, gate, scaled_weight, shared_map=scaled_scores
         )
+    elif channels_last_enabled():
+        grad_scores, grad_previous, grad_weight, grad_bias = backward_channels_last(
+            step, maps, grad, gate, scaled_weight, needs_input=needs_input, needs_kernel=needs_kernel
+        )
     else:
         grad_logits = plus_addend(grad.grad, grad.addend, owned=grad.spent)
         # Gradients of A_in go to S and A_prev in the proportions of the residual mix.
@@ -195,6 +202,12 @@ def evolve_step(
         in_place = spend_scores or not for_backward
         logits, gate = kernel.evolve(step, maps, scaled_weight, scaled_bias, in_place=in_place, gate=for_backward)
         return logits, gate, scaled_weight
+    if history is None and channels_last_enabled():
+        in_place = spend_scores or not for_backward
+        logits, gate = evolve_channels_last(
+            step, maps, scaled_weight, scaled_bias, in_place=in_place, gate=for_backward
+        )
+        return logits, gate, scaled_weight
     attention_in = scores
     if previous is not None:
         attention_in = torch.lerp(scores, previous, step.alpha) if for_backward else scores.lerp_(previous, step.alpha)
@@ -256,20 +269,47 @@ def convolution_input_grad(
     times each of ``scales`` (the second ``None``: not needed). The CPU kernel computes the same in
     ``ea_hf.ops.cpu_binding.backward_pass``.
 
-    The transposed convolution is a convolution with the kernel flipped in both directions and its channels
-    swapped; a causal kernel then reads rows i .. i + c (the rows whose outputs read row i).
+    The transposed convolution is :func:`transposed_convolution`.
     """
-    context_rows = step.context_rows
+    grad_in = transposed_convolution(grad_convolved, scaled_weight, step.context_rows, grad_logits.shape[-2])
+    if keep is not None:
+        grad_in = grad_in.mul_(keep)
+    return split_by_scales(grad_in.add_(grad_logits, alpha=1.0 - step.beta), scales)
+
+
+def split_by_scales(
+    grad_in: torch.Tensor, scales: tuple[float, float | None]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``grad_in`` times each of ``scales`` (the residual mix's shares of A_in's gradient: S's, then A_prev's or
+    ``None``), the first in place.
+
+    Example:
+        >>> split_by_scales(torch.ones(2), (0.75, 0.25))
+        (tensor([0.7500, 0.7500]), tensor([0.2500, 0.2500]))
+    """
+    second = None if scales[1] is None else grad_in * scales[1]
+    return (grad_in if scales[0] == 1.0 else grad_in.mul_(scales[0])), second
+
+
+def transposed_convolution(
+    grad_convolved: torch.Tensor, scaled_weight: torch.Tensor, context_rows: int, rows: int
+) -> torch.Tensor:
+    """The transposed convolution of :func:`evolve_step`'s convolution applied to ``grad_convolved`` (the gradient
+    of its output), cropped to the map's ``rows``: a convolution with the kernel flipped in both directions and its
+    channels swapped; a causal kernel then reads rows i .. i + c (the rows whose outputs read row i).
+
+    Example:
+        >>> x = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+        >>> weight, g = torch.randn(2, 2, 3, 3, dtype=torch.float64), torch.randn(1, 2, 5, 4, dtype=torch.float64)
+        >>> F.conv2d(x, weight, padding=1).mul(g).sum().backward()
+        >>> torch.allclose(transposed_convolution(g, weight, 1, 5), x.grad)
+        True
+    """
     transposed = scaled_weight.flip(-2, -1).transpose(0, 1)
     shift = scaled_weight.shape[-2] - 1 - context_rows  # c for a centred kernel, 0 for a causal one
     grad_in = F.conv2d(grad_convolved, transposed, padding=(context_rows, scaled_weight.shape[-1] // 2))
     offset = context_rows - shift
-    grad_in = grad_in[..., offset : offset + grad_logits.shape[-2], :]
-    if keep is not None:
-        grad_in = grad_in.mul_(keep)
-    grad_in = grad_in.add_(grad_logits, alpha=1.0 - step.beta)
-    second = None if scales[1] is None else grad_in * scales[1]
-    return (grad_in if scales[0] == 1.0 else grad_in.mul_(scales[0])), second
+    return grad_in[..., offset : offset + rows, :]
 
 
 def relu_gate(grad: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -378,3 +418,196 @@ def weight_grad_by_taps(
                 input_rows = conv_input[b, :, in_rows, in_cols].transpose(0, 1)  # [rows, H_in, cols], a view
                 grad_weight[:, :, dy, dx] += torch.bmm(grad_rows, input_rows.transpose(1, 2)).sum(0, dtype=accumulator)
     return grad_weight, grad_output.sum((0, 2, 3), dtype=accumulator)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The channels-last candidate of the torch path (EA_HF_CHANNELS_LAST=1): the convolution, its input gradient and
+# its weight gradient on maps whose heads are padded to a multiple of 8 channels and stored channels-last (NHWC),
+# the layout in which cuDNN's tensor-core convolutions read and write half-precision maps without transposing them.
+# --------------------------------------------------------------------------------------------------------------
+
+#: The environment variable that turns the channels-last candidate on (``1``), read at call time.
+CHANNELS_LAST_VARIABLE = "EA_HF_CHANNELS_LAST"
+#: The padded maps' channels (heads) are a multiple of this: cuDNN's tensor-core convolutions of half-precision
+#: maps take channels-last maps with channels in multiples of 8.
+CHANNEL_MULTIPLE = 8
+
+
+def channels_last_enabled(environment: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``EA_HF_CHANNELS_LAST=1`` in ``environment`` (the process's, read at call time) asks the torch path of
+    the evolution step for its channels-last candidate (:func:`evolve_channels_last`,
+    :func:`backward_channels_last`); never while torch.compile traces, whose graphs keep the default layout. Off by
+    default: it joins the default on CUDA only once the GPU's decision table shows it the fastest correct path
+    (docs/performance.md). A fused kernel, where one applies, runs before either.
+
+    Example:
+        >>> channels_last_enabled({"EA_HF_CHANNELS_LAST": "1"}), channels_last_enabled({})
+        (True, False)
+    """
+    return not torch.compiler.is_compiling() and environment.get(CHANNELS_LAST_VARIABLE, "0") == "1"
+
+
+def padded_heads(heads: int) -> int:
+    """``heads`` rounded up to a multiple of :data:`CHANNEL_MULTIPLE`: the channels of a padded map.
+
+    Example:
+        >>> padded_heads(12), padded_heads(16), padded_heads(3)
+        (16, 16, 8)
+    """
+    return -(-heads // CHANNEL_MULTIPLE) * CHANNEL_MULTIPLE
+
+
+def channels_last_map(like: torch.Tensor) -> torch.Tensor:
+    """A map like ``like`` [B, H, Q, K] with its heads padded (:func:`padded_heads`) and stored channels-last: a
+    [B, Q, K, H_pad] buffer seen as [B, H_pad, Q, K]. The padded channels are zeros (the kernel's zero weights
+    then keep them out of the real channels; uninitialised memory could hold a NaN, and 0 * NaN is NaN); the
+    first H channels are left for the caller to write.
+
+    Example:
+        >>> padded = channels_last_map(torch.ones(2, 3, 4, 5))
+        >>> padded.shape, padded.is_contiguous(memory_format=torch.channels_last), padded[:, 3:].abs().sum().item()
+        (torch.Size([2, 8, 4, 5]), True, 0.0)
+    """
+    batch, heads, rows, columns = like.shape
+    padded = like.new_empty(batch, rows, columns, padded_heads(heads)).permute(0, 3, 1, 2)
+    if padded.shape[1] > heads:
+        padded[:, heads:].zero_()
+    return padded
+
+
+def padded_weight(weight: torch.Tensor, channels: int) -> torch.Tensor:
+    """A kernel weight [H, H, kh, kw] with zeros for ``channels`` - H more input and output channels, channels-last.
+
+    Example:
+        >>> padded = padded_weight(torch.ones(3, 3, 3, 3), 8)
+        >>> padded.shape, padded.sum().item(), padded[3:].abs().sum().item()
+        (torch.Size([8, 8, 3, 3]), 81.0, 0.0)
+    """
+    extra = channels - weight.shape[0]
+    return F.pad(weight, (0, 0, 0, 0, 0, extra, 0, extra)).contiguous(memory_format=torch.channels_last)
+
+
+def channels_last_input(
+    step: EvolutionStep, maps: StepMaps, *, in_place: bool, blend: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the convolution's input A_in * keep in a :func:`channels_last_map`, A_in as the blend reads it).
+
+    The residual mix and the mask write the padded map's heads directly, in the passes the default path takes:
+    where the blend does not need A_in unmasked (no ``keep``, or not ``blend``), the mix goes straight into the
+    padded map (and the blend reads it there); else it is a map of its own (in S's storage with ``in_place``),
+    masked into the padded map. Without A_prev, S is copied (or masked) into it: one pass the default path, which
+    convolves S where it is, does not take.
+    """
+    scores, previous, keep = maps
+    conv_input = channels_last_map(scores)
+    heads = conv_input[:, : scores.shape[1]]
+    if previous is not None and (keep is None or not blend):
+        attention_in = torch.lerp(scores, previous, step.alpha, out=heads)
+        if keep is not None:
+            heads.mul_(keep)
+        return conv_input, attention_in
+    attention_in = scores
+    if previous is not None:
+        attention_in = scores.lerp_(previous, step.alpha) if in_place else torch.lerp(scores, previous, step.alpha)
+    if keep is None:
+        heads.copy_(attention_in)
+    else:
+        torch.mul(attention_in, keep, out=heads)
+    return conv_input, attention_in
+
+
+def evolve_channels_last(
+    step: EvolutionStep, maps: StepMaps, weight: torch.Tensor, bias: torch.Tensor, *, in_place: bool, gate: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`evolve_step`'s torch operations (without a decoding history) with the convolution on channels-last
+    maps whose heads are padded, given the beta-scaled kernel: (A_logit, the ReLU gate as a bool map if ``gate``).
+    A_logit is a contiguous map like S, written over S with ``in_place`` (S is then spent, as the fused kernels
+    spend it); the gate is in channels-last order, as its backward reads it.
+
+    The mix and the mask write the padded map (:func:`channels_last_input`), cuDNN convolves it into a padded
+    channels-last map, the ReLU runs over that map whole (the padded channels stay zero), and the blend reads its
+    heads and A_in and writes A_logit: the default path's passes, each over padded maps where they touch the
+    convolution, and the padded channels' zeros written once.
+
+    Example:
+        >>> step = EvolutionStep(alpha=0.3, beta=0.4, context_rows=1)
+        >>> s, prev = torch.randn(2, 3, 5, 6, dtype=torch.float64), torch.randn(2, 3, 5, 6, dtype=torch.float64)
+        >>> w, b = torch.randn(3, 3, 3, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+        >>> mixed = torch.lerp(s, prev, 0.3)
+        >>> plain = 0.4 * torch.relu(F.conv2d(mixed, w, b, padding=1)) + 0.6 * mixed
+        >>> maps = StepMaps(s, prev, None)
+        >>> logits, gate = evolve_channels_last(step, maps, 0.4 * w, 0.4 * b, in_place=False, gate=True)
+        >>> torch.allclose(logits, plain), logits.is_contiguous(), gate.shape
+        (True, True, torch.Size([2, 3, 5, 6]))
+    """
+    scores = maps.scores
+    heads, rows = scores.shape[1], scores.shape[-2]
+    conv_input, attention_in = channels_last_input(step, maps, in_place=in_place, blend=True)
+    channels = conv_input.shape[1]
+    with torch.autocast(scores.device.type, enabled=False):  # as evolve_step: autocast would convolve in half
+        padding = (step.context_rows, weight.shape[-1] // 2)
+        convolved = F.conv2d(
+            conv_input, padded_weight(weight, channels), F.pad(bias, (0, channels - heads)), padding=padding
+        )
+    # A causal kernel's convolution has context_rows more rows at the bottom (see evolve_step): cropped.
+    convolved = convolved.relu_()[:, :heads, :rows]
+    owned = in_place and scores.is_contiguous()
+    out = scores if owned else torch.empty_like(scores, memory_format=torch.contiguous_format)
+    logits = torch.add(convolved, attention_in, alpha=1.0 - step.beta, out=out)
+    return logits, (convolved > 0 if gate else None)
+
+
+def backward_channels_last(
+    step: EvolutionStep,
+    maps: StepMaps,
+    grad: GradientIn,
+    gate: torch.Tensor,
+    scaled_weight: torch.Tensor,
+    *,
+    needs_input: bool = True,
+    needs_kernel: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`evolve_backward`'s torch operations with the convolution's backward on channels-last maps whose heads
+    are padded: the gradients of S, A_prev, the beta-scaled weight and bias (each ``None`` where not asked for).
+
+    The ReLU-gated gradient is written once into a :func:`channels_last_map`; cuDNN's transposed convolution (A_in's
+    gradient) and weight gradient both read it there, and the weight gradient reads the convolution's input
+    recomputed into another (:func:`channels_last_input`). A_in's gradient is masked in the padded map and comes
+    out of the blend's gradient as a contiguous map like S, written over the incoming gradient where the caller
+    spent it (``grad.spent``) or where it was this function's own sum with ``grad.addend``.
+
+    Example:
+        >>> step = EvolutionStep(alpha=0.0, beta=0.5, context_rows=1)
+        >>> x = torch.randn(1, 2, 4, 5, dtype=torch.float64, requires_grad=True)
+        >>> w, g = torch.randn(2, 2, 3, 3, dtype=torch.float64), torch.randn(1, 2, 4, 5, dtype=torch.float64)
+        >>> convolved = torch.relu(F.conv2d(x, 0.5 * w, padding=1))
+        >>> (convolved + 0.5 * x).mul(g).sum().backward()
+        >>> maps, gate = StepMaps(x.detach(), None, None), convolved > 0
+        >>> grad_scores, _, _, _ = backward_channels_last(step, maps, GradientIn(g), gate, 0.5 * w)
+        >>> torch.allclose(grad_scores, x.grad)
+        True
+    """
+    scores, previous, keep = maps
+    heads, rows = scores.shape[1], scores.shape[-2]
+    grad_logits = plus_addend(grad.grad, grad.addend, owned=grad.spent)
+    grad_convolved = channels_last_map(grad_logits)
+    torch.mul(grad_logits, unpacked_gate(gate, grad_logits.shape[-1]), out=grad_convolved[:, :heads])
+    grad_scores = grad_previous = grad_weight = grad_bias = None
+    if needs_input:
+        weight = padded_weight(scaled_weight, grad_convolved.shape[1])
+        grad_in = transposed_convolution(grad_convolved, weight, step.context_rows, rows)[:, :heads]
+        if keep is not None:
+            grad_in = grad_in.mul_(keep)
+        owned = (grad.spent or grad.addend is not None) and grad_logits.is_contiguous()
+        out = grad_logits if owned else torch.empty_like(grad_logits, memory_format=torch.contiguous_format)
+        grad_in = torch.add(grad_in, grad_logits, alpha=1.0 - step.beta, out=out)
+        scales = (1.0, None) if previous is None else (1.0 - step.alpha, step.alpha)
+        grad_scores, grad_previous = split_by_scales(grad_in, scales)
+    if needs_kernel:
+        conv_input, _ = channels_last_input(step, maps, in_place=False, blend=False)
+        kernel_rows, kernel_columns = scaled_weight.shape[-2:]
+        grad_weight, grad_bias = weight_grad_by_convolution(
+            conv_input, grad_convolved, kernel_rows, kernel_columns, step.context_rows
+        )
+        grad_weight, grad_bias = grad_weight[:heads, :heads].contiguous(), grad_bias[:heads]
+    return grad_scores, grad_previous, grad_weight, grad_bias

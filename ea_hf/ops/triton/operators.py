@@ -13,6 +13,8 @@ statistics for backward, not P.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...modeling.step import GradientIn, StepMaps, packed_gate
@@ -142,3 +144,91 @@ def _tail_formula(ctx, grad_output, _grad_stats):
 
 
 tail_operator.register_autograd(_tail_formula, setup_context=_tail_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The bytes each operator's kernels read and write, from the shapes (bench/harness/bytes.py counts a step's bytes
+# op by op on the meta device, where these operators run their fake implementations above).
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _held(*tensors: torch.Tensor | None) -> int:
+    """The bytes of the elements the tensors hold (a broadcast dimension, stride 0, counts once)."""
+    total = 0
+    for t in tensors:
+        if t is not None and t.numel():
+            total += t.element_size() * math.prod(n for n, s in zip(t.shape, t.stride(), strict=True) if s != 0)
+    return total
+
+
+def _map_bytes(like: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """The bytes of one contiguous map of ``like``'s shape (in ``dtype``, default its own)."""
+    return like.numel() * (like.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size())
+
+
+def evolve_bytes(scores, previous, keep, weight, bias, alpha, blend, context_rows) -> int:
+    """``triton_evolve_with_gate_bits``: one pass reads S, A_prev, the mask and the kernel, and writes A_logit and
+    the packed gate (zeroed first by ``packed_gate``: written twice)."""
+    gate = packed_gate_bytes(scores)
+    return _held(scores, previous, keep, weight, bias) + _map_bytes(scores) + 2 * gate
+
+
+def packed_gate_bytes(scores: torch.Tensor) -> int:
+    """The bytes of the packed ReLU gate of maps like ``scores``."""
+    return math.prod(scores.shape[:-1]) * 2 * -(-scores.shape[-1] // 16)
+
+
+def evolve_backward_bytes(scores, previous, keep, grad, gate, weight, alpha, blend, context_rows) -> int:
+    """``triton_evolve_backward``: the input-gradient kernel reads the gradient and the gate and writes S's and
+    A_prev's gradients; the weight-gradient kernel reads the gradient and the gate again, and S and A_prev (A_in
+    mixed as it reads)."""
+    maps = 1 if previous is None else 2
+    return 2 * _held(grad, gate, keep) + _held(scores, previous) + maps * _map_bytes(scores) + _held(weight)
+
+
+def convolve_bytes(x, weight, bias, row_shift) -> int:
+    """``triton_convolve``: reads ``x`` and the kernel, writes a map like ``x``."""
+    return _held(x, weight, bias) + _map_bytes(x)
+
+
+def _row_blocks(rows: int) -> int:
+    return -(-rows // attention_tail.BLOCK_QUERIES)
+
+
+def _column_blocks(cols: int) -> int:
+    return -(-cols // attention_tail.BLOCK_KEYS)
+
+
+def tail_bytes(logits, allowed, additive, value, dropout_keep, dropout_scale) -> int:
+    """``triton_attention_tail``: each block of query rows reads its rows of the logits, the masks and dropout's
+    mask, and all the values (V once per row block); it writes the output and two statistics a row."""
+    batch, heads, rows, _ = logits.shape
+    output = batch * heads * rows * value.shape[-1] * value.element_size()
+    values = _held(value) * (heads // value.shape[1]) * _row_blocks(rows)
+    return _held(logits, allowed, additive, dropout_keep) + values + output + 2 * batch * heads * rows * 4
+
+
+def tail_backward_bytes(logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output) -> int:
+    """``triton_attention_tail_backward``: the row-terms kernel reads the logits, masks, values (once per row block)
+    and the output's gradient, and writes a float32 term a row; the backward kernel, one program per block of keys,
+    reads the logits and masks again, the output's gradient once per key block, and writes the logits' gradient
+    and the values' (float32 per query head, summed per key/value head and cast)."""
+    batch, heads, rows, cols = logits.shape
+    groups = heads // value.shape[1]
+    masks = _held(logits, allowed, additive, dropout_keep)
+    per_row = batch * heads * rows * 4
+    row_terms = masks + _held(value) * groups * _row_blocks(rows) + _held(grad_output, stats) + per_row
+    grad_value_float = batch * heads * cols * value.shape[-1] * 4
+    backward = masks + _held(grad_output) * _column_blocks(cols) + _held(value) * groups + _held(stats) + per_row
+    backward += _map_bytes(logits) + grad_value_float
+    return row_terms + backward + grad_value_float + 2 * _held(value)
+
+
+#: Bytes read plus written by each operator's kernels, by the operator's name, from its arguments' shapes.
+DECLARED_BYTES = {
+    "ea_hf::triton_evolve_with_gate_bits": evolve_bytes,
+    "ea_hf::triton_evolve_backward": evolve_backward_bytes,
+    "ea_hf::triton_convolve": convolve_bytes,
+    "ea_hf::triton_attention_tail": tail_bytes,
+    "ea_hf::triton_attention_tail_backward": tail_backward_bytes,
+}
