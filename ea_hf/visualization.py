@@ -65,9 +65,26 @@ def plot_attention(
 
     ``model`` may be a mapping of labels to models (e.g. ``{"EA": ea_model, "base": base_model}``), which
     stacks their rows, to compare them on the same input (each panel's title then starts with its model's
-    label on a line of its own). ``tokens`` labels the axes (text); image patches are
-    left unlabelled. Returns a ``matplotlib.figure.Figure`` (save it with ``figure.savefig(path)``); each
-    panel's image holds exactly the probabilities it shows.
+    label on a line of its own). Each panel's image holds exactly the probabilities it shows. The module's
+    example draws two layers of a small BERT.
+
+    Args:
+        model: an EA model or a plain one (run with eager attention for the occasion), or a mapping of labels to
+            models.
+        inputs: the model's keyword inputs (``input_ids``, ``attention_mask``, ``pixel_values``...); with an
+            ``attention_mask`` the maps are cropped to the example's real tokens.
+        layers: indices of the (encoder) layers to draw; ``None``: all.
+        heads: the heads to draw, one row each; ``None``: one row with the mean over heads.
+        tokens: labels of the axes (text); image patches are left unlabelled.
+        example: which example of the batch to draw.
+        cell_size: the size of one panel, in inches.
+
+    Returns:
+        figure (matplotlib.figure.Figure): the panels; save it with ``figure.savefig(path)``.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        ValueError: the model returns no attention probabilities, or ``layers`` or ``heads`` are out of range.
     """
     try:
         from matplotlib.figure import Figure

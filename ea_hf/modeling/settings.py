@@ -72,6 +72,9 @@ class EvolvingAttentionSettings:
         echo_state: ``echo``: the state transition, one of :data:`ECHO_STATES`.
         max_positions: ``echo`` with a ``row`` or ``column`` state: the longest sequence it can take.
 
+    Raises:
+        ValueError: a setting out of range or not allowed by the method, every problem named at once.
+
     Example:
         >>> EvolvingAttentionSettings(alpha=0.4, beta=0.1, layers=[0, 2]).layers
         (0, 2)
