@@ -1,4 +1,5 @@
-"""griffe extension (mkdocs.yml, mkdocstrings' python handler): the Sphinx roles of the docstrings as links.
+"""griffe extensions (mkdocs.yml, mkdocstrings' python handler): the Sphinx roles of the docstrings as links, and
+the classes a module makes at import (``EASection = ea_section_class()``) as classes.
 
 The docstrings cite other objects as Sphinx does, ``:func:`~.step.packed_gate```: the files of ``ea_hf/modeling/``
 are copied beside saved checkpoints, where the package is not ``ea_hf``, so they cite their siblings relatively.
@@ -10,8 +11,10 @@ exists (with :data:`ROLE` and :func:`absolute_target`, which it imports from her
 from __future__ import annotations
 
 import html
+import importlib
 import re
 
+import griffe
 from griffe import Extension, Object
 
 #: A Sphinx role: ``:func:`target```, the target optionally ``~``-prefixed (shown by its last name).
@@ -62,3 +65,31 @@ class SphinxRoles(Extension):
 
     def on_package(self, *, pkg: Object, **kwargs: object) -> None:
         _convert(pkg)
+
+
+class ClassesMadeAtImport(Extension):
+    """Static analysis sees ``EASection = ea_section_class()`` as an attribute: put the class that the module
+    holds at run time in its place, read by inspection (its fields, signature and docstring)."""
+
+    def on_package(self, *, pkg: Object, **kwargs: object) -> None:
+        for module in [pkg, *_submodules(pkg)]:
+            for name, member in list(module.members.items()):
+                if (
+                    not member.is_alias
+                    and member.is_attribute
+                    and name[:1].isupper()
+                    and isinstance(member.value, griffe.ExprCall)
+                ):
+                    value = getattr(importlib.import_module(module.path), name, None)
+                    if isinstance(value, type) and value.__module__ == module.path and value.__name__ == name:
+                        made = griffe.inspect(module.path)[name]
+                        module.set_member(name, made)
+                        _convert(made)  # whichever extension runs first (converting twice changes nothing)
+
+
+def _submodules(module: Object) -> list[Object]:
+    found = []
+    for member in module.members.values():
+        if not member.is_alias and member.is_module:
+            found += [member, *_submodules(member)]
+    return found
