@@ -155,7 +155,7 @@ def attach_evolution(
 ) -> None:
     """Give the model's attention modules their evolution modules and route attention through them.
 
-    The model's classes and config are left as they are (see :func:`patch` for the full conversion). ``plan``
+    The model's classes and config are left as they are (see :func:`~.patching.patch` for the full conversion). ``plan``
     is :func:`plan_evolution`'s result when the caller has already validated the settings.
     """
     if plan is None:

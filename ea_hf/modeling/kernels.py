@@ -142,10 +142,8 @@ class FusedAttentionTail(Protocol):
         """softmax(mask(logits)), with dropout, times the values.
 
         Args:
-            logits: as ``applicable`` took them.
-            allowed: as ``applicable`` took it.
-            additive: as ``applicable`` took it.
-            value: as ``applicable`` took them.
+            logits: the evolved logits [B, H, Q, K]; ``allowed``, ``additive`` and ``value`` as ``applicable``
+                takes them.
             dropout_keep: bool [B, H, Q, K], False where dropout drops a weight; None: no dropout.
             dropout_scale: the factor of the kept weights.
 
@@ -165,15 +163,9 @@ class FusedAttentionTail(Protocol):
         grad_output: Tensor,
         grad_dtype: torch.dtype,
     ) -> tuple[Tensor, Tensor]:
-        """The gradients of ``forward``.
+        """The gradients of ``forward``, from the arguments it took and the following three.
 
         Args:
-            logits: as ``forward`` took them.
-            allowed: as ``forward`` took it.
-            additive: as ``forward`` took it.
-            value: as ``forward`` took them.
-            dropout_keep: as ``forward`` took it.
-            dropout_scale: as ``forward`` took it.
             stats: the row statistics ``forward`` returned.
             grad_output: the gradient of the output.
             grad_dtype: the dtype of the logits' gradient.
@@ -191,16 +183,8 @@ class FusedAttentionTail(Protocol):
         dropout_keep: Tensor | None,
         dropout_scale: float,
     ) -> Tensor:
-        """``forward``'s output, differentiable in the logits and the values (what
+        """``forward``'s output from ``forward``'s arguments, differentiable in the logits and the values (what
         :func:`~.compiled.compiled_core` calls).
-
-        Args:
-            logits: as ``forward`` takes them.
-            allowed: as ``forward`` takes it.
-            additive: as ``forward`` takes it.
-            value: as ``forward`` takes them.
-            dropout_keep: as ``forward`` takes it.
-            dropout_scale: as ``forward`` takes it.
 
         Returns:
             The output [B, H, Q, D].
