@@ -126,7 +126,17 @@ class AttentionMapEvolution(nn.Module):
 
     @classmethod
     def from_settings(cls, settings: EvolvingAttentionSettings, num_heads: int, head_dim: int, **where: Any):
-        """The module for one layer with ``settings``; ``where``: role, position, previous, device, dtype."""
+        """The module for one layer with ``settings`` (the constructor every method's module has).
+
+        Args:
+            settings: the chain's settings.
+            num_heads: the layer's number of attention heads.
+            head_dim: the size of a head (echo attention's states read it; this module does not).
+            **where: ``role``, ``position``, ``previous``, ``device``, ``dtype``, as the constructor takes them.
+
+        Returns:
+            module (AttentionMapEvolution): its convolution initialised with ``settings.init``.
+        """
         return cls(
             num_heads,
             alpha=settings.alpha,
