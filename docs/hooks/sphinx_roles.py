@@ -1,5 +1,6 @@
-"""griffe extensions (mkdocs.yml, mkdocstrings' python handler): the Sphinx roles of the docstrings as links, and
-the classes a module makes at import (``EASection = ea_section_class()``) as classes.
+"""griffe extensions (mkdocs.yml, mkdocstrings' python handler): the Sphinx roles of the docstrings as links, their
+``Example:`` sections as doctests, and the classes a module makes at import (``EASection = ea_section_class()``) as
+classes.
 
 The docstrings cite other objects as Sphinx does, ``:func:`~.step.packed_gate```: the files of ``ea_hf/modeling/``
 are copied beside saved checkpoints, where the package is not ``ea_hf``, so they cite their siblings relatively.
@@ -52,9 +53,15 @@ def _link(match: re.Match[str], obj: Object) -> str:
     return f'<autoref identifier="{identifier}" optional><code>{html.escape(shown)}</code></autoref>'
 
 
+#: The project's ``Example:`` sections; griffe reads ``Examples:`` as doctests (code blocks) and any other title
+#: as an admonition of Markdown, where ``>>>`` would be quotes.
+EXAMPLE_SECTION = re.compile(r"^(\s*)Example:\s*$", flags=re.M)
+
+
 def _convert(obj: Object) -> None:
     if obj.docstring is not None:
-        obj.docstring.value = ROLE.sub(lambda match: _link(match, obj), obj.docstring.value)
+        value = ROLE.sub(lambda match: _link(match, obj), obj.docstring.value)
+        obj.docstring.value = EXAMPLE_SECTION.sub(r"\1Examples:", value)
     for member in obj.members.values():
         if not member.is_alias:
             _convert(member)

@@ -24,10 +24,10 @@ class FusedKernel(Protocol):
     """What a fused implementation of the evolution step provides (``ea_hf.ops.cpu``, ``ea_hf.ops.triton.evolution``).
 
     A module with these five functions is one (``ea_hf.ops`` registers its modules with
-    :func:`register_fused_kernel`). The step is :mod:`.step`'s: A_in = lerp(S, A_prev, alpha), A_logit =
-    beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in. ``evolve``, ``convolve`` and ``backward`` take the kernel
-    beta-scaled (``weight`` and ``bias`` times beta), and the ReLU gate that ``evolve`` returns is what
-    ``backward`` reads: a bool map, or :func:`~.step.packed_gate`'s form.
+    :func:`register_fused_kernel`). The step is the one :mod:`.step` defines: A_in = lerp(S, A_prev, alpha),
+    A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in. ``evolve``, ``convolve`` and ``backward`` take
+    the kernel beta-scaled (``weight`` and ``bias`` times beta), and the ReLU gate that ``evolve`` returns is
+    what ``backward`` reads: a bool map, or :func:`~.step.packed_gate`'s form.
     """
 
     def applicable(self, *tensors: Tensor | None, keep: Tensor | None = None, weight: Tensor) -> bool:
