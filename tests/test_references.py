@@ -195,3 +195,47 @@ def test_role_targets_resolve_as_sphinx_does():
     assert role_target("transformers.PreTrainedModel", path, 1, classes) == "transformers.PreTrainedModel"
     assert resolve(role_target("torch.Tensor", path, 1, classes)) is torch.Tensor  # kernels' own torch
     assert role_target(".modeling", PACKAGE / "__init__.py", 1, []) == "ea_hf.modeling"
+
+
+def test_the_api_reference_links_the_roles_as_they_resolve():
+    """The griffe extension of the API reference turns each role into an optional link to the name the test above
+    resolves it to, and the project's ``Example:`` sections into griffe's doctest sections."""
+    import griffe
+
+    kernels = '''from .step import packed_gate
+
+
+class Kernel:
+    """Reads :func:`~.step.packed_gate`."""
+
+    def evolve(self):
+        """Before :meth:`backward`, as :func:`helper` and :class:`torch.Tensor`.
+
+        Example:
+            >>> 1
+            1
+        """
+
+    def backward(self): ...
+
+
+def helper(): ...
+'''
+    modules = {"__init__.py": "", "step.py": "def packed_gate(): ...\n", "kernels.py": kernels}
+    with griffe.temporary_pypackage("pkg", modules) as package:
+        loaded = griffe.load(
+            "pkg", search_paths=[package.tmpdir], extensions=griffe.load_extensions(sphinx_roles.SphinxRoles)
+        )
+        link = re.compile(r'<autoref identifier="([\w.]+)" optional><code>([\w.]+)</code>')
+        links = [link.findall(loaded[name].docstring.value) for name in ("kernels.Kernel", "kernels.Kernel.evolve")]
+        evolve = loaded["kernels.Kernel.evolve"].docstring.value
+    assert links == [
+        [("pkg.step.packed_gate", "packed_gate")],
+        [
+            ("pkg.kernels.Kernel.backward", "backward"),
+            ("pkg.kernels.helper", "helper"),
+            ("torch.Tensor", "torch.Tensor"),
+        ],
+    ]
+    assert "\nExamples:\n    >>> 1\n    1" in evolve
+    assert not re.search(r"^\s*Example:", evolve, flags=re.M)
