@@ -1,7 +1,7 @@
 """Every dotted name the package's text cites exists: the ``ea_hf.x.y`` names in ea_hf's source (docstrings,
 comments, messages), the docs pages, README.md and bench/README.md, and the Sphinx roles of the docstrings
 (``:func:`~.step.packed_gate```, ``:class:`Recipe```), resolved as Sphinx and the API reference's griffe extension
-(docs/hooks/sphinx_roles.py) resolve them. A name resolves when importing its longest module prefix and taking
+(docs/hooks/api_reference.py) resolve them. A name resolves when importing its longest module prefix and taking
 the attributes after it succeeds; a dataclass's or NamedTuple's fields count as its attributes.
 
 Remote code: the files of ``ea_hf/modeling/`` are copied beside saved checkpoints, where the package is not
@@ -28,9 +28,9 @@ PACKAGE = ROOT / "ea_hf"
 MODELING = PACKAGE / "modeling"
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", ROOT / "bench" / "README.md"]
 
-_spec = importlib.util.spec_from_file_location("sphinx_roles", ROOT / "docs" / "hooks" / "sphinx_roles.py")
-sphinx_roles = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sphinx_roles)
+_spec = importlib.util.spec_from_file_location("api_reference", ROOT / "docs" / "hooks" / "api_reference.py")
+api_reference = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(api_reference)
 
 #: ``ea_hf.x.y`` as text cites it: not part of a longer dotted name (``torch.ops.ea_hf.convolve``), a path or a
 #: URL, and without a trailing full stop.
@@ -91,7 +91,7 @@ def role_target(target: str, path: Path, line: int, classes: list[tuple[int, int
     """The absolute dotted name of a role's target written at ``line`` of ``path``: relative to the package, a name
     of the enclosing class or of the module, or absolute."""
     module = module_name(path)
-    relative = sphinx_roles.absolute_target(target, module, path.name == "__init__.py")
+    relative = api_reference.absolute_target(target, module, path.name == "__init__.py")
     if relative is not None:
         return relative
     first = target.split(".")[0]
@@ -118,7 +118,7 @@ def _references() -> list[tuple[str, str, str]]:
         for line, row in enumerate(text.splitlines(), start=1):
             for match in DOTTED.finditer(row):
                 found.append((f"{where}:{line}", match[0], match[0]))
-            for match in sphinx_roles.ROLE.finditer(row):
+            for match in api_reference.ROLE.finditer(row):
                 found.append((f"{where}:{line}", match[0], role_target(match["target"], path, line, classes)))
     for path in PAGES:
         for line, row in enumerate(path.read_text().splitlines(), start=1):
@@ -224,7 +224,7 @@ def helper(): ...
     modules = {"__init__.py": "", "step.py": "def packed_gate(): ...\n", "kernels.py": kernels}
     with griffe.temporary_pypackage("pkg", modules) as package:
         loaded = griffe.load(
-            "pkg", search_paths=[package.tmpdir], extensions=griffe.load_extensions(sphinx_roles.SphinxRoles)
+            "pkg", search_paths=[package.tmpdir], extensions=griffe.load_extensions(api_reference.ReferenceDocstrings)
         )
         link = re.compile(r'<autoref identifier="([\w.]+)" optional><code>([\w.]+)</code>')
         links = [link.findall(loaded[name].docstring.value) for name in ("kernels.Kernel", "kernels.Kernel.evolve")]

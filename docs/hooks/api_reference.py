@@ -67,8 +67,8 @@ def _convert(obj: Object) -> None:
             _convert(member)
 
 
-class SphinxRoles(Extension):
-    """Rewrites the roles once the package is loaded, when every module's names are known."""
+class ReferenceDocstrings(Extension):
+    """Rewrites the roles and the Example sections once the package is loaded, when every module's names are known."""
 
     def on_package(self, *, pkg: Object, **kwargs: object) -> None:
         _convert(pkg)
