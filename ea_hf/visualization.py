@@ -2,16 +2,7 @@
 
 Needs matplotlib (``pip install "ea_hf[viz]"``). The maps are the models' attention probabilities as
 ``output_attentions=True`` returns them: for an EA model the evolved ones, for a plain model (run with eager
-attention for the occasion) the usual ones.
-
-Example:
-    >>> import torch, transformers, ea_hf
-    >>> config = transformers.BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-    ...                                  intermediate_size=37, vocab_size=99)
-    >>> model = ea_hf.patch(transformers.BertModel(config))
-    >>> figure = ea_hf.plot_attention(model, {"input_ids": torch.tensor([[2, 7, 9, 4, 3]])}, layers=[0, 2])
-    >>> [ax.get_title() for ax in figure.axes if ax.images]
-    ['layer 0, mean of heads', 'layer 2, mean of heads']
+attention for the occasion) the usual ones. :func:`plot_attention` draws them.
 """
 
 from __future__ import annotations
@@ -65,9 +56,34 @@ def plot_attention(
 
     ``model`` may be a mapping of labels to models (e.g. ``{"EA": ea_model, "base": base_model}``), which
     stacks their rows, to compare them on the same input (each panel's title then starts with its model's
-    label on a line of its own). ``tokens`` labels the axes (text); image patches are
-    left unlabelled. Returns a ``matplotlib.figure.Figure`` (save it with ``figure.savefig(path)``); each
-    panel's image holds exactly the probabilities it shows.
+    label on a line of its own). Each panel's image holds exactly the probabilities it shows.
+
+    Args:
+        model: an EA model or a plain one (run with eager attention for the occasion), or a mapping of labels to
+            models.
+        inputs: the model's keyword inputs (``input_ids``, ``attention_mask``, ``pixel_values``...); with an
+            ``attention_mask`` the maps are cropped to the example's real tokens.
+        layers: indices of the (encoder) layers to draw; ``None``: all.
+        heads: the heads to draw, one row each; ``None``: one row with the mean over heads.
+        tokens: labels of the axes (text); image patches are left unlabelled.
+        example: which example of the batch to draw.
+        cell_size: the size of one panel, in inches.
+
+    Returns:
+        figure (matplotlib.figure.Figure): the panels; save it with ``figure.savefig(path)``.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        ValueError: the model returns no attention probabilities, or ``layers`` or ``heads`` are out of range.
+
+    Example:
+        >>> import torch, transformers, ea_hf
+        >>> config = transformers.BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        ...                                  intermediate_size=37, vocab_size=99)
+        >>> model = ea_hf.patch(transformers.BertModel(config))
+        >>> figure = ea_hf.plot_attention(model, {"input_ids": torch.tensor([[2, 7, 9, 4, 3]])}, layers=[0, 2])
+        >>> [ax.get_title() for ax in figure.axes if ax.images]
+        ['layer 0, mean of heads', 'layer 2, mean of heads']
     """
     try:
         from matplotlib.figure import Figure

@@ -241,7 +241,6 @@ _DECODER_ONLY: dict[str, ArchitectureSpec] = {
     ),
 }
 
-#: Supported architectures, by transformers ``model_type``. All share the attention-interface path.
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
     **_of_kind("text encoder", _TEXT_ENCODERS),
     **_of_kind("vision encoder", _VISION_ENCODERS),
@@ -249,6 +248,8 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     **_of_kind("seq2seq", _SEQ2SEQ),
     **_of_kind("decoder-only", _DECODER_ONLY),
 }
+"""Supported architectures: an :class:`ArchitectureSpec` by transformers ``model_type``, grouped by kind (see
+:data:`KINDS`). All share the attention-interface path; docs/architectures.md lists them."""
 
 
 def base_model_type(config) -> str:
@@ -257,7 +258,15 @@ def base_model_type(config) -> str:
 
 
 def supported_model_types() -> list[str]:
-    """The transformers ``model_type``s that evolving attention supports."""
+    """The transformers ``model_type``s that evolving attention supports.
+
+    Returns:
+        The keys of :data:`ARCHITECTURES`, sorted.
+
+    Example:
+        >>> "bert" in supported_model_types(), "t5" in supported_model_types()
+        (True, True)
+    """
     return sorted(ARCHITECTURES)
 
 

@@ -76,6 +76,23 @@ def attention_roles(model: nn.Module) -> list[str]:
 
 
 def is_patched(model: nn.Module) -> bool:
+    """Whether any module of ``model`` holds an evolving attention module (patched, or loaded as an EA model).
+
+    Args:
+        model: any torch module; a transformers model usually.
+
+    Returns:
+        True if :func:`~.patching.patch` has patched the model (or it was loaded from an EA checkpoint) and
+        :func:`~.patching.unpatch` has not undone it since.
+
+    Example:
+        >>> import ea_hf
+        >>> from transformers import BertConfig, BertModel
+        >>> model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ...                              intermediate_size=37))
+        >>> ea_hf.is_patched(model), ea_hf.is_patched(ea_hf.patch(model))
+        (False, True)
+    """
     return any(hasattr(module, MODULE_ATTRIBUTE) for module in model.modules())
 
 
@@ -138,7 +155,7 @@ def attach_evolution(
 ) -> None:
     """Give the model's attention modules their evolution modules and route attention through them.
 
-    The model's classes and config are left as they are (see :func:`patch` for the full conversion). ``plan``
+    The model's classes and config are left as they are (see :func:`~.patching.patch` for the full conversion). ``plan``
     is :func:`plan_evolution`'s result when the caller has already validated the settings.
     """
     if plan is None:

@@ -42,8 +42,9 @@ from .products import attention_scores, evolution_maps
 from .sinks import join_sinks
 from .softmax import attend_values
 
-#: Name under which the attention function and its mask function are registered in transformers.
 ATTENTION_IMPLEMENTATION = "evolving_attention"
+"""Name under which the attention function and its mask function are registered in transformers: a patched
+model's ``config._attn_implementation``."""
 #: Attribute of a patched attention module that holds its :class:`AttentionMapEvolution`.
 MODULE_ATTRIBUTE = "evolving_attention"
 #: Keyword argument that carries the KV cache (if any) down to the attention calls of causal layers.
@@ -74,13 +75,29 @@ def evolving_attention_forward(
     ``softcap`` (Gemma 2's logit soft-capping, ``tanh(S / cap) * cap``) applies to S before the evolution:
     S is then exactly the pretrained layer's logits, the maps passed between layers stay in the capped range,
     and alpha = beta = 0 reproduces the model. The evolved logits themselves are not capped again (the
-    convolution branch may leave the range; its weights are trained with the model). Returns the output
-    [B, Q, H, D] and the (evolved) attention probabilities [B, H, Q, K].
+    convolution branch may leave the range; its weights are trained with the model).
 
     A packed call (several documents in a row: restarting position ids that transformers masked apart, or
     flash-style ``cu_seq_lens_q`` / ``cu_seq_lens_k``) attends to each document on its own, in the padded layout of
-    :mod:`.packing`, so that the convolution reads nothing across a document's boundary; it returns None for
-    the attention probabilities, as sdpa and flash attention do (each document's map has its own size).
+    :mod:`.packing`, so that the convolution reads nothing across a document's boundary.
+
+    Args:
+        module: the attention module that calls it; its :class:`~.evolution.AttentionMapEvolution`, if any, is
+            its ``evolving_attention`` attribute.
+        query: the queries [B, H, Q, D].
+        key: the keys [B, H_kv, K, D] (H_kv divides H: grouped-query attention).
+        value: the values [B, H_kv, K, D].
+        attention_mask: transformers' mask for eager attention ([B, 1, Q, K], additive or bool), or None.
+        scaling: the factor of the logits (``None``: 1 / sqrt(D)).
+        dropout: the dropout probability on the attention weights (only in training mode).
+        position_bias: T5's relative position bias, added to the logits S before they evolve.
+        softcap: Gemma 2's logit soft-capping, applied to S before the evolution.
+        **kwargs: what transformers passes the attention functions (the cache, position ids, the packing's
+            ``cu_seq_lens_*``, ``s_aux`` of attention sinks) and the chain that the model's hooks add.
+
+    Returns:
+        The output [B, Q, H, D] and the (evolved) attention probabilities [B, H, Q, K]; a packed call returns
+        None for the probabilities, as sdpa and flash attention do (each document's map has its own size).
     """
     evolution = getattr(module, MODULE_ATTRIBUTE, None)
     if evolution is not None:

@@ -15,7 +15,7 @@ one QK^T matmul and one softmax per layer and step.
 Where the maps are small, S and P are kept instead (:func:`~.products.keeps_small_maps`), and backward saves the
 matmul and the softmax (see docs/performance.md, "Choices in the hot path").
 
-Where nobody reads the attention weights, a fused attention tail (``ea_hf.ops.triton_attention``, on GPUs with
+Where nobody reads the attention weights, a fused attention tail (``ea_hf.ops.triton.attention_tail``, on GPUs with
 the Triton kernels) takes the masked softmax, dropout and the product with V flash-style, without forming P.
 
 Where S is the plain product (:func:`~.products.plain_scores`), the queries are kept contiguous and pre-scaled

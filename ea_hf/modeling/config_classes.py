@@ -42,6 +42,12 @@ def evolving_attention_config_class(base: type[PreTrainedConfig]) -> type[PreTra
     The subclass adds the ``evolving_attention`` field and a distinct ``model_type`` (``ea-bert``);
     everything else is the base config.
 
+    Args:
+        base: a transformers config class; an EA config class is returned as it is.
+
+    Returns:
+        The EA config class, built once per base class and shared after that.
+
     Example:
         >>> from transformers import BertConfig
         >>> evolving_attention_config_class(BertConfig).model_type

@@ -52,11 +52,18 @@ class AttentionMapEvolution(nn.Module):
 
     Args:
         num_heads: number of attention heads H (the convolution's channels).
-        alpha, beta, kernel_size, init: see :class:`~.settings.EvolvingAttentionSettings`.
+        alpha: weight of the previous layer's logits (see :class:`~.settings.EvolvingAttentionSettings`).
+        beta: weight of the convolution branch.
+        kernel_size: size of the square convolution kernel (odd).
+        init: initialisation scheme of the convolution, one of :data:`~.settings.INIT_SCHEMES`.
         role: what attention this layer is: ``"encoder"`` (self-attention), ``"decoder"`` (causal
             self-attention) or ``"cross"`` (encoder-decoder attention). The last two convolve causally.
         position: this layer's index in its stack.
         previous: index of the previous evolving layer of the same chain, ``None`` for the first one.
+        method: ``"conv"`` or ``"residual"`` (no convolution weights; :class:`~.echo.EchoAttention` is the
+            ``"echo"`` method's module).
+        device: where the convolution weights are made.
+        dtype: the convolution weights' dtype.
 
     Example:
         >>> evolution = AttentionMapEvolution(4, alpha=0.2, beta=0.2, kernel_size=3, position=0)
@@ -119,7 +126,17 @@ class AttentionMapEvolution(nn.Module):
 
     @classmethod
     def from_settings(cls, settings: EvolvingAttentionSettings, num_heads: int, head_dim: int, **where: Any):
-        """The module for one layer with ``settings``; ``where``: role, position, previous, device, dtype."""
+        """The module for one layer with ``settings`` (the constructor every method's module has).
+
+        Args:
+            settings: the chain's settings.
+            num_heads: the layer's number of attention heads.
+            head_dim: the size of a head (echo attention's states read it; this module does not).
+            **where: ``role``, ``position``, ``previous``, ``device``, ``dtype``, as the constructor takes them.
+
+        Returns:
+            module (AttentionMapEvolution): its convolution initialised with ``settings.init``.
+        """
         return cls(
             num_heads,
             alpha=settings.alpha,
@@ -356,8 +373,11 @@ class AttentionMapEvolution(nn.Module):
             conv_mask: boolean [B, 1 or H, Q, K], True where an entry may enter the convolution; None if all may.
             chain: the per-call dict of previous layers' logits.
             history: for incremental decoding, the earlier rows of this layer's convolution input.
-            query, past: the layer's queries [B, H, Q, D] and the number of earlier (cached) query positions;
-                only echo attention reads them.
+            query: the layer's queries [B, H, Q, D]; only echo attention reads them.
+            past: the number of earlier (cached) query positions; only echo attention reads them.
+
+        Returns:
+            A_logit, the evolved logits [B, H, Q, K].
         """
         if history is not None and history.rows is not None and torch.is_grad_enabled():
             # Later decoding steps with autograd on (not what generate does): the plain formulation carries

@@ -21,49 +21,114 @@ from .step import EvolutionStep, GradientIn, ScaledMap, StepMaps
 
 
 class FusedKernel(Protocol):
-    """What a fused implementation of the evolution step provides (``ea_hf.ops.cpu``, ``ea_hf.ops.triton_kernels``).
+    """What a fused implementation of the evolution step provides (``ea_hf.ops.cpu``, ``ea_hf.ops.triton.evolution``).
 
-    ``evolve`` is the forward step with a beta-scaled kernel (``weight`` and ``bias`` times beta):
-    (A_logit, the ReLU gate in the form its ``backward`` reads: a bool map, or :func:`~.step.packed_gate`'s), or
-    with ``in_place`` A_logit written over ``maps.scores`` and no gate unless ``gate`` (default: a gate unless in
-    place). ``convolve`` is a plain correlation plus bias whose output row i reads input rows ``i + row_shift ..``.
-    ``backward`` gives the gradients of S, of A_prev (``None`` without it) and of the beta-scaled kernel's weight
-    and bias, from the gate and the beta-scaled ``weight`` of the forward step; with ``shared_map`` it may
-    return S's gradient as a :class:`~.step.ScaledMap` of A_prev's. ``select_kept`` runs the attention core's masked
-    passes, ``keep ? scale * x : fill`` (into ``out`` where given), or returns ``None`` where the kernel does not
-    take them. ``applicable`` says whether the kernel takes these maps and this kernel weight.
+    A module with these five functions is one (``ea_hf.ops`` registers its modules with
+    :func:`register_fused_kernel`). The step is the one :mod:`.step` defines: A_in = lerp(S, A_prev, alpha),
+    A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in. ``evolve``, ``convolve`` and ``backward`` take
+    the kernel beta-scaled (``weight`` and ``bias`` times beta), and the ReLU gate that ``evolve`` returns is
+    what ``backward`` reads: a bool map, or :func:`~.step.packed_gate`'s form.
     """
 
-    def applicable(self, *tensors: Tensor | None, keep: Tensor | None = None, weight: Tensor) -> bool: ...
+    def applicable(self, *tensors: Tensor | None, keep: Tensor | None = None, weight: Tensor) -> bool:
+        """Whether the kernel takes these maps and this kernel weight (device, dtype, shapes, mask).
+
+        Args:
+            *tensors: the maps the step would read (S, A_prev, a gradient...; None where absent).
+            keep: the convolution's input mask, if any.
+            weight: the convolution weight [H, H, kh, kw].
+
+        Returns:
+            True if every other function may be called on them.
+        """
 
     def evolve(
         self, step: EvolutionStep, maps: StepMaps, weight: Tensor, bias: Tensor, *, in_place: bool, gate: bool | None
-    ) -> tuple[Tensor, Tensor | None]: ...
+    ) -> tuple[Tensor, Tensor | None]:
+        """The step's forward.
 
-    def convolve(self, x: Tensor, weight: Tensor, bias: Tensor, *, row_shift: int) -> Tensor: ...
+        Args:
+            step: alpha, beta, the kernel's context rows, causality and whether masked tails may be skipped.
+            maps: S, A_prev (None: A_in = S) and the convolution's input mask.
+            weight: the beta-scaled convolution weight.
+            bias: the beta-scaled convolution bias.
+            in_place: write A_logit over ``maps.scores``.
+            gate: return the ReLU gate (None: a gate unless in place).
+
+        Returns:
+            A_logit, and the ReLU gate for ``backward`` (None without ``gate``).
+        """
+
+    def convolve(self, x: Tensor, weight: Tensor, bias: Tensor, *, row_shift: int) -> Tensor:
+        """A plain correlation plus bias (the kept rows of a decoding step).
+
+        Args:
+            x: the input map [B, H, R, K].
+            weight: the beta-scaled convolution weight [H, H, kh, kw].
+            bias: the beta-scaled convolution bias [H].
+            row_shift: output row i reads input rows ``i + row_shift .. i + row_shift + kh - 1`` (rows outside
+                ``x`` read as zeros; the columns are centred, as a padded convolution's).
+
+        Returns:
+            The correlation, of ``x``'s shape.
+        """
 
     def backward(
         self, step: EvolutionStep, maps: StepMaps, grad: GradientIn, gate: Tensor, weight: Tensor, *, shared_map: bool
-    ) -> tuple[Tensor | ScaledMap, Tensor | None, Tensor, Tensor]: ...
+    ) -> tuple[Tensor | ScaledMap, Tensor | None, Tensor, Tensor]:
+        """The step's whole backward, from the forward's gate.
 
-    def select_kept(self, x: Tensor, keep: Tensor, scale: float, fill: float, out: Tensor | None) -> Tensor | None: ...
+        Args:
+            step: as ``evolve`` took it.
+            maps: as ``evolve`` took them (S as it was before an in-place forward).
+            grad: A_logit's gradient (plus an addend, and whether it may be written over).
+            gate: the ReLU gate ``evolve`` returned.
+            weight: the beta-scaled convolution weight of the forward step.
+            shared_map: S's gradient may be returned as a :class:`~.step.ScaledMap` of A_prev's.
+
+        Returns:
+            The gradients of S, of A_prev (None without A_prev), and of the beta-scaled kernel's weight and bias.
+        """
+
+    def select_kept(self, x: Tensor, keep: Tensor, scale: float, fill: float, out: Tensor | None) -> Tensor | None:
+        """The attention core's masked passes: ``keep ? scale * x : fill``.
+
+        Args:
+            x: the map [B, H, Q, K].
+            keep: a bool mask broadcastable to ``x``.
+            scale: the factor of the kept entries.
+            fill: the value of the others.
+            out: where to write the result (it may be ``x``); None: a new tensor.
+
+        Returns:
+            The result, or None where the kernel does not take these tensors.
+        """
 
 
 class FusedAttentionTail(Protocol):
-    """What a fused implementation of the attention tail after the evolution provides (``ea_hf.ops.triton_attention``):
-    the masked softmax over the evolved logits, dropout and the product with the values, without forming P.
+    """What a fused implementation of the attention tail after the evolution provides
+    (``ea_hf.ops.triton.attention_tail``): the masked softmax over the evolved logits, dropout and the product
+    with the values, without forming P.
 
-    The attention mask comes as its two tensors, ``allowed`` and ``additive`` (an :class:`~.masks.AttentionMask`
-    unpacked), as the tail's torch operators take them. ``forward`` returns (the output [B, H, Q, D] in the values'
-    dtype, row statistics for ``backward``), masking as :func:`~.softmax.masked_logits` does and dropping where
-    ``dropout_keep`` (bool [B, H, Q, K]) is False, the kept weights scaled by ``dropout_scale``; ``backward``
-    returns (the logits' gradient in ``grad_dtype``, the values' gradient) from forward's row statistics and the
-    output's gradient (both also while torch.compile traces, as operators); ``attend`` returns forward's output,
-    differentiable in the logits and the values (what :func:`~.compiled.compiled_core` calls). ``applicable`` says
-    whether it takes these tensors.
+    A module with these four functions is one (``ea_hf.ops`` registers it with
+    :func:`register_fused_attention_tail`). The attention mask comes as its two tensors, ``allowed`` and
+    ``additive`` (an :class:`~.masks.AttentionMask` unpacked), as the tail's torch operators take them; the tail
+    masks as :func:`~.softmax.masked_logits` does. Both ``forward`` and ``backward`` also run while torch.compile
+    traces (as operators).
     """
 
-    def applicable(self, logits: Tensor, allowed: Tensor | None, additive: Tensor | None, value: Tensor) -> bool: ...
+    def applicable(self, logits: Tensor, allowed: Tensor | None, additive: Tensor | None, value: Tensor) -> bool:
+        """Whether the tail takes these tensors.
+
+        Args:
+            logits: the evolved logits A_logit [B, H, Q, K].
+            allowed: a bool mask broadcastable to the logits (False: masked), or None.
+            additive: an additive mask broadcastable to the logits, or None.
+            value: the values [B, H_kv, K, D].
+
+        Returns:
+            True if ``forward``, ``backward`` and ``attend`` may be called on them.
+        """
 
     def forward(
         self,
@@ -73,7 +138,18 @@ class FusedAttentionTail(Protocol):
         value: Tensor,
         dropout_keep: Tensor | None,
         dropout_scale: float,
-    ) -> tuple[Tensor, Tensor]: ...
+    ) -> tuple[Tensor, Tensor]:
+        """softmax(mask(logits)), with dropout, times the values.
+
+        Args:
+            logits: the evolved logits [B, H, Q, K]; ``allowed``, ``additive`` and ``value`` as ``applicable``
+                takes them.
+            dropout_keep: bool [B, H, Q, K], False where dropout drops a weight; None: no dropout.
+            dropout_scale: the factor of the kept weights.
+
+        Returns:
+            The output [B, H, Q, D] in the values' dtype, and the row statistics ``backward`` reads.
+        """
 
     def backward(
         self,
@@ -86,7 +162,17 @@ class FusedAttentionTail(Protocol):
         stats: Tensor,
         grad_output: Tensor,
         grad_dtype: torch.dtype,
-    ) -> tuple[Tensor, Tensor]: ...
+    ) -> tuple[Tensor, Tensor]:
+        """The gradients of ``forward``, from the arguments it took and the following three.
+
+        Args:
+            stats: the row statistics ``forward`` returned.
+            grad_output: the gradient of the output.
+            grad_dtype: the dtype of the logits' gradient.
+
+        Returns:
+            The logits' gradient in ``grad_dtype``, and the values' gradient.
+        """
 
     def attend(
         self,
@@ -96,7 +182,13 @@ class FusedAttentionTail(Protocol):
         value: Tensor,
         dropout_keep: Tensor | None,
         dropout_scale: float,
-    ) -> Tensor: ...
+    ) -> Tensor:
+        """``forward``'s output from ``forward``'s arguments, differentiable in the logits and the values (what
+        :func:`~.compiled.compiled_core` calls).
+
+        Returns:
+            The output [B, H, Q, D].
+        """
 
 
 #: Fused kernels of the evolution step, tried in order; registered by ``ea_hf.ops``.
@@ -106,13 +198,21 @@ FUSED_ATTENTION_TAILS: list[FusedAttentionTail] = []
 
 
 def register_fused_kernel(kernel: FusedKernel) -> None:
-    """Use ``kernel`` for the evolution step wherever it says it is applicable (idempotent)."""
+    """Use ``kernel`` for the evolution step wherever it says it is applicable (idempotent).
+
+    Args:
+        kernel: the implementation; kernels are tried in the order they were registered.
+    """
     if kernel not in FUSED_KERNELS:
         FUSED_KERNELS.append(kernel)
 
 
 def register_fused_attention_tail(tail: FusedAttentionTail) -> None:
-    """Use ``tail`` in the attention core wherever it says it is applicable (idempotent)."""
+    """Use ``tail`` in the attention core wherever it says it is applicable (idempotent).
+
+    Args:
+        tail: the implementation; tails are tried in the order they were registered.
+    """
     if tail not in FUSED_ATTENTION_TAILS:
         FUSED_ATTENTION_TAILS.append(tail)
 

@@ -198,6 +198,15 @@ def _own_ea_class(cls: type) -> type:
 def evolving_attention_model_class(base: type[PreTrainedModel]) -> type[PreTrainedModel]:
     """The EA class for a transformers model class (``BertModel`` -> ``EABertModel``).
 
+    The subclass's config class is the EA config class (:func:`~.config_classes.evolving_attention_config_class`);
+    its ``from_pretrained`` loads EA checkpoints and ``save_pretrained`` writes them.
+
+    Args:
+        base: a transformers model class; an EA model class is returned as it is.
+
+    Returns:
+        The EA model class, built once per base class and shared after that.
+
     Example:
         >>> from transformers import BertForMaskedLM
         >>> cls = evolving_attention_model_class(BertForMaskedLM)
@@ -237,7 +246,21 @@ def auto_map_for(config_class: type[PreTrainedConfig]) -> dict[str, str]:
 
 
 def register_auto_classes(model_types: list[str] | None = None) -> None:
-    """Register EA configs and models with AutoConfig and every AutoModel* class (idempotent)."""
+    """Register EA configs and models with AutoConfig and every AutoModel* class (idempotent).
+
+    ``import ea_hf`` calls it for every architecture, so ``AutoModel*.from_pretrained`` loads EA checkpoints
+    without ``trust_remote_code``.
+
+    Args:
+        model_types: the transformers ``model_type``s to register (``None``: every supported one); those the
+            installed transformers does not know are left out.
+
+    Example:
+        >>> from transformers import AutoConfig
+        >>> register_auto_classes(["bert"])
+        >>> type(AutoConfig.for_model("ea-bert")).__name__
+        'EABertConfig'
+    """
     auto_classes = _auto_model_classes()
     for model_type in model_types or sorted(ARCHITECTURES):
         if model_type not in CONFIG_MAPPING:  # an architecture newer than the installed transformers (its `since`)

@@ -49,7 +49,13 @@ class PatchedModule:
 
 @dataclasses.dataclass(frozen=True)
 class PatchSummary:
-    """What :func:`summary` reports: the evolving attention modules and the parameters they add."""
+    """What :func:`summary` reports: the evolving attention modules and the parameters they add.
+
+    Attributes:
+        modules: one entry per evolving attention module, in the model's module order.
+        added_parameters: the parameters the evolving attention modules add.
+        total_parameters: the parameters of the whole model, the added ones included.
+    """
 
     modules: tuple[PatchedModule, ...]
     added_parameters: int
@@ -108,19 +114,27 @@ def patch(
 
     Args:
         model: a loaded model of a supported architecture (see :data:`~.architectures.ARCHITECTURES`).
-        *args, **settings: the encoder's settings: an :class:`EvolvingAttentionSettings`, or its fields by
-            position (``alpha, beta, kernel_size, layers, init``, ...) or by name. ``alpha`` (default 0.2; 0 for
-            ``echo``) weighs the previous layer's logits; ``beta`` (0.2; 0 for ``residual`` and ``echo``) the
-            convolution branch; ``kernel_size`` (3) is odd; ``layers`` picks encoder layers (``None``: all);
-            ``init`` is ``kaiming_uniform`` (default), ``xavier_uniform``, ``normal`` or ``dirac``. beta,
-            kernel and init are also the defaults of the other chains.
+        *args: the encoder's settings by position: an :class:`~.settings.EvolvingAttentionSettings`, or its
+            fields in order (``alpha, beta, kernel_size, layers, init``, ...).
         decoder: decoder self-attention settings: a mapping of fields that override the default (e.g.
-            ``{"alpha": 0.1, "layers": [0, 1]}``), an :class:`EvolvingAttentionSettings`, or ``False`` to
-            leave it plain.
+            ``{"alpha": 0.1, "layers": [0, 1]}``), an :class:`~.settings.EvolvingAttentionSettings`, or
+            ``False`` to leave it plain.
         cross: encoder-decoder attention settings, in the same forms as ``decoder``.
+        **settings: the encoder's settings by name. ``alpha`` (default 0.2; 0 for ``echo``) weighs the previous
+            layer's logits; ``beta`` (0.2; 0 for ``residual`` and ``echo``) the convolution branch;
+            ``kernel_size`` (3) is odd; ``layers`` picks encoder layers (``None``: all); ``init`` is
+            ``kaiming_uniform`` (default), ``xavier_uniform``, ``normal`` or ``dirac``. beta, kernel and init
+            are also the defaults of the other chains.
 
     Returns:
         The same model object, patched.
+
+    Raises:
+        TypeError: ``model`` is not a transformers ``PreTrainedModel``, or the settings come both as an
+            :class:`~.settings.EvolvingAttentionSettings` and as fields.
+        ValueError: the settings are invalid, the architecture is not supported, the settings do not fit the
+            model (every problem named at once), or the model is already patched.
+        NotImplementedError: the installed transformers is older than the architecture's support needs.
 
     Example:
         >>> import ea_hf
@@ -187,7 +201,16 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
     """Undo :func:`patch` in place: remove the evolution modules and restore the original classes.
 
     Works on models patched by :func:`patch` and on EA models loaded from a checkpoint; the result computes
-    exactly what the original architecture computes. Returns the same model object.
+    exactly what the original architecture computes.
+
+    Args:
+        model: a model patched by :func:`patch` or loaded as an EA model.
+
+    Returns:
+        The same model object, with its original classes and attention implementation.
+
+    Raises:
+        ValueError: ``model`` is not patched.
 
     Example:
         >>> import ea_hf
@@ -217,6 +240,13 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
 
 def summary(model: nn.Module) -> PatchSummary:
     """Report the evolving attention modules of a model and the number of parameters they add.
+
+    Args:
+        model: any torch module; one without evolving attention reports no modules.
+
+    Returns:
+        The modules (name, role, layer, previous layer, settings and parameters of each) and the parameter
+        counts; ``str()`` of it is a table.
 
     Example:
         >>> import ea_hf

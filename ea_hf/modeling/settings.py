@@ -72,6 +72,9 @@ class EvolvingAttentionSettings:
         echo_state: ``echo``: the state transition, one of :data:`ECHO_STATES`.
         max_positions: ``echo`` with a ``row`` or ``column`` state: the longest sequence it can take.
 
+    Raises:
+        ValueError: a setting out of range or not allowed by the method, every problem named at once.
+
     Example:
         >>> EvolvingAttentionSettings(alpha=0.4, beta=0.1, layers=[0, 2]).layers
         (0, 2)
@@ -115,6 +118,18 @@ class EvolvingAttentionSettings:
     ) -> EvolvingAttentionSettings:
         """Settings for ``method``, with its default alpha and beta where they are not given.
 
+        Args:
+            method: one of :data:`METHODS`.
+            alpha: the residual weight; None: the method's default (0.2; 0 for ``echo``).
+            beta: the convolution's weight; None: the method's default (0.2; 0 for ``residual`` and ``echo``).
+            **fields: the other fields, by name.
+
+        Returns:
+            The settings.
+
+        Raises:
+            ValueError: a setting out of range or not allowed by the method.
+
         Example:
             >>> s = EvolvingAttentionSettings.for_method("residual")
             >>> s.alpha, s.beta
@@ -134,6 +149,14 @@ class EvolvingAttentionSettings:
         (``alpha * conv + (1 - alpha) * mixed``). So their ``beta`` is ea_hf's ``alpha`` and their ``alpha`` is
         ea_hf's ``beta``.
 
+        Args:
+            alpha: the authors' ``alpha``: the convolution branch's weight (ea_hf's ``beta``).
+            beta: the authors' ``beta``: the previous layer's weight (ea_hf's ``alpha``).
+            **fields: the other fields, by name.
+
+        Returns:
+            The settings, in ea_hf's naming.
+
         Example:
             >>> s = EvolvingAttentionSettings.from_authors_code(alpha=0.9, beta=0.1)  # their naming
             >>> s.alpha, s.beta  # the paper's (and ea_hf's) naming
@@ -145,6 +168,17 @@ class EvolvingAttentionSettings:
     def from_arguments(cls, *args: Any, **fields: Any) -> EvolvingAttentionSettings:
         """Settings from arguments in field order (``alpha, beta, kernel_size, layers, init, ...``) and by
         name, as :func:`ea_hf.patch` takes them; ``None`` for a method-dependent field means its default.
+
+        Args:
+            *args: fields in order.
+            **fields: fields by name.
+
+        Returns:
+            The settings.
+
+        Raises:
+            TypeError: more arguments than fields, a field given twice, or an unknown field.
+            ValueError: a setting out of range or not allowed by the method.
 
         Example:
             >>> EvolvingAttentionSettings.from_arguments(0.4, None, 5, method="conv").kernel_size
@@ -221,7 +255,11 @@ class EvolvingAttentionSettings:
         return problems
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form, as stored in ``config.json``."""
+        """JSON-ready form, as stored in ``config.json``.
+
+        Returns:
+            The fields by name (``layers`` a list; the echo fields only for ``echo``).
+        """
         data = dataclasses.asdict(self)
         data["layers"] = None if self.layers is None else list(self.layers)
         if self.method != "echo":  # the echo fields mean nothing to the other methods

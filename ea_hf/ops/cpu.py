@@ -1,5 +1,5 @@
 """The fused CPU kernel of the evolution step, as the fused-kernel protocol of the evolution
-(``ea_hf.modeling.step.FusedKernel``): which calls it takes (:func:`applicable`), and how each runs.
+(``ea_hf.modeling.kernels.FusedKernel``): which calls it takes (:func:`applicable`), and how each runs.
 
 The kernel is C++ compiled on first use (:mod:`ea_hf.ops.native_build`), called through ctypes
 (:mod:`ea_hf.ops.cpu_binding`) and declared as torch operators (:mod:`ea_hf.ops.cpu_operators`), so that
@@ -61,7 +61,7 @@ def applicable(*tensors: Tensor | None, keep: Tensor | None = None, weight: Tens
 def evolve(
     step: EvolutionStep, maps: StepMaps, weight: Tensor, bias: Tensor, *, in_place: bool, gate: bool | None = None
 ) -> tuple[Tensor, Tensor | None]:
-    """The evolution step's forward (see ``ea_hf.modeling.step.FusedKernel``): through the operators while
+    """The evolution step's forward (see ``ea_hf.modeling.kernels.FusedKernel``): through the operators while
     torch.compile traces (never in place: a compiled graph plans its own buffers) and where autograd differentiates
     the result; elsewhere, in place, the operators' bodies directly, which skip masked tails with
     ``step.skip_masked_tails`` (see :func:`~ea_hf.ops.cpu_binding.forward_correlation`; the operators correlate

