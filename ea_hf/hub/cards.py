@@ -283,16 +283,21 @@ def run_card_facts(record: RunRecord, license: Mapping[str, str] | None = None) 
         "task": task,
     }
     if record.adapter:
-        base_model_text = base_model_description(name_or_path, "transformers")
-        return CardFacts("base model's", kind.auto_class, adapter=True, base_model_text=base_model_text, **common)
+        return CardFacts(
+            architecture="base model's",
+            auto_class=kind.auto_class,
+            adapter=True,
+            base_model_text=base_model_description(name_or_path, "transformers"),
+            **common,
+        )
     config = record.config or {}
     architecture = (config.get("architectures") or [config.get("model_type", "")])[0]
     details = kind.model_details(config, recipe)
     if details:
         details = (*details, ("parameters", f"{record.parameters.total:,}"))
     return CardFacts(
-        architecture,
-        auto_class_of(config),
+        architecture=architecture,
+        auto_class=auto_class_of(config),
         model_details=details,
         remote_class=remote_class_of(config),
         base_model_text=base_model_description(name_or_path, architecture),
