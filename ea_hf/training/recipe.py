@@ -554,7 +554,7 @@ def _get_dotted(recipe: Recipe, key: str) -> Any:
     return node
 
 
-def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
+def _check(recipe: Recipe, problems: list[tuple[str, str]], check_environment: bool = True) -> None:
     kind = recipe.task_kind
     if not recipe.name:
         problems.append(("name", "is required"))
@@ -602,7 +602,7 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
         if getattr(train, f"{what}_strategy") == "steps" and not getattr(train, f"{what}_steps"):
             problems.append((f"train.{what}_steps", f"required when train.{what}_strategy is 'steps'"))
     if recipe.peft.method is not None:
-        if importlib.util.find_spec("peft") is None:
+        if check_environment and importlib.util.find_spec("peft") is None:
             problems.append(
                 ("peft.method", f"{recipe.peft.method!r} needs the peft package: pip install 'ea_hf[peft]'")
             )
@@ -645,8 +645,13 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def recipe_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> Recipe:
+def recipe_from_dict(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), *, check_environment: bool = True
+) -> Recipe:
     """Validate a recipe mapping (plus dotted overrides) and return the typed :class:`Recipe`.
+
+    ``check_environment=False`` leaves out the checks of what this machine has installed (the peft package of
+    ``peft.method``): a finished run's recipe describes the run, whichever machine reads it.
 
     Raises :class:`RecipeError` listing every problem.
     """
@@ -669,7 +674,7 @@ def recipe_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> 
     except ValueError as error:
         raise RecipeError([*problems, ("kind", str(error))]) from None
     recipe = _build(recipe_class, merged, "", problems)
-    _check(recipe, problems)
+    _check(recipe, problems, check_environment)
     if problems:
         raise RecipeError(problems)
     if recipe.output_dir is None:

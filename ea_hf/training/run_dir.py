@@ -47,13 +47,16 @@ V0_1_DATA_KEYS = (
 V0_1_SECTIONS = ("pretrain",)
 
 
-def read_run_recipe(run_dir: str | Path) -> Recipe:
-    """The recipe a run ran with (its ``recipe.yaml``), also for runs written by ea_hf 0.1."""
+def read_run_recipe(run_dir: str | Path, *, check_environment: bool = True) -> Recipe:
+    """The recipe a run ran with (its ``recipe.yaml``), also for runs written by ea_hf 0.1;
+    ``check_environment=False``: without the checks of what this machine has installed (see
+    :func:`~.recipe.recipe_from_dict`), to describe a run rather than to run it."""
     path = Path(run_dir) / RECIPE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no {RECIPE_FILE})")
     data = yaml.safe_load(path.read_text())
-    return recipe_from_dict(_without_v0_1_keys(data) if isinstance(data, Mapping) else data)
+    cleaned = _without_v0_1_keys(data) if isinstance(data, Mapping) else data
+    return recipe_from_dict(cleaned, check_environment=check_environment)
 
 
 def _without_v0_1_keys(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import dataclasses
 import json
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,23 +68,53 @@ class Selection:
         def named(candidate: Candidate) -> str:
             return candidate.name if folder is None else os.path.relpath(candidate.name, folder)
 
-        direction = "lowest" if self.lower_is_better else "highest"
         return {
             "metric": self.metric,
             "split": self.split,
             "test_split": self.test_split,
             "lower_is_better": self.lower_is_better,
-            "rule": (
-                f"the configuration with the {direction} mean {self.metric} on {self.split} over its seeds, among "
-                f"{len(self.ranked)} (the baseline, EA off, included); {self.test_split} evaluated once, for it "
-                "and the best baseline only"
-            ),
+            "rule": self.rule,
             "chosen": named(self.chosen),
             "baseline": named(self.baseline),
             "candidates": [
                 {"name": named(c), "evolving": c.evolving, "mean": c.mean, "scores": c.scores} for c in self.ranked
             ],
         }
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> Selection:
+        """The selection that ``selection.json`` records (:meth:`to_dict`), its configurations named as there.
+
+        Example:
+            >>> ea, baseline = Candidate("ea", {1: 0.9}, True), Candidate("baseline", {1: 0.8}, False)
+            >>> selection = Selection("accuracy", "validation", "test", False, (ea, baseline), ea, baseline)
+            >>> Selection.from_dict(json.loads(json.dumps(selection.to_dict()))) == selection
+            True
+        """
+        ranked = tuple(
+            Candidate(c["name"], {int(seed): float(score) for seed, score in c["scores"].items()}, c["evolving"])
+            for c in record["candidates"]
+        )
+        by_name = {candidate.name: candidate for candidate in ranked}
+        return cls(
+            record["metric"],
+            record["split"],
+            record["test_split"],
+            record["lower_is_better"],
+            ranked,
+            by_name[record["chosen"]],
+            by_name[record["baseline"]],
+        )
+
+    @property
+    def rule(self) -> str:
+        """How the choice was made, in a sentence's words (``selection.json`` records it)."""
+        direction = "lowest" if self.lower_is_better else "highest"
+        return (
+            f"the configuration with the {direction} mean {self.metric} on {self.split} over its seeds, among "
+            f"{len(self.ranked)} (the baseline, EA off, included); {self.test_split} evaluated once, for it "
+            "and the best baseline only"
+        )
 
     def table(self) -> str:
         """The candidates in rank order with their validation means, the chosen and the baseline marked."""
@@ -155,31 +185,15 @@ def write_selection(output_dir: str | Path, selection: Selection) -> Path:
     return write_atomically(Path(output_dir) / SELECTION_FILE, json.dumps(record, indent=2) + "\n")
 
 
-def selection_of(run_dir: str | Path) -> tuple[dict[str, Any], str] | None:
-    """The selection that ``run_dir`` took part in (``selection.json`` in a folder above it), and the name it has
-    there (its configuration's folder relative to the selection's); None where it took part in none."""
+def selection_of(run_dir: str | Path) -> tuple[Selection, str] | None:
+    """The selection that ``run_dir`` took part in (``selection.json`` in a folder above it), and the name its
+    configuration has there (its folder relative to the selection's); None where it took part in none."""
     group = Path(seed_group_name(Path(run_dir).resolve()))
     for folder in group.parents if group.name else ():
         path = folder / SELECTION_FILE
         if path.is_file():
-            selection = json.loads(path.read_text())
+            selection = Selection.from_dict(json.loads(path.read_text()))
             name = os.path.relpath(group, folder)
-            if name in {candidate["name"] for candidate in selection["candidates"]}:
+            if any(candidate.name == name for candidate in selection.ranked):
                 return selection, name
     return None
-
-
-def selection_sentence(run_dir: str | Path) -> str | None:
-    """What a model card says of the selection ``run_dir`` took part in (None: none): the rule, and whether this
-    run is of the chosen configuration or of the baseline."""
-    found = selection_of(run_dir)
-    if found is None:
-        return None
-    selection, name = found
-    roles = [role for role in ("chosen", "baseline") if selection[role] == name]
-    role = {
-        ("chosen",): "This run is of the configuration chosen.",
-        ("baseline",): "This run is of the baseline the choice is compared with.",
-        ("chosen", "baseline"): "This run is of the baseline, which no EA setting beat on validation.",
-    }.get(tuple(roles), "This run was not chosen: its test split was not evaluated.")
-    return f"Selected on {selection['split']}, as `ea-hf run` does with `select`: {selection['rule']}. {role}"

@@ -7,7 +7,8 @@ import shutil
 import pytest
 from huggingface_hub import ModelCard
 
-from ea_hf.hub.cards import checkpoint_origin, render_card
+from ea_hf.hub.cards import CardFacts, card_from_facts
+from ea_hf.hub.origins import checkpoint_origin
 from ea_hf.training.recipe import load_recipe, recipe_from_dict
 
 SETTINGS = {"encoder": {"alpha": 0.2, "beta": 0.2, "kernel_size": 3, "layers": None, "method": "conv"}}
@@ -15,8 +16,8 @@ SETTINGS = {"encoder": {"alpha": 0.2, "beta": 0.2, "kernel_size": 3, "layers": N
 
 def card_of(**options) -> ModelCard:
     """A card as the Hub's parser reads it."""
-    common = {"repo_id": "u/m", "settings": SETTINGS, "architecture": "EABert", "auto_class": "AutoModel"}
-    return ModelCard(str(render_card(**common, added_parameters=1, **options)))
+    facts = CardFacts(architecture="EABert", auto_class="AutoModel", settings=SETTINGS, added_parameters=1, **options)
+    return ModelCard(str(card_from_facts(facts, "u/m")))
 
 
 def test_the_packaged_minilm_is_all_minilm_l6_v2_under_apache_2_0(minilm_path):

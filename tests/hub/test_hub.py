@@ -4,6 +4,7 @@ server on loopback (tests/hub_server.py), loading back from it, and failures tha
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import shutil
 import socket
@@ -14,6 +15,7 @@ import pytest
 import torch
 import transformers
 from huggingface_hub import ModelCard
+from safetensors import safe_open
 from testing import SAVED_MODELING_FILES, SENTENCES, SST2_SAMPLE, tiny_model
 
 import ea_hf
@@ -110,6 +112,29 @@ def test_the_card_names_the_base_model_by_its_hub_id_and_the_local_data_as_local
     assert str(run_dir.parent) not in text and "sst2-sample" not in text and "/recipes/" not in text
     assert "train: train.tsv" in card.text and "output_dir: quickstart" in card.text
     assert "local paths are shown by their file or folder name" in card.text
+
+
+def test_card_and_push_read_each_file_of_the_run_once(run_dir, hub, monkeypatch, opened, tmp_path):
+    from ea_hf.hub.run_record import read_run
+
+    # The record holds the config as transformers reads it, and the parameters the safetensors files hold.
+    record = read_run(run_dir)
+    loaded = transformers.AutoConfig.from_pretrained(run_dir).to_dict()
+    assert record.config == {**loaded, "_name_or_path": ""}  # (from_pretrained names the folder it read)
+    with safe_open(str(run_dir / "model.safetensors"), framework="pt") as weights:
+        shapes = {name: weights.get_slice(name).get_shape() for name in weights.keys()}  # noqa: SIM118
+    assert record.parameters.total == sum(math.prod(shape) for shape in shapes.values())
+    assert record.parameters.evolution == sum(math.prod(s) for n, s in shapes.items() if ".evolving_attention." in n)
+    assert record.parameters.evolution == 7848  # 6 layers x (12 x 12 x 9 + 12)
+    read = {"recipe.yaml": 1, "config.json": 1, "model.safetensors": 1, "eval/validation/metrics.json": 1}
+    opened.counts.clear()
+    assert main(["card", str(run_dir), "--repo-id", REPO, "-o", str(tmp_path / "README.md")]) == 0
+    assert opened.under(run_dir) == read
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    before_upload = opened.at_upload(monkeypatch, run_dir)
+    assert main(["push", str(run_dir), "--repo-id", REPO, "--endpoint", hub.endpoint]) == 0
+    assert before_upload == read  # the upload then reads the files it sends
+    assert hub.files(REPO)["README.md"] == (tmp_path / "README.md").read_bytes()
 
 
 def hub_cache(root, repo_id, files):

@@ -145,7 +145,7 @@ def runs(tmp_path_factory, digits_folders) -> dict[str, Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
-def test_every_kind_of_run_gets_its_card_and_is_pushed_with_it(kind, runs, hub, monkeypatch, tmp_path):
+def test_every_kind_of_run_gets_its_card_and_is_pushed_with_it(kind, runs, hub, monkeypatch, tmp_path, opened):
     pipeline_tag, task_type, dataset, metric_names, hub_datasets = EXPECTED[kind]
     run_dir = runs[kind]
     metrics = read_metrics(run_dir)
@@ -182,8 +182,12 @@ def test_every_kind_of_run_gets_its_card_and_is_pushed_with_it(kind, runs, hub, 
     else:
         assert "## Model" not in card.text
 
-    # `ea-hf card` prints the same card; `ea-hf push` uploads it with the run.
+    # `ea-hf card` prints the same card, reading each file it needs once; `ea-hf push` uploads it with the run.
+    opened.counts.clear()
     assert main(["card", str(run_dir), "--repo-id", f"test-user/{kind}", "-o", str(tmp_path / "card.md")]) == 0
+    weights = [path.name for path in run_dir.glob("*.safetensors")]
+    read = ["recipe.yaml", "config.json", *weights, *(f"eval/{split}/metrics.json" for split in metrics)]
+    assert opened.under(run_dir) == dict.fromkeys(read, 1)
     assert (tmp_path / "card.md").read_text() == str(run_card(run_dir, f"test-user/{kind}"))
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
     assert main(["push", str(run_dir), "--repo-id", f"test-user/{kind}", "--endpoint", hub.endpoint]) == 0
