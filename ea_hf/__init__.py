@@ -19,10 +19,30 @@ The one exception is the ``ea-hf`` command (``ea_hf_cli``, outside this package)
 answers ``--help`` and ``--version``, without torch or transformers, and registers when a command runs.
 """
 
-import importlib
 import sys
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .lazy import lazy_attribute
+
+if TYPE_CHECKING:  # what _PUBLIC imports on first use, for type checkers and documentation tools
+    from .modeling import (
+        ARCHITECTURES,
+        ATTENTION_IMPLEMENTATION,
+        AttentionMapEvolution,
+        EvolvingAttentionSettings,
+        PatchSummary,
+        evolving_attention_config_class,
+        evolving_attention_forward,
+        evolving_attention_model_class,
+        is_patched,
+        patch,
+        register_auto_classes,
+        summary,
+        supported_model_types,
+        unpatch,
+    )
+    from .visualization import plot_attention
 
 __version__ = "0.2.0"
 
@@ -74,11 +94,7 @@ def __getattr__(name: str) -> Any:
     if name == "ADAPTERS":  # the architecture table's name before 0.2, easily taken for ea_hf.adapters (PEFT)
         warnings.warn("ea_hf.ADAPTERS is now ea_hf.ARCHITECTURES", FutureWarning, stacklevel=2)
         return __getattr__("ARCHITECTURES")
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
-        globals()[name] = value  # the next look-up finds it without this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy_attribute(globals(), _PUBLIC, name)
 
 
 def __dir__() -> list[str]:

@@ -17,8 +17,27 @@ protocols and registries: they plug in here), ``convolution`` (the evolution ste
 classes), ``patching`` (patch, unpatch, summary) and ``dc_transformer`` (EA-DC-Transformer).
 """
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ..lazy import lazy_attribute
+
+if TYPE_CHECKING:  # what _PUBLIC imports on first use, for type checkers and documentation tools
+    from .architectures import ARCHITECTURES, ArchitectureSpec, supported_model_types
+    from .attach import is_patched
+    from .attention import ATTENTION_IMPLEMENTATION, evolving_attention_forward, register_attention
+    from .config_classes import evolving_attention_config_class
+    from .echo import EchoAttention
+    from .evolution import AttentionMapEvolution
+    from .kernels import register_fused_attention_tail, register_fused_kernel
+    from .methods import EVOLUTION_METHODS
+    from .model_classes import (
+        auto_class_names,
+        evolving_attention_model_class,
+        register_auto_classes,
+        register_hub_publisher,
+    )
+    from .patching import PatchSummary, patch, summary, unpatch
+    from .settings import ATTENTION_ROLES, EvolvingAttentionSettings
 
 #: Where each public name lives: imported on first use (PEP 562), so that ``ea_hf.modeling.settings`` (what the
 #: ``ea-hf`` command's options are built from) imports without torch.
@@ -50,11 +69,7 @@ _PUBLIC = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
-        globals()[name] = value  # the next look-up finds it without this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy_attribute(globals(), _PUBLIC, name)
 
 
 def __dir__() -> list[str]:

@@ -2,6 +2,8 @@
 (ea_hf_cli.py): they run in a fresh interpreter here, as the installed ``ea-hf`` script runs them, and the test
 reads which modules it imported."""
 
+import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -75,3 +77,21 @@ def test_importing_ea_hf_registers_the_auto_classes():
     code = "import ea_hf, transformers; print(transformers.AutoConfig.for_model('ea-bert').model_type)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["ea-bert"]
+
+
+@pytest.mark.parametrize("package", ["ea_hf", "ea_hf.modeling"])
+def test_the_lazy_public_names_are_the_ones_type_checkers_see(package):
+    """A package that imports its public names on first use (``_PUBLIC``) also imports them under
+    ``TYPE_CHECKING``, for type checkers and documentation tools: the same names from the same modules, and
+    ``__all__`` lists them all."""
+    module = importlib.import_module(package)
+    tree = ast.parse(Path(module.__file__).read_text())
+    guarded = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    seen = {
+        alias.name: "." * statement.level + (statement.module or "")
+        for statement in guarded.body
+        for alias in statement.names
+    }
+    assert seen == module._PUBLIC
+    assert set(module.__all__) == set(module._PUBLIC)
+    assert all(getattr(module, name) is not None for name in module.__all__)  # each one imports
