@@ -38,6 +38,26 @@ def test_install_and_test_are_the_two_commands_ci_runs():
     assert (ROOT / ".ci" / "install").stat().st_mode & 0o111
 
 
+def test_the_readme_says_which_torch_ci_install_installs():
+    """.ci/install keeps an installed torch, or installs one pinned release from the configured index: the README
+    names that release and the command that installs the CPU build before it, which .ci/install then keeps."""
+    install = (ROOT / ".ci" / "install").read_text()
+    keeps, pinned = re.search(r'^(python -c "import torch" 2>/dev/null \|\|) python -m pip install (torch==[\d.]+)$',
+                              install, flags=re.M).groups()  # fmt: skip
+    assert keeps
+    paragraph = " ".join(TEXT[TEXT.index("`.ci/install` installs") :].split("\n\n")[0].split())
+    assert f"installs the release CI tests, `{pinned}`, from the package index pip is configured with" in paragraph
+    assert f"`pip install {pinned} --index-url https://download.pytorch.org/whl/cpu`" in paragraph
+
+
+def test_the_quickstart_paragraph_says_what_a_shared_machine_costs():
+    paragraph = " ".join(TEXT[TEXT.index("Fine-tuning is one command") :].split("```")[0].split())
+    assert "about 1.5 minutes on 2 otherwise idle CPU cores" in paragraph
+    assert "the threads torch computes with and the load on the cores" in paragraph
+    assert "(docs/fine-tuning.md#on-a-shared-machine)" in paragraph
+    assert "### On a shared machine" in (ROOT / "docs" / "fine-tuning.md").read_text()
+
+
 def test_versions_are_pyproject_s():
     def field(pattern: str) -> str:  # (tomllib is Python 3.11+)
         return re.search(pattern, PYPROJECT, flags=re.M).group(1)

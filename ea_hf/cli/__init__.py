@@ -35,7 +35,7 @@ import typing
 from collections.abc import Sequence
 
 from .. import __version__
-from ..modeling.settings import METHOD_DEPENDENT, EvolvingAttentionSettings
+from ..modeling.settings import METHOD_DEFAULTS, METHOD_DEPENDENT, EvolvingAttentionSettings
 
 
 def _layers(text: str) -> list[int]:
@@ -68,15 +68,35 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type
         base_type = typing.get_origin(options[0]) or options[0]
         choices = field.metadata.get("choices")
         default = None if field.name in METHOD_DEPENDENT else field.default
-        shown = "the method's" if default is None and field.name in METHOD_DEPENDENT else default
+        if field.name in METHOD_DEPENDENT:
+            shown = _method_defaults(field.name)
+        else:
+            shown = field.metadata.get("unset", "none") if default is None else default
         parser.add_argument(
             f"--{field.name.replace('_', '-')}",
             type=_layers if base_type in (tuple, list) else base_type,
             choices=choices,
             default=default,
             metavar=None if choices else field.name.upper(),
-            help=f"{field.metadata.get('help', field.name)} (default: {'all' if shown is None else shown})",
+            help=f"{field.metadata.get('help', field.name)} (default: {shown})",
         )
+
+
+def _method_defaults(name: str) -> str:
+    """The default of a setting that depends on the method, as ``--help`` states it: the value for the default
+    method, then the others.
+
+    Example:
+        >>> _method_defaults("beta")
+        '0.2; 0 for residual and echo'
+    """
+    index = METHOD_DEPENDENT.index(name)
+    by_value: dict[float, list[str]] = {}
+    for method, values in METHOD_DEFAULTS.items():
+        by_value.setdefault(values[index], []).append(method)
+    usual = METHOD_DEFAULTS[EvolvingAttentionSettings.method][index]
+    others = [f"{value:g} for {' and '.join(methods)}" for value, methods in by_value.items() if value != usual]
+    return "; ".join([f"{usual:g}", *others])
 
 
 def settings_from_arguments(args: argparse.Namespace, settings_class: type = EvolvingAttentionSettings):
@@ -102,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"seq2seq models: {what} settings overriding the defaults (alpha 0, the encoder's beta, "
             "kernel and init), as a JSON object, or off",
         )
-    patch.add_argument("--seed", type=int, default=0, help="seed for the new convolution weights (0)")
+    patch.add_argument("--seed", type=int, default=0, help="seed for the new convolution weights (default: 0)")
     patch.add_argument(
         "--auto-class",
         default=None,
@@ -144,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                 default=1,
                 metavar="N",
                 help="data-parallel training in N processes on this machine, launched with torchrun "
-                "(gloo on CPU); `accelerate launch -m ea_hf.cli run ...` works too",
+                "(gloo on CPU; default: 1); `accelerate launch -m ea_hf.cli run ...` works too",
             )
     evaluate = commands.add_parser("eval", help="re-evaluate the final model of a run directory")
     evaluate.add_argument("run_dir")
@@ -156,17 +176,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="pool runs that differ only by seed (runs/NAME/VARIANT/seed=S): mean ± std per group, and the "
         "reference's per-seed differences from each other group with a bootstrap CI and a sign test",
     )
-    compare.add_argument("--reference", default=None, help="the group the others are compared with (the first)")
-    compare.add_argument("--metric", default=None, help="the metric to compare (the task's headline metric)")
-    compare.add_argument("--split", default=None, help="the split to compare (test if every run has it)")
+    compare.add_argument(
+        "--reference", default=None, help="the group the others are compared with (default: the first)"
+    )
+    compare.add_argument("--metric", default=None, help="the metric to compare (default: the task's headline metric)")
+    compare.add_argument("--split", default=None, help="the split to compare (default: test if every run has it)")
 
     viz = commands.add_parser("viz", help="plot the attention maps of a run (or model) for one input, as a PNG")
     viz.add_argument("run_dir", help="run directory, EA checkpoint or any supported model (Hub id or directory)")
     source = viz.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", help="the input text")
     source.add_argument("--image", help="the input image (a file)")
-    viz.add_argument("--layers", type=_layers, default=None, help="comma-separated layers to show (all)")
-    viz.add_argument("--heads", type=_layers, default=None, help="comma-separated heads, one row each (mean)")
+    viz.add_argument("--layers", type=_layers, default=None, help="comma-separated layers to show (default: all)")
+    viz.add_argument(
+        "--heads", type=_layers, default=None, help="comma-separated heads, one row each (default: their mean)"
+    )
     viz.add_argument(
         "--compare",
         nargs="?",
@@ -175,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="also plot MODEL on the same input, below (default: the run's base checkpoint, unpatched)",
     )
-    viz.add_argument("--output", "-o", default="attention.png", help="PNG file to write (attention.png)")
+    viz.add_argument("--output", "-o", default="attention.png", help="PNG file to write (default: attention.png)")
 
     card = commands.add_parser("card", help="render the model card of a run directory (no network)")
     card.add_argument("run_dir")
@@ -207,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if overrides:
         args.overrides += overrides
+    from .. import register_extensions
+
+    register_extensions()  # left to here by the ea-hf command's entry point (ea_hf_cli), which parses without torch
     from . import commands
 
     try:

@@ -92,12 +92,14 @@ def summary(args: argparse.Namespace) -> int:
 def ls(args: argparse.Namespace) -> int:
     from ..training.recipe import list_recipes, load_recipe, recipe_name
 
-    for path in list_recipes():
+    paths = list_recipes()
+    width = max((len(recipe_name(path)) for path in paths), default=0)  # the longest name sets the column
+    for path in paths:
         try:
             description = load_recipe(path).description
         except ValueError as error:
             description = f"(invalid: {error})"
-        print(f"{recipe_name(path):<28} {description}")
+        print(f"{recipe_name(path):<{width}}  {description}")
     return 0
 
 
@@ -210,10 +212,8 @@ def _train_each(args: argparse.Namespace, runs: list, eval_splits: list[str] | N
         if _is_main() and len(runs) > 1:  # where a long sweep stands: to stderr, beside Trainer's progress bars
             print(progress_line(index, len(runs), recipe.output_dir, durations), file=sys.stderr, flush=True)
         start = time.monotonic()
-        metrics = run_recipe(recipe, resume=args.resume, eval_splits=eval_splits)
+        run_recipe(recipe, resume=args.resume, eval_splits=eval_splits)  # its metrics: in the table that follows
         durations.append(time.monotonic() - start)
-        if _is_main():
-            print(f"{recipe.output_dir}: {metrics}")
 
 
 def _run_selection(args: argparse.Namespace, runs: list) -> int:
@@ -277,10 +277,10 @@ def _minutes(seconds: float) -> str:
 
 
 def eval(args: argparse.Namespace) -> int:  # noqa: A001  (the sub-command's name)
+    from ..training.run_dir import compare_runs
     from ..training.trainer import evaluate_run
 
-    for split, metrics in evaluate_run(args.run_dir).items():
-        print(f"{split}: {metrics}")
+    print(compare_runs([args.run_dir], splits=list(evaluate_run(args.run_dir))))
     return 0
 
 

@@ -17,22 +17,64 @@ protocols and registries: they plug in here), ``convolution`` (the evolution ste
 classes), ``patching`` (patch, unpatch, summary) and ``dc_transformer`` (EA-DC-Transformer).
 """
 
-from .architectures import ARCHITECTURES, ArchitectureSpec, supported_model_types
-from .attach import is_patched
-from .attention import ATTENTION_IMPLEMENTATION, evolving_attention_forward, register_attention
-from .config_classes import evolving_attention_config_class
-from .echo import EchoAttention
-from .evolution import AttentionMapEvolution
-from .kernels import register_fused_attention_tail, register_fused_kernel
-from .methods import EVOLUTION_METHODS
-from .model_classes import (
-    auto_class_names,
-    evolving_attention_model_class,
-    register_auto_classes,
-    register_hub_publisher,
-)
-from .patching import PatchSummary, patch, summary, unpatch
-from .settings import ATTENTION_ROLES, EvolvingAttentionSettings
+from typing import TYPE_CHECKING, Any
+
+from ..lazy import lazy_attribute
+
+if TYPE_CHECKING:  # what _PUBLIC imports on first use, for type checkers and documentation tools
+    from .architectures import ARCHITECTURES, ArchitectureSpec, supported_model_types
+    from .attach import is_patched
+    from .attention import ATTENTION_IMPLEMENTATION, evolving_attention_forward, register_attention
+    from .config_classes import evolving_attention_config_class
+    from .echo import EchoAttention
+    from .evolution import AttentionMapEvolution
+    from .kernels import register_fused_attention_tail, register_fused_kernel
+    from .methods import EVOLUTION_METHODS
+    from .model_classes import (
+        auto_class_names,
+        evolving_attention_model_class,
+        register_auto_classes,
+        register_hub_publisher,
+    )
+    from .patching import PatchSummary, patch, summary, unpatch
+    from .settings import ATTENTION_ROLES, EvolvingAttentionSettings
+
+#: Where each public name lives: imported on first use (PEP 562), so that ``ea_hf.modeling.settings`` (what the
+#: ``ea-hf`` command's options are built from) imports without torch.
+_PUBLIC = {
+    "ARCHITECTURES": ".architectures",
+    "ArchitectureSpec": ".architectures",
+    "supported_model_types": ".architectures",
+    "is_patched": ".attach",
+    "ATTENTION_IMPLEMENTATION": ".attention",
+    "evolving_attention_forward": ".attention",
+    "register_attention": ".attention",
+    "evolving_attention_config_class": ".config_classes",
+    "EchoAttention": ".echo",
+    "AttentionMapEvolution": ".evolution",
+    "register_fused_attention_tail": ".kernels",
+    "register_fused_kernel": ".kernels",
+    "EVOLUTION_METHODS": ".methods",
+    "auto_class_names": ".model_classes",
+    "evolving_attention_model_class": ".model_classes",
+    "register_auto_classes": ".model_classes",
+    "register_hub_publisher": ".model_classes",
+    "PatchSummary": ".patching",
+    "patch": ".patching",
+    "summary": ".patching",
+    "unpatch": ".patching",
+    "ATTENTION_ROLES": ".settings",
+    "EvolvingAttentionSettings": ".settings",
+}
+
+
+def __getattr__(name: str) -> Any:
+    return lazy_attribute(globals(), _PUBLIC, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
 
 __all__ = [
     "ARCHITECTURES",

@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedConfig
+if TYPE_CHECKING:  # annotations only: the ea-hf command builds its options from this file without transformers
+    from transformers import PreTrainedConfig
 
 #: The roles attention plays in a model, each with its own residual chain of logits and its own settings:
 #: encoder self-attention, decoder self-attention and encoder-decoder (cross) attention. Encoder-only models
@@ -84,15 +85,11 @@ class EvolvingAttentionSettings:
         ValueError: Invalid evolving-attention settings: method 'residual' has no convolution: beta must be 0, got 0.2
     """
 
-    alpha: float = dataclasses.field(
-        default=0.2, metadata={"help": "weight of the previous layer's logits, in [0, 1] (0.2; 0 for echo)"}
-    )
-    beta: float = dataclasses.field(
-        default=0.2, metadata={"help": "weight of the convolution branch, in [0, 1] (0.2; 0 for residual and echo)"}
-    )
+    alpha: float = dataclasses.field(default=0.2, metadata={"help": "weight of the previous layer's logits, in [0, 1]"})
+    beta: float = dataclasses.field(default=0.2, metadata={"help": "weight of the convolution branch, in [0, 1]"})
     kernel_size: int = dataclasses.field(default=3, metadata={"help": "odd convolution kernel size"})
     layers: tuple[int, ...] | None = dataclasses.field(
-        default=None, metadata={"help": "indices of the layers to patch (all)"}
+        default=None, metadata={"help": "indices of the layers to patch", "unset": "all"}
     )
     init: str = dataclasses.field(
         default="kaiming_uniform", metadata={"help": "convolution init scheme", "choices": INIT_SCHEMES}

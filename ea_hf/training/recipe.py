@@ -697,7 +697,9 @@ def resolve_recipe_path(name_or_path: str | Path) -> Path:
     name = str(name_or_path).removesuffix(".yaml").removesuffix(".yml")
     if name in shipped:
         return shipped[name]
-    raise FileNotFoundError(f"no recipe file {str(name_or_path)!r}{_suggest(name, list(shipped))}")
+    raise FileNotFoundError(
+        f"no recipe file {str(name_or_path)!r}{_suggest(name, list(shipped))}; see `ea-hf ls` for the shipped recipes"
+    )
 
 
 def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = ()) -> Recipe:

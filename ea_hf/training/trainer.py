@@ -6,6 +6,7 @@ tasks comes from the recipe's task kind (``task_kind.py``).
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,6 +33,45 @@ from .run_dir import (
     read_run_recipe,
     write_evaluation,
 )
+
+
+def threads_note(threads: int, load: float | None, cores: int | None) -> str:
+    """What the progress bar of training says before the bar: the threads torch computes with and, where the
+    system reports them, the load average of the last minute and the cores. A load above the cores means other
+    processes share them, and a run takes about load / cores times as long as on an idle machine.
+
+    Example:
+        >>> threads_note(2, 7.93, 2)
+        '2 threads, load 7.9 on 2 cores'
+        >>> threads_note(4, None, None)
+        '4 threads'
+    """
+    note = f"{threads} thread{'s' if threads != 1 else ''}"
+    return note if load is None or cores is None else f"{note}, load {load:.1f} on {cores} cores"
+
+
+def current_threads_note() -> str:
+    """:func:`threads_note` of this process and machine now."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on Windows, nor where the system does not report it
+        load = None
+    return threads_note(torch.get_num_threads(), load, os.cpu_count())
+
+
+class ProgressWithThreads(transformers.ProgressCallback):
+    """Trainer's progress bar, described by :func:`current_threads_note`: on a shared machine a run slows down by
+    as much as other processes take of the cores, and the bar shows it."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if self.training_bar is not None:
+            self.training_bar.set_description(current_threads_note(), refresh=False)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.training_bar is not None:
+            self.training_bar.set_description(current_threads_note(), refresh=False)  # shown as the bar moves
+        super().on_step_end(args, state, control, **kwargs)
 
 
 def evolution_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -222,6 +262,8 @@ def prepare(
         callbacks=callbacks,
         optimizer_cls_and_kwargs=optimizer_override(recipe),
     )
+    if trainer.pop_callback(transformers.ProgressCallback) is not None:  # not in notebooks, nor with disable_tqdm
+        trainer.add_callback(ProgressWithThreads)
     return trainer, eval_splits
 
 

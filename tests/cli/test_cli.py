@@ -10,7 +10,7 @@ import transformers
 from testing import tiny_model
 
 import ea_hf
-from ea_hf.cli import main
+from ea_hf.cli import build_parser, main
 from ea_hf.training.run_dir import read_metrics
 
 
@@ -129,6 +129,48 @@ def test_recipe_commands_list_copy_and_validate(tmp_path, capsys):
     assert "data.task: unknown GLUE task 'stsbb' (did you mean 'stsb'?)" in err
 
 
+def test_ls_sizes_its_name_column_to_the_longest_name(capsys):
+    from ea_hf.training.recipe import list_recipes, recipe_name
+
+    assert main(["ls"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [recipe_name(path) for path in list_recipes()]
+    width = max(len(name) for name in names)
+    assert [line[:width].rstrip() for line in lines] == names
+    assert all(line[width : width + 2] == "  " and line[width + 2] != " " for line in lines)
+
+
+def test_an_unknown_recipe_name_suggests_one_and_points_to_ls(capsys):
+    for command in (["run", "quikstart"], ["validate", "quikstart"], ["cp", "quikstart", "."]):
+        assert main(command) == 2
+        assert (
+            f"ea-hf {command[0]}: error: no recipe file 'quikstart' (did you mean 'quickstart'?); see `ea-hf ls` "
+            "for the shipped recipes"
+        ) in capsys.readouterr().err
+
+
+def test_help_states_each_default_once(capsys):
+    """Every option's help says its default at most once, as "(default: ...)", not also in a bare parenthesis
+    ("(all) (default: all)")."""
+    subparsers = next(action for action in build_parser()._actions if action.dest == "command")
+    helps = {
+        f"{name} {'/'.join(action.option_strings) or action.dest}": action.help or ""
+        for name, command in subparsers.choices.items()
+        for action in command._actions
+    }
+    assert len(helps) > 60
+    assert [key for key, text in helps.items() if text.count("default") > 1] == []
+    assert helps["patch --layers"] == "indices of the layers to patch (default: all)"
+    assert helps["patch --alpha"] == "weight of the previous layer's logits, in [0, 1] (default: 0.2; 0 for echo)"
+    assert (
+        helps["patch --beta"] == "weight of the convolution branch, in [0, 1] (default: 0.2; 0 for residual and echo)"
+    )
+    assert helps["patch --seed"] == "seed for the new convolution weights (default: 0)"
+    # Defaults stated in a bare parenthesis, the other style: none left.
+    bare = re.compile(r"\((all|mean|\d+|[\w.]+\.png|the first)\)")
+    assert [key for key, text in helps.items() if bare.search(text)] == []
+
+
 def test_run_options_and_overrides_mix_and_bad_input_fails_early(tmp_path, capsys):
     run_dir = tmp_path / "never"
     with pytest.raises(SystemExit) as exit_info:
@@ -158,6 +200,7 @@ def test_a_multi_run_recipe_reports_progress_and_ends_with_the_table(tmp_path, c
         rf"\[ea-hf\] run 2 of 2: {re.escape(str(tmp_path))}/seed=2 \(1 done in 0 min \d+ s; about 0 min \d+ s left\)",
         err,
     )
+    assert not re.search(r": \{'", out)  # no raw result dict above the table
     lines = out.strip().splitlines()
     table = lines[lines.index(next(line for line in lines if line.startswith("run "))) :][:3]  # header, 2 runs
     assert table[0].split()[:2] == ["run", "task"] and [row.split()[0] for row in table[1:]] == [

@@ -3,6 +3,8 @@ baseline, the separate EA learning rate and resuming an interrupted run."""
 
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 
@@ -18,7 +20,7 @@ from ea_hf.training.kinds.glue import GLUE_TASKS
 from ea_hf.training.ramp import EvolutionRamp
 from ea_hf.training.recipe import load_recipe
 from ea_hf.training.run_dir import read_metrics, read_per_example
-from ea_hf.training.trainer import evaluate_run, evolution_parameters, prepare, run_recipe
+from ea_hf.training.trainer import ProgressWithThreads, evaluate_run, evolution_parameters, prepare, run_recipe
 
 SHORT = [
     *SST2_SAMPLE,
@@ -127,6 +129,22 @@ def test_evolution_parameters_get_their_own_learning_rate(tmp_path):
     others = [g for g in optimizer.param_groups if g is not groups[0]]
     assert {g["lr"] for g in others} == {1e-4}
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(trainer.model.parameters()))
+    # Its progress bar is the one that shows the threads in use (below).
+    bars = [c for c in trainer.callback_handler.callbacks if isinstance(c, transformers.ProgressCallback)]
+    assert [type(bar) for bar in bars] == [ProgressWithThreads]
+
+
+def test_the_progress_bar_shows_the_threads_in_use_and_the_load():
+    """On a shared machine a run slows down by as much as others take of the cores: the bar says what it has."""
+    progress, state = ProgressWithThreads(), transformers.TrainerState(max_steps=2)
+    progress.on_train_begin(None, state, None)
+    threads, cores = torch.get_num_threads(), os.cpu_count()
+    # tqdm ends a description with ": "
+    assert re.fullmatch(rf"{threads} threads?, load \d+\.\d on {cores} cores: ", progress.training_bar.desc)
+    state.global_step = 1
+    progress.on_step_end(None, state, None)
+    assert progress.training_bar.n == 1 and progress.training_bar.desc.startswith(f"{threads} thread")
+    progress.on_train_end(None, state, None)
 
 
 class Interrupt(transformers.TrainerCallback):
