@@ -51,7 +51,14 @@ from .task_kind import TaskKind, get_task_kind
 RECIPES_DIR = shipped_dir("recipes")
 
 
-class RecipeLoader(yaml.SafeLoader):
+class _StringKeys(yaml.SafeLoader):
+    """YAML whose keys are names: ``{1: a.tsv}`` names the split ``"1"``."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[str, Any]:
+        return {str(key): value for key, value in super().construct_mapping(node, deep).items()}
+
+
+class RecipeLoader(_StringKeys):
     """YAML loader with YAML 1.2's rules where PyYAML follows 1.1: ``2e-5`` is a number (1.1 needs
     ``2.0e-5``), and only true/false are booleans (1.1 also reads ``no``, ``off``, ``yes``, ``on``, so
     ``eval_strategy: no`` would be False)."""
@@ -333,28 +340,6 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _plain(value: Any, copies: dict[int, Any] | None = None) -> Any:
-    """A deep copy of YAML data with string keys (``{1: a.tsv}`` names the split ``"1"``) and lists for
-    sequences; what YAML's anchors share stays shared (``&a [*a]`` holds itself).
-
-    Example:
-        >>> _plain({"files": {1: "a.tsv"}, "layers": (0, 2)})
-        {'files': {'1': 'a.tsv'}, 'layers': [0, 2]}
-    """
-    copies = {} if copies is None else copies
-    if id(value) in copies:
-        return copies[id(value)]
-    if isinstance(value, Mapping):
-        copies[id(value)] = copy = {}
-        copy.update({str(key): _plain(item, copies) for key, item in value.items()})
-        return copy
-    if isinstance(value, (list, tuple)):
-        copies[id(value)] = copy = []
-        copy.extend(_plain(item, copies) for item in value)
-        return copy
-    return value
-
-
 @functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
@@ -380,6 +365,10 @@ def _validator(cls: type) -> TypeAdapter:
         return typed
 
     return TypeAdapter(typed_dict(cls))
+
+
+#: pydantic's builder of a recipe class from values that passed :func:`_validator` (ints become floats).
+_builder = functools.cache(TypeAdapter)
 
 
 def _type_name(tp: Any) -> str:
@@ -437,7 +426,7 @@ def _build(cls: type, data: dict[str, Any], problems: list[tuple[str, str]]) -> 
     """The recipe of class ``cls`` that ``data`` describes. A value of the wrong type (or an unknown key) is a
     problem and leaves the field's default, so that :func:`_check` still checks the rest."""
     try:
-        values = _validator(cls).validate_python(data)
+        _validator(cls).validate_python(data)
     except ValidationError as error:
         found: dict[str, tuple[tuple[str, ...], str]] = {}  # path: (the keys of its field, the message)
         for detail in error.errors():
@@ -448,8 +437,7 @@ def _build(cls: type, data: dict[str, Any], problems: list[tuple[str, str]]) -> 
         problems += [(path, found[path][1]) for path in in_order]
         for field, _ in found.values():
             data = _without(data, field)
-        values = _validator(cls).validate_python(data)
-    return _instance(cls, values)
+    return _builder(cls).validate_python(data)
 
 
 def _position(data: Mapping[str, Any], keys: tuple[str, ...]) -> list[int]:
@@ -465,17 +453,6 @@ def _without(data: dict[str, Any], field: tuple[str, ...]) -> dict[str, Any]:
     """``data`` without the value at the keys ``field``, every mapping on the way copied (YAML may share them)."""
     key, *rest = field
     return {**data, key: _without(data[key], tuple(rest))} if rest else {k: v for k, v in data.items() if k != key}
-
-
-def _instance(cls: type, values: dict[str, Any]) -> Any:
-    """The dataclass ``cls`` of validated ``values``, its sections too."""
-    types_ = _field_types(cls)
-    return cls(
-        **{
-            key: _instance(types_[key], value) if dataclasses.is_dataclass(types_[key]) else value
-            for key, value in values.items()
-        }
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -606,7 +583,7 @@ def recipe_from_dict(
     """
     if not isinstance(data, Mapping):
         raise RecipeError([("", f"a recipe must be a YAML mapping, got {type(data).__name__}")])
-    merged = _plain(data)
+    merged = yaml.load(yaml.safe_dump(dict(data), sort_keys=False), Loader=_StringKeys)  # a deep copy
     problems: list[tuple[str, str]] = []
     for text in overrides:
         try:
@@ -614,7 +591,7 @@ def recipe_from_dict(
         except RecipeError as error:
             problems.extend(error.problems)
             continue
-        set_dotted(merged, key, _plain(value))
+        set_dotted(merged, key, value)
     kind = merged.get("kind", Recipe.kind)
     if not isinstance(kind, str):  # kind=[1]: a list is no key of the registry (TypeError)
         raise RecipeError([*problems, ("kind", f"expected the name of a task kind, got {kind!r}")])
