@@ -22,10 +22,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import functools
 import importlib.util
 import itertools
-import math
 import re
 import types
 import typing
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+from typing_extensions import TypedDict  # pydantic's TypedDicts below Python 3.12
 
 from ..modeling.settings import (
     ATTENTION_ROLES,
@@ -44,12 +45,20 @@ from ..modeling.settings import (
 )
 from ..resources import shipped_dir
 from .data_files import one_line
+from .suggestions import did_you_mean
 from .task_kind import TaskKind, get_task_kind
 
 RECIPES_DIR = shipped_dir("recipes")
 
 
-class RecipeLoader(yaml.SafeLoader):
+class _StringKeys(yaml.SafeLoader):
+    """YAML whose keys are names: ``{1: a.tsv}`` names the split ``"1"``."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[str, Any]:
+        return {str(key): value for key, value in super().construct_mapping(node, deep).items()}
+
+
+class RecipeLoader(_StringKeys):
     """YAML loader with YAML 1.2's rules where PyYAML follows 1.1: ``2e-5`` is a number (1.1 needs
     ``2.0e-5``), and only true/false are booleans (1.1 also reads ``no``, ``off``, ``yes``, ``on``, so
     ``eval_strategy: no`` would be False)."""
@@ -440,9 +449,35 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _suggest(name: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {field.name: hints[field.name] for field in dataclasses.fields(cls)}
+
+
+#: Values as a recipe has to give them: no conversions (``"3"`` is no integer, ``1`` no boolean, ``8.0`` no
+#: integer; an integer is a number), no NaN or infinity, no unknown keys.
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+@functools.cache
+def _validator(cls: type) -> TypeAdapter:
+    """pydantic's validator of a recipe class: a TypedDict of its fields, each section one of its own (in strict
+    mode a dataclass takes only instances of itself, not the mappings a YAML file holds)."""
+
+    def typed_dict(cls: type) -> type:
+        fields = {
+            name: typed_dict(tp) if dataclasses.is_dataclass(tp) else tp for name, tp in _field_types(cls).items()
+        }
+        typed = TypedDict(cls.__name__, fields, total=False)
+        typed.__pydantic_config__ = _STRICT
+        return typed
+
+    return TypeAdapter(typed_dict(cls))
+
+
+#: pydantic's builder of a recipe class from values that passed :func:`_validator` (ints become floats).
+_builder = functools.cache(TypeAdapter)
 
 
 def _type_name(tp: Any) -> str:
@@ -458,84 +493,75 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _convert(value: Any, tp: Any, path: str, problems: list[tuple[str, str]]) -> Any:
-    """Check ``value`` against the annotation ``tp``; return it converted (ints to floats, dicts to sections)."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            problems.append((path, f"expected a mapping (section), got {value!r}"))
-            return tp()
-        return _build(tp, value, path, problems)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            attempt: list[tuple[str, str]] = []
-            converted = _convert(value, option, path, attempt)
-            if not attempt:
-                return converted
-        problems.append((path, f"expected {_type_name(tp)}, got {value!r}"))
-        return None
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            choices = [str(a) for a in typing.get_args(tp)]
-            problems.append(
-                (path, f"must be one of {', '.join(choices)}; got {value!r}{_suggest(str(value), choices)}")
-            )
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            problems.append((path, f"expected a list, got {value!r}"))
-            return value
-        (item_type,) = typing.get_args(tp)
-        return [_convert(item, item_type, f"{path}[{i}]", problems) for i, item in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            problems.append((path, f"expected a mapping, got {value!r}"))
-            return value
-        _, value_type = typing.get_args(tp)
-        return {str(k): _convert(v, value_type, f"{path}.{k}", problems) for k, v in value.items()}
-    if tp is Any:
-        return value
-    if tp is type(None):
-        if value is not None:
-            problems.append((path, f"expected null, got {value!r}"))
-        return None
-    if tp is bool:
-        if not isinstance(value, bool):
-            problems.append((path, f"expected true or false, got {value!r}"))
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            problems.append((path, f"expected an integer, got {value!r}"))
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append((path, f"expected a number, got {value!r}"))
-            return value
-        if not math.isfinite(value):  # .nan, .inf, 1e400: the range checks below would let a NaN through
-            problems.append((path, f"expected a finite number, got {value!r}"))
-            return value
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            problems.append((path, f"expected a string, got {value!r}"))
-        return value
-    raise TypeError(f"unsupported annotation {tp!r} at {path}")  # a bug in the schema, not in the recipe
+#: What a value of each of pydantic's error types should have been.
+_EXPECTED = {
+    "bool_type": "true or false",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "finite_number": "a finite number",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+}
 
 
-def _build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[tuple[str, str]]) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [field.name for field in dataclasses.fields(cls)]
-    values = {}
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            problems.append((path, f"unknown key{_suggest(str(key), names)}"))
-            continue
-        before = len(problems)
-        converted = _convert(value, hints[key], path, problems)
-        if len(problems) == before or dataclasses.is_dataclass(hints[key]):
-            values[key] = converted  # a bad value keeps the default, so the checks below still run
-    return cls(**values)
+def _problem(cls: type, data: Mapping[str, Any], error: Any) -> tuple[tuple[str, ...], str, str]:
+    """One of pydantic's errors in a recipe (of class ``cls``) as (the keys of the field it is in, its dotted path,
+    the message). A field of several types (``float | None``) or of choices is one problem however many of
+    pydantic's errors it gives; in a list or mapping field each item is its own."""
+    loc = error["loc"]
+    for depth, key in enumerate(loc):
+        field, path = loc[: depth + 1], ".".join(map(str, loc[: depth + 1]))
+        tp = _field_types(cls).get(key)
+        if tp is None:
+            return field, path, f"unknown key{did_you_mean(key, _field_types(cls))}"
+        if not dataclasses.is_dataclass(tp):
+            break
+        if field == loc:
+            return field, path, f"expected a mapping (section), got {error['input']!r}"
+        cls = tp
+    value = functools.reduce(lambda node, key: node[key], field, data)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return field, path, f"expected {_type_name(tp)}, got {value!r}"
+    if typing.get_origin(tp) is Literal:
+        choices = [str(choice) for choice in typing.get_args(tp)]
+        return field, path, f"must be one of {', '.join(choices)}; got {value!r}{did_you_mean(str(value), choices)}"
+    path += "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in loc[len(field) :])
+    expected = _EXPECTED.get(error["type"])
+    return field, path, f"expected {expected}, got {error['input']!r}" if expected else error["msg"]
+
+
+def _build(cls: type, data: dict[str, Any], problems: list[tuple[str, str]]) -> Any:
+    """The recipe of class ``cls`` that ``data`` describes. A value of the wrong type (or an unknown key) is a
+    problem and leaves the field's default, so that :func:`_check` still checks the rest."""
+    try:
+        _validator(cls).validate_python(data)
+    except ValidationError as error:
+        found: dict[str, tuple[tuple[str, ...], str]] = {}  # path: (the keys of its field, the message)
+        for detail in error.errors():
+            field, path, message = _problem(cls, data, detail)
+            found.setdefault(path, (field, message))
+        # In the order of the recipe, as the user reads it (pydantic reports in the order of the schema).
+        in_order = sorted(found, key=lambda path: _position(data, found[path][0]))
+        problems += [(path, found[path][1]) for path in in_order]
+        for field, _ in found.values():
+            data = _without(data, field)
+    return _builder(cls).validate_python(data)
+
+
+def _position(data: Mapping[str, Any], keys: tuple[str, ...]) -> list[int]:
+    """Where the value at ``keys`` is in ``data``: the place of each key in its mapping."""
+    places = []
+    for key in keys:
+        places.append(list(data).index(key))
+        data = data[key]
+    return places
+
+
+def _without(data: dict[str, Any], field: tuple[str, ...]) -> dict[str, Any]:
+    """``data`` without the value at the keys ``field``, every mapping on the way copied (YAML may share them)."""
+    key, *rest = field
+    return {**data, key: _without(data[key], tuple(rest))} if rest else {k: v for k, v in data.items() if k != key}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -554,7 +580,7 @@ def _get_dotted(recipe: Recipe, key: str) -> Any:
     return node
 
 
-def _check(recipe: Recipe, problems: list[tuple[str, str]], check_environment: bool = True) -> None:
+def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
     kind = recipe.task_kind
     if not recipe.name:
         problems.append(("name", "is required"))
@@ -602,10 +628,6 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]], check_environment: b
         if getattr(train, f"{what}_strategy") == "steps" and not getattr(train, f"{what}_steps"):
             problems.append((f"train.{what}_steps", f"required when train.{what}_strategy is 'steps'"))
     if recipe.peft.method is not None:
-        if check_environment and importlib.util.find_spec("peft") is None:
-            problems.append(
-                ("peft.method", f"{recipe.peft.method!r} needs the peft package: pip install 'ea_hf[peft]'")
-            )
         if recipe.peft.r <= 0:
             problems.append(("peft.r", "must be positive"))
         if not 0.0 <= recipe.peft.dropout < 1.0:
@@ -645,19 +667,32 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]], check_environment: b
 # --------------------------------------------------------------------------------------------------
 
 
+def environment_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """What running the recipe needs that this Python environment lacks: the peft package for ``peft.method``.
+
+    Example:
+        >>> recipe = recipe_from_dict({"name": "demo", "model": {"name_or_path": "m"}, "data": {"task": "sst2"}})
+        >>> environment_problems(recipe)  # no peft section: nothing to install
+        []
+    """
+    if recipe.peft.method is not None and importlib.util.find_spec("peft") is None:
+        return [("peft.method", f"{recipe.peft.method!r} needs the peft package: pip install 'ea_hf[peft]'")]
+    return []
+
+
 def recipe_from_dict(
     data: Mapping[str, Any], overrides: Sequence[str] = (), *, check_environment: bool = True
 ) -> Recipe:
     """Validate a recipe mapping (plus dotted overrides) and return the typed :class:`Recipe`.
 
-    ``check_environment=False`` leaves out the checks of what this machine has installed (the peft package of
-    ``peft.method``): a finished run's recipe describes the run, whichever machine reads it.
+    ``check_environment=False`` reads a recipe that this environment could not run (a finished run's, for its
+    card: a LoRA run where peft is not installed); see :func:`environment_problems`.
 
     Raises :class:`RecipeError` listing every problem.
     """
     if not isinstance(data, Mapping):
         raise RecipeError([("", f"a recipe must be a YAML mapping, got {type(data).__name__}")])
-    merged = yaml.safe_load(yaml.safe_dump(dict(data), sort_keys=False))  # deep copy, plain types, order kept
+    merged = yaml.load(yaml.safe_dump(dict(data), sort_keys=False), Loader=_StringKeys)  # a deep copy
     problems: list[tuple[str, str]] = []
     for text in overrides:
         try:
@@ -673,8 +708,10 @@ def recipe_from_dict(
         recipe_class = get_task_kind(kind).recipe_class
     except ValueError as error:
         raise RecipeError([*problems, ("kind", str(error))]) from None
-    recipe = _build(recipe_class, merged, "", problems)
-    _check(recipe, problems, check_environment)
+    recipe = _build(recipe_class, merged, problems)
+    _check(recipe, problems)
+    if check_environment:
+        problems += environment_problems(recipe)
     if problems:
         raise RecipeError(problems)
     if recipe.output_dir is None:
@@ -698,12 +735,13 @@ def resolve_recipe_path(name_or_path: str | Path) -> Path:
     if name in shipped:
         return shipped[name]
     raise FileNotFoundError(
-        f"no recipe file {str(name_or_path)!r}{_suggest(name, list(shipped))}; see `ea-hf ls` for the shipped recipes"
+        f"no recipe file {str(name_or_path)!r}{did_you_mean(name, shipped)}; see `ea-hf ls` for the shipped recipes"
     )
 
 
-def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
-    """Read and validate a recipe file (or shipped recipe name) with dotted ``key=value`` overrides."""
+def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = (), *, check_environment: bool = True) -> Recipe:
+    """Read and validate a recipe file (or shipped recipe name) with dotted ``key=value`` overrides
+    (``check_environment``: see :func:`recipe_from_dict`)."""
     path = resolve_recipe_path(name_or_path)
     try:
         data = yaml.load(path.read_text(), Loader=RecipeLoader)
@@ -721,7 +759,7 @@ def load_recipe(name_or_path: str | Path, overrides: Sequence[str] = ()) -> Reci
             else value
             for split, value in files.items()
         }
-    return recipe_from_dict(data, overrides)
+    return recipe_from_dict(data, overrides, check_environment=check_environment)
 
 
 def list_recipes() -> list[Path]:

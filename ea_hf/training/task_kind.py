@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 import transformers
+
+from .suggestions import did_you_mean
 
 if TYPE_CHECKING:
     from .recipe import Recipe
@@ -210,7 +211,6 @@ def get_task_kind(name: str) -> TaskKind:
     """The task kind registered as ``name``; ValueError (with a did-you-mean) otherwise."""
     kind = _TASK_KINDS.get(name)
     if kind is None:
-        close = difflib.get_close_matches(str(name), list(_TASK_KINDS), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(name, _TASK_KINDS)
         raise ValueError(f"unknown kind {name!r}{hint}; one of {', '.join(sorted(_TASK_KINDS))}")
     return kind

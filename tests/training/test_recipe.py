@@ -70,6 +70,65 @@ def test_impossible_combinations_are_errors():
     }
 
 
+def test_problems_follow_the_recipe_one_a_field_or_list_item():
+    """pydantic reports in the schema's order, and once for each type of a field of several; the report follows the
+    recipe, one problem a field (each item of a list field its own), and a wrong value leaves the default, so the
+    checks of the values (here: the name of the model) still run."""
+    data = {"zz": 1, "train": {"seed": "x", "nme": 1, "learning_rate": "y"}, "name": "t"}
+    data |= {"ea": {"foo": 1, "alpha": "x", "decoder": 3}, "model": {"name_or_path": 3}, "data": {"task": "sst2"}}
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(data)
+    assert info.value.problems == [
+        ("zz", "unknown key"),
+        ("train.seed", "expected an integer, got 'x'"),
+        ("train.nme", "unknown key"),
+        ("train.learning_rate", "expected a number, got 'y'"),
+        ("ea.foo", "unknown key"),
+        ("ea.alpha", "expected float or null, got 'x'"),
+        ("ea.decoder", "expected dict[str, Any] or bool or null, got 3"),
+        ("model.name_or_path", "expected a string, got 3"),
+        ("model.name_or_path", "is required"),
+    ]
+    image = {"name": "t", "kind": "image", "model": {"name_or_path": "m"}, "data": {"hub_id": "x"}}
+    assert problems_of(image, ["data.crop_scale=[a, 1, b]", "train=[]"]) == {
+        "data.crop_scale[0]": "expected a number, got 'a'",
+        "data.crop_scale[2]": "expected a number, got 'b'",
+        "train": "expected a mapping (section), got []",
+    }
+
+
+def test_values_are_taken_as_given_keys_as_names():
+    strict = ["train.seed=1.0", "train.fp16=1", "train.learning_rate=true", "model.revision=3", "ea.kernel_size='3'"]
+    assert problems_of(MINIMAL, strict) == {
+        "train.seed": "expected an integer, got 1.0",
+        "train.fp16": "expected true or false, got 1",
+        "train.learning_rate": "expected a number, got True",
+        "model.revision": "expected str or null, got 3",
+        "ea.kernel_size": "expected an integer, got '3'",
+    }
+    recipe = recipe_from_dict(MINIMAL, ["train.learning_rate=1", "data.source=local", "data.files={1: a.tsv}"])
+    assert recipe.train.learning_rate == 1.0 and isinstance(recipe.train.learning_rate, float)
+    assert list(recipe.data.files) == ["1"]  # a split named by a number
+    # An integer beyond a float64 (an OverflowError before), a value that holds itself (YAML's anchors).
+    assert problems_of(MINIMAL, ["train.learning_rate=1" + "0" * 400, "select.test_split=&a [*a]"]) == {
+        "train.learning_rate": f"expected a number, got {10**400}",
+        "select.test_split": "expected a string, got [[...]]",
+    }
+
+
+def test_a_recipe_reads_without_the_environment_it_would_run_in(monkeypatch, tmp_path):
+    """A LoRA recipe needs peft to run, not to be read (a finished run's, for its card, where peft is missing)."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump({**MINIMAL, "peft": {"method": "lora"}}))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert info.value.problems == [("peft.method", "'lora' needs the peft package: pip install 'ea_hf[peft]'")]
+    assert load_recipe(path, check_environment=False).peft.method == "lora"
+    assert recipe_from_dict(MINIMAL, ["peft.method=lora"], check_environment=False).peft.method == "lora"
+
+
 @pytest.mark.parametrize(("text", "message"), [("a: [1", "is not valid YAML"), ("- quickstart", "got list")])
 def test_a_recipe_file_that_is_not_a_mapping_is_a_recipe_error(text, message, tmp_path):
     path = tmp_path / "broken.yaml"

@@ -11,7 +11,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +21,7 @@ import transformers
 from ..data_files import check_table_file, load_checked_file
 from ..recipe import DataSection, Recipe
 from ..rotten_tomatoes import rotten_tomatoes
+from ..suggestions import did_you_mean
 from ..task_kind import CardInfo, Preprocessed, TaskKind
 
 METRIC_DIR = Path(__file__).resolve().parents[1] / "metrics" / "glue"
@@ -233,8 +233,7 @@ class GlueKind(TaskKind):
         if not task:
             problems.append(("data.task", "is required"))
         elif task not in GLUE_TASKS:
-            close = difflib.get_close_matches(task, list(GLUE_TASKS), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = did_you_mean(task, GLUE_TASKS)
             problems.append(("data.task", f"unknown GLUE task {task!r}{hint}; one of {', '.join(GLUE_TASKS)}"))
         for split, path in recipe.data.files.items():
             if Path(path).suffix.lower() not in _BUILDERS:
