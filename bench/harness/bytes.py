@@ -5,8 +5,9 @@ that reads each input once and writes each output once moves them:
 
 - views (ops whose outputs alias an input: ``view``, ``transpose``, ``expand``, matmul's ``_unsafe_view``) move
   nothing and are left out;
-- an argument an op writes (``add_``'s self, an ``out=``) counts as read and written, as it is an input and an
-  output; ops that only write theirs (``copy_``, ``fill_``, ``zero_``, ``bernoulli_`` ...) count it once;
+- an argument an op writes in place (``add_``'s self) counts as read and written; an ``out=`` argument, and the
+  argument of ops that only write theirs (``copy_``, ``fill_``, ``zero_``, ``bernoulli_`` ...), as written; ops
+  that take a tensor for its shape and dtype (``new_zeros``, ``empty_like`` ...) only their output;
 - a broadcast input (stride 0 along a dimension) counts the elements it holds, not the ones it stands for;
 - ``embedding`` reads the rows it looks up, not the whole table;
 - a fused kernel's torch operator (``torch.ops.ea_hf.triton_*``) counts what its kernels read and write, declared
@@ -42,6 +43,11 @@ from harness.tables import markdown_table
 VARIANTS = ("eager", "ea-torch", "ea-triton")
 #: What a step does: BERT's training step and forward; a decoder's prefill and one decoding step with the cache.
 MODES = ("training", "inference", "prefill", "decode")
+#: Ops that take a tensor for its shape, dtype or device only: its elements are not read.
+SHAPE_ONLY = frozenset(
+    {"new_zeros", "new_empty", "new_full", "new_ones", "new_empty_strided", "empty_like", "zeros_like", "ones_like"}
+    | {"full_like", "rand_like", "randn_like", "randint_like"}
+)
 #: Ops that write an argument without reading it: the written argument counts once.
 WRITE_ONLY = frozenset(
     {"copy_", "fill_", "zero_", "bernoulli_", "normal_", "uniform_", "random_", "exponential_", "empty", "set_"}
@@ -118,12 +124,16 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, output: Any, declared: dict[s
         return declared[schema.name](*args, **kwargs)
     if schema.name == "aten::embedding":  # the rows looked up, not the whole table
         return 2 * held_bytes(output) + held_bytes(args[1])
+    name = func.__name__.split(".")[0]
+    if name in SHAPE_ONLY:
+        return sum(held_bytes(t) for t in _tensors(output))
     values = list(args) + [kwargs.get(argument.name) for argument in schema.arguments[len(args) :]]
-    write_only = func.__name__.split(".")[0] in WRITE_ONLY
+    write_only = name in WRITE_ONLY
     moved = 0
     for argument, value in zip(schema.arguments, values, strict=False):
         written = argument.alias_info is not None and argument.alias_info.is_write
-        moved += sum(held_bytes(t) * (1 if write_only or not written else 2) for t in _tensors(value))
+        read_and_written = written and not write_only and not argument.kwarg_only  # out= is only written
+        moved += sum(held_bytes(t) * (2 if read_and_written else 1) for t in _tensors(value))
     if not any(ret.alias_info is not None for ret in schema.returns):  # in place or out=: counted as arguments
         moved += sum(held_bytes(t) for t in _tensors(output))
     return moved
