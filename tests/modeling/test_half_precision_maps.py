@@ -15,9 +15,10 @@ TINY_LLAMA = dict(
     hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=37,
     vocab_size=100, max_position_embeddings=64,
 )  # fmt: skip
-#: The relative error allowed a half-precision model against float64: a few of the dtype's epsilons per layer, as
-#: eager attention's own error (measured beside it) stays within.
-RELATIVE = {torch.bfloat16: 0.05, torch.float16: 0.01}
+#: The relative error allowed a half-precision model's output against float64: a few of the dtype's epsilons
+#: (2^-8 for bf16, 2^-11 for fp16) over the three layers; the gradients get four times as much. The models measure
+#: about a third of it (bf16 0.006 and 0.005, fp16 0.0007 and 0.0006 for BERT and the Llama).
+RELATIVE = {torch.bfloat16: 0.02, torch.float16: 0.003}
 
 
 def models(family: str):
