@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from harness.ea import EA_ALPHA, EA_BETA, attributes, environment, import_ea_hf
+from harness.models import BERT_BASE_CONFIG, LLAMA_125M_CONFIG
 from harness.tables import markdown_table
 
 #: The variants counted: eager attention and the EA candidates of bench_gpu.py's decision table that run uncompiled.
@@ -336,25 +337,8 @@ CASES = (
     ByteCase("llama", "decode", 2048, 1),
 )
 
-#: BERT-Base as bench_gpu.py builds it (BertConfig's defaults, room for 2048 positions).
-BERT_CONFIG = {
-    "hidden_size": 768,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "intermediate_size": 3072,
-    "vocab_size": 30522,
-    "max_position_embeddings": 2048,
-}
-#: bench_decoder.py's ~125M Llama (12 query and 4 key/value heads).
-LLAMA_CONFIG = {
-    "hidden_size": 768,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "intermediate_size": 2048,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-}
+#: BERT-Base as bench_gpu.py builds it, and bench_decoder.py's ~125M Llama (12 query and 4 key/value heads).
+BERT_CONFIG, LLAMA_CONFIG = BERT_BASE_CONFIG, LLAMA_125M_CONFIG
 
 
 def case_model(case: ByteCase, variant: str, config: dict[str, Any] | None = None) -> Any:
