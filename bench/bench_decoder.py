@@ -51,7 +51,14 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import BENCH_DIR, ea, host, is_cuda, memory  # noqa: E402
 from harness.children import print_result, run_child  # noqa: E402
-from harness.models import TORCH_DTYPES, build_model, parameter_count, random_batch, torch_dtype  # noqa: E402
+from harness.models import (  # noqa: E402
+    LLAMA_125M_CONFIG,
+    TORCH_DTYPES,
+    build_model,
+    parameter_count,
+    random_batch,
+    torch_dtype,
+)
 from harness.tables import markdown_table, number, ratio  # noqa: E402
 from harness.timing import rotation, stopwatch, timed  # noqa: E402
 
@@ -82,15 +89,7 @@ STATIC_BENCHMARK = (
 EA_LAYER_STRIDE = 4
 
 #: ~125M parameters (124,668,672): SmolLM/Llama-style proportions with grouped-query attention (4 key/value heads).
-FULL_CONFIG = {
-    "hidden_size": 768,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "intermediate_size": 2048,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-}
+FULL_CONFIG = LLAMA_125M_CONFIG
 #: --tiny: the same shape of model, small enough that a case runs in well under a second.
 TINY_CONFIG = {
     "hidden_size": 64,

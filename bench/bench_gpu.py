@@ -44,7 +44,7 @@ from harness import ea, is_cuda, memory  # noqa: E402
 from harness.children import print_result, run_child  # noqa: E402
 from harness.cli import parse_case  # noqa: E402
 from harness.host import gpu_results_folder, machine_info, machine_line, utc_now, versions  # noqa: E402
-from harness.models import build_model, parameter_count, random_batch, torch_dtype  # noqa: E402
+from harness.models import BERT_BASE_CONFIG, build_model, parameter_count, random_batch, torch_dtype  # noqa: E402
 from harness.tables import markdown_table, number, passes, ratio, target_cell  # noqa: E402
 from harness.timing import stopwatch, summary, timed  # noqa: E402
 
@@ -76,14 +76,7 @@ DRY_RUN_CASES = ((16, 2), (24, 2))
 TIME_TARGETS = {512: 1.15, 2048: 1.25}
 MEMORY_TARGET = 1.2
 #: BERT-Base (transformers.BertConfig defaults) except for the position table, which must reach N = 2048.
-FULL_CONFIG = {
-    "hidden_size": 768,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "intermediate_size": 3072,
-    "vocab_size": 30522,
-    "max_position_embeddings": 2048,
-}
+FULL_CONFIG = BERT_BASE_CONFIG
 #: Two heads: the interpreted Triton kernels cost about heads^2 (every output head reads every head).
 DRY_RUN_CONFIG = {
     "hidden_size": 32,

@@ -12,6 +12,7 @@
 - :mod:`harness.tables`: cells, ratios, targets and Markdown tables;
 - :mod:`harness.cli`: command-line pieces more than one script parses;
 - :mod:`harness.traffic`: the least bytes and FLOPs of one layer's evolution step (roofline and achieved bandwidth).
+- :mod:`harness.bytes`: the bytes one step moves, counted op by op on the meta device (the byte table).
 
 The scripts are not a package: each puts ``bench/`` on ``sys.path`` and imports ``harness`` from there, and no
 script imports another.

@@ -5,8 +5,9 @@ that reads each input once and writes each output once moves them:
 
 - views (ops whose outputs alias an input: ``view``, ``transpose``, ``expand``, matmul's ``_unsafe_view``) move
   nothing and are left out;
-- an argument an op writes (``add_``'s self, an ``out=``) counts as read and written, as it is an input and an
-  output; ops that only write theirs (``copy_``, ``fill_``, ``zero_``, ``bernoulli_`` ...) count it once;
+- an argument an op writes in place (``add_``'s self) counts as read and written; an ``out=`` argument, and the
+  argument of ops that only write theirs (``copy_``, ``fill_``, ``zero_``, ``bernoulli_`` ...), as written; ops
+  that take a tensor for its shape and dtype (``new_zeros``, ``zeros_like`` ...) only their output;
 - allocations (``empty``, ``new_empty``, ``empty_like`` ...) move nothing;
 - a broadcast input (stride 0 along a dimension) counts the elements it holds, not the ones it stands for;
 - ``embedding`` reads the rows it looks up, not the whole table;
@@ -39,6 +40,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from harness.ea import EA_ALPHA, EA_BETA, attributes, environment, import_ea_hf
+from harness.models import BERT_BASE_CONFIG, LLAMA_125M_CONFIG
 from harness.tables import markdown_table
 
 #: The variants counted: eager attention and the EA candidates of bench_gpu.py's decision table that run uncompiled.
@@ -47,9 +49,14 @@ VARIANTS = ("eager", "ea-torch", "ea-triton", "ea-torch-nhwc")
 MODES = ("training", "inference", "prefill", "decode")
 #: Ops that allocate without writing: they move nothing.
 ALLOCATIONS = frozenset({"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"})
+#: Ops that take a tensor for its shape, dtype or device only: its elements are not read, their output is written.
+SHAPE_ONLY = frozenset(
+    {"new_zeros", "new_full", "new_ones", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like"}
+    | {"randint_like"}
+)
 #: Ops that write an argument without reading it: the written argument counts once.
 WRITE_ONLY = frozenset(
-    {"copy_", "fill_", "zero_", "bernoulli_", "normal_", "uniform_", "random_", "exponential_", "empty", "set_"}
+    {"copy_", "fill_", "zero_", "bernoulli_", "normal_", "uniform_", "random_", "exponential_", "set_"}
 )
 
 
@@ -123,12 +130,16 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, output: Any, declared: dict[s
         return declared[schema.name](*args, **kwargs)
     if schema.name == "aten::embedding":  # the rows looked up, not the whole table
         return 2 * held_bytes(output) + held_bytes(args[1])
+    name = func.__name__.split(".")[0]
+    if name in SHAPE_ONLY:
+        return sum(held_bytes(t) for t in _tensors(output))
     values = list(args) + [kwargs.get(argument.name) for argument in schema.arguments[len(args) :]]
-    write_only = func.__name__.split(".")[0] in WRITE_ONLY
+    write_only = name in WRITE_ONLY
     moved = 0
     for argument, value in zip(schema.arguments, values, strict=False):
         written = argument.alias_info is not None and argument.alias_info.is_write
-        moved += sum(held_bytes(t) * (1 if write_only or not written else 2) for t in _tensors(value))
+        read_and_written = written and not write_only and not argument.kwarg_only  # out= is only written
+        moved += sum(held_bytes(t) * (2 if read_and_written else 1) for t in _tensors(value))
     if not any(ret.alias_info is not None for ret in schema.returns):  # in place or out=: counted as arguments
         moved += sum(held_bytes(t) for t in _tensors(output))
     return moved
@@ -332,25 +343,8 @@ CASES = (
     ByteCase("llama", "decode", 2048, 1),
 )
 
-#: BERT-Base as bench_gpu.py builds it (BertConfig's defaults, room for 2048 positions).
-BERT_CONFIG = {
-    "hidden_size": 768,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "intermediate_size": 3072,
-    "vocab_size": 30522,
-    "max_position_embeddings": 2048,
-}
-#: bench_decoder.py's ~125M Llama (12 query and 4 key/value heads).
-LLAMA_CONFIG = {
-    "hidden_size": 768,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "intermediate_size": 2048,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-}
+#: BERT-Base as bench_gpu.py builds it, and bench_decoder.py's ~125M Llama (12 query and 4 key/value heads).
+BERT_CONFIG, LLAMA_CONFIG = BERT_BASE_CONFIG, LLAMA_125M_CONFIG
 
 
 def case_model(case: ByteCase, variant: str, config: dict[str, Any] | None = None) -> Any:

@@ -11,6 +11,27 @@ from harness.ea import EA_ALPHA, EA_BETA, import_ea_hf
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: Bytes an element of each dtype name.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: BERT-Base (transformers.BertConfig defaults) except for the position table, which must reach N = 2048
+#: (bench_gpu.py's model, and the byte table's).
+BERT_BASE_CONFIG = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "intermediate_size": 3072,
+    "vocab_size": 30522,
+    "max_position_embeddings": 2048,
+}
+#: ~125M parameters (124,668,672): SmolLM/Llama-style proportions with grouped-query attention (4 key/value heads)
+#: (bench_decoder.py's model, and the byte table's).
+LLAMA_125M_CONFIG = {
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "intermediate_size": 2048,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
 #: Attention implementations a benchmark model runs: eager, sdpa, or Evolving Attention (``ea``).
 ATTENTIONS = ("eager", "sdpa", "ea")
 

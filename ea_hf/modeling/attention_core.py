@@ -136,7 +136,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
 
     ``apply(constants, masks, *inputs)``: :class:`CoreConstants`, :class:`CoreMasks`, then the seven tensors of
     :class:`CoreInputs`, direct arguments so that autograd differentiates them. Half-precision queries give maps in
-    :func:`~.products.evolution_dtype`, as the unfused path does; P is fp32 for them (see
+    :func:`~.products.evolution_dtype`, as the unfused path does; P has the maps' dtype (see
     :func:`~.softmax.softmax_probabilities`).
     """
 
@@ -229,7 +229,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         else:
             scores, leaves = _scores_with_autograd(ctx, inputs, needs)
         scaled_weight, _ = scale_kernel(inputs.weight, inputs.bias, constants.step.beta, scores.dtype)
-        if grad_evolved.dtype != scores.dtype:  # fp32 from the softmax, back into half-precision maps' dtype
+        if grad_evolved.dtype != scores.dtype:  # a fused tail's gradient in another dtype than the maps
             grad_evolved = grad_evolved.to(scores.dtype)
         keep = None if saved.conv_mask is None else saved.conv_mask.to(scores.dtype)
         grad_scores, grad_previous, grad_weight, grad_bias = evolve_backward(

@@ -128,7 +128,14 @@ def evolve_backward(
         # Gradients of A_in go to S and A_prev in the proportions of the residual mix.
         scales = (1.0, None) if previous is None else (1.0 - step.alpha, step.alpha)
         grad_convolved = relu_gate(grad_logits, gate)
-        if needs_input:
+        if needs_input and scaled_scores and previous is not None and step.alpha != 0.0:
+            # One map, A_prev's gradient alpha * G_in (alpha folded into the transposed kernel and the blend's
+            # term), and S's as that map times (1 - alpha) / alpha: two passes a layer fewer than writing both.
+            grad_previous = convolution_input_grad(
+                step, grad_convolved, scaled_weight, keep, grad_logits, factor=step.alpha
+            )[0]
+            grad_scores = ScaledMap(grad_previous, (1.0 - step.alpha) / step.alpha)
+        elif needs_input:
             grad_scores, grad_previous = convolution_input_grad(
                 step, grad_convolved, scaled_weight, keep, grad_logits, scales=scales
             )
@@ -263,18 +270,21 @@ def convolution_input_grad(
     keep: torch.Tensor | None,
     grad_logits: torch.Tensor,
     scales: tuple[float, float | None] = (1.0, None),
+    factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradient of A_logit with respect to A_in: the transposed convolution of the ReLU-gated gradient
     ``grad_convolved``, masked like the forward input, plus (1 - beta) times the incoming gradient; returned
-    times each of ``scales`` (the second ``None``: not needed). The CPU kernel computes the same in
-    ``ea_hf.ops.cpu_binding.backward_pass``.
+    times each of ``scales`` (the second ``None``: not needed). ``factor`` multiplies the gradient as it is
+    computed (folded into the transposed kernel and the blend's term: no pass of its own). The CPU kernel computes
+    the same in ``ea_hf.ops.cpu_binding.backward_pass``.
 
     The transposed convolution is :func:`transposed_convolution`.
     """
-    grad_in = transposed_convolution(grad_convolved, scaled_weight, step.context_rows, grad_logits.shape[-2])
+    rows = grad_logits.shape[-2]
+    grad_in = transposed_convolution(grad_convolved, scaled_weight, step.context_rows, rows, factor)
     if keep is not None:
         grad_in = grad_in.mul_(keep)
-    return split_by_scales(grad_in.add_(grad_logits, alpha=1.0 - step.beta), scales)
+    return split_by_scales(grad_in.add_(grad_logits, alpha=(1.0 - step.beta) * factor), scales)
 
 
 def split_by_scales(
@@ -292,11 +302,12 @@ def split_by_scales(
 
 
 def transposed_convolution(
-    grad_convolved: torch.Tensor, scaled_weight: torch.Tensor, context_rows: int, rows: int
+    grad_convolved: torch.Tensor, scaled_weight: torch.Tensor, context_rows: int, rows: int, factor: float = 1.0
 ) -> torch.Tensor:
     """The transposed convolution of :func:`evolve_step`'s convolution applied to ``grad_convolved`` (the gradient
-    of its output), cropped to the map's ``rows``: a convolution with the kernel flipped in both directions and its
-    channels swapped; a causal kernel then reads rows i .. i + c (the rows whose outputs read row i).
+    of its output), cropped to the map's ``rows``, times ``factor`` (folded into the kernel): a convolution with the
+    kernel flipped in both directions and its channels swapped; a causal kernel then reads rows i .. i + c (the rows
+    whose outputs read row i).
 
     Example:
         >>> x = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
@@ -306,6 +317,8 @@ def transposed_convolution(
         True
     """
     transposed = scaled_weight.flip(-2, -1).transpose(0, 1)
+    if factor != 1.0:
+        transposed = transposed * factor
     shift = scaled_weight.shape[-2] - 1 - context_rows  # c for a centred kernel, 0 for a causal one
     grad_in = F.conv2d(grad_convolved, transposed, padding=(context_rows, scaled_weight.shape[-1] // 2))
     offset = context_rows - shift

@@ -1,5 +1,12 @@
-"""The tail every attention path shares after the logits: the attention mask, the softmax (in fp32 for
-half-precision logits), dropout and the product with the values, and the gradients of that tail.
+"""The tail every attention path shares after the logits: the attention mask, the softmax (in the logits' dtype:
+torch's softmax kernels accumulate half-precision rows in fp32 and round P once), dropout and the product with the
+values, and the gradients of that tail.
+
+Half-precision maps stay in their dtype through the mask, the softmax and its gradient: an fp32 copy of a
+[B, H, Q, K] map would cost three passes over it each way (the upcast reads one map and writes a map twice its
+size), six times a layer in a training step (see docs/performance.md, "Bytes per step"). fp16's mask is guarded so
+that a masked sum cannot overflow to -inf (:func:`masked_logits`): a fully masked row then gets uniform weights, as
+in fp32, not NaN.
 
 This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
 transformers and sibling files (single-dot relative imports).
@@ -35,8 +42,7 @@ def dropout_scale(dropout: float) -> float:
 
 
 def full_precision(logits: torch.Tensor) -> torch.Tensor:
-    """Half-precision logits as fp32 for the mask and softmax, as eager attention's softmax runs: fp16's mask
-    value plus a negative logit overflows to -inf (a fully masked row would then give NaN)."""
+    """Half-precision logits as fp32 (the sinks' logsumexp over the masked logits runs in it)."""
     return logits.float() if logits.dtype in HALF_PRECISION else logits
 
 
@@ -44,13 +50,19 @@ def masked_logits(logits: torch.Tensor, mask: AttentionMask, out: torch.Tensor |
     """The logits with the attention mask applied: ``mask.additive`` added, else the entries ``mask.allowed``
     disallows at the dtype's minimum; written into ``out`` where given (the same numbers).
 
+    In fp16 an additive mask (fp16's minimum, -65504) plus a negative logit overflows to -inf, and a fully masked
+    row of -inf gives NaN: the sum is clamped at the dtype's minimum there (:func:`guarded`).
+
     Example:
         >>> logits = masked_logits(torch.zeros(3), AttentionMask(torch.tensor([True, False, True])))
         >>> (logits == torch.finfo(logits.dtype).min).tolist()
         [False, True, False]
+        >>> additive = torch.full((3,), torch.finfo(torch.float16).min, dtype=torch.float16)
+        >>> masked_logits(torch.full((3,), -100.0, dtype=torch.float16), AttentionMask(additive=additive)).tolist()
+        [-65504.0, -65504.0, -65504.0]
     """
     if mask.additive is not None:
-        return logits + mask.additive if out is None else torch.add(logits, mask.additive, out=out)
+        return guarded(logits + mask.additive if out is None else torch.add(logits, mask.additive, out=out))
     if mask.allowed is not None:
         fill = torch.finfo(logits.dtype).min
         if out is None:
@@ -59,10 +71,21 @@ def masked_logits(logits: torch.Tensor, mask: AttentionMask, out: torch.Tensor |
     return logits
 
 
+def guarded(masked: torch.Tensor) -> torch.Tensor:
+    """fp16 masked logits clamped at fp16's minimum (in place outside autograd), so that no sum of a logit and the
+    mask is -inf; other dtypes as they are (bf16's range is fp32's: its minimum plus a logit stays finite)."""
+    if masked.dtype != torch.float16:
+        return masked
+    lowest = torch.finfo(torch.float16).min
+    if torch.is_grad_enabled() and masked.requires_grad:
+        return masked.clamp_min(lowest)
+    return masked.clamp_min_(lowest)
+
+
 def softmax_probabilities(logits: torch.Tensor, mask: AttentionMask, out: torch.Tensor | None = None) -> torch.Tensor:
     """P = softmax over the keys of the masked ``logits``, into ``out`` where given: the same numbers either way,
-    so that backward may recompute forward's P bit for bit. Half-precision logits are masked and normalised in
-    fp32 (:func:`full_precision`), and P is fp32 (``out`` of another dtype is not used).
+    so that backward may recompute forward's P bit for bit. P has the logits' dtype (``out`` of another dtype is
+    not used): torch's softmax accumulates half-precision rows in fp32.
 
     On CPU, outside autograd and compilation, a mask is applied as it is written into P's map (``out``, else a
     new one) and the softmax then runs in place there: one map and one pass less than masking into a map of its
@@ -75,7 +98,6 @@ def softmax_probabilities(logits: torch.Tensor, mask: AttentionMask, out: torch.
         >>> torch.equal(softmax_probabilities(logits, AttentionMask(allowed)), expected)
         True
     """
-    logits = full_precision(logits)
     if out is not None and out.dtype != logits.dtype:
         out = None
     if (mask.allowed is None and mask.additive is None) or not _masks_into_probabilities(logits, mask, out):
@@ -113,8 +135,8 @@ def attend_values(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The tail every attention path shares: P = softmax over the keys of the masked ``logits`` (into ``out``
     where given), dropout and the product with ``value``. Returns (dropout(P) @ V, dropout(P) in the values'
-    dtype, P in fp32 for half-precision logits (see :func:`softmax_probabilities`) else in theirs, dropout's bool
-    mask or None). ``value`` may have fewer heads than the logits (see :func:`~.products.grouped_product`).
+    dtype, P in the logits' dtype (see :func:`softmax_probabilities`), dropout's bool mask or None). ``value``
+    may have fewer heads than the logits (see :func:`~.products.grouped_product`).
 
     Dropout is ``torch.native_dropout``: the random numbers of ``torch.nn.functional.dropout`` (which runs it on
     GPUs) and a bool mask for backward instead of a float one.
