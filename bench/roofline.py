@@ -52,10 +52,10 @@ def tail_traffic(batch: int, heads: int, n: int, dtype: str, fused: bool, head_d
     """What the attention tail after the evolution moves and computes per layer, with attention dropout (as
     BERT trains): the masked softmax over A_logit, dropout and the product with V, forward and backward.
 
-    On torch operations (the core's path): forward, A_logit read and P written in fp32, P cast to the values'
-    dtype, dropout's mask drawn and applied, dropout(P) read by the product; backward, P recomputed and cast
-    again, dropout applied again and read by the product for dV, dO @ V^T written, dropout's gradient, the
-    softmax's gradient in fp32 (P and G read, written over G), and the casts between. Fused (ea_hf's Triton
+    On torch operations (the core's path, every map in the logits' dtype): forward, A_logit read and P written,
+    dropout's mask drawn and applied, dropout(P) read by the product; backward, P recomputed, dropout applied
+    again and read by the product for dV, dO @ V^T written, dropout's gradient, the softmax's gradient (P and G
+    read, written over G). Fused (ea_hf's Triton
     attention tail): forward, A_logit read and dropout's mask drawn (by torch) and read;
     backward, A_logit and the mask read twice (the row terms' pass, then the gradients' one) and A_logit's
     gradient written. The products: P @ V forward, dV and dP backward and dP again for the row terms, 2 *
@@ -63,19 +63,17 @@ def tail_traffic(batch: int, heads: int, n: int, dtype: str, fused: bool, head_d
 
     Example:
         >>> [round(tail_traffic(8, 12, 512, "bf16", fused).backward_bytes / 1e6) for fused in (False, True)]  # MB
-        [1258, 201]
+        [604, 201]
     """
     elements = batch * heads * n * n
     size = DTYPE_BYTES[dtype]
-    half = size != 4
     product = 2 * head_dim * elements
     if fused:
         forward = size + 1 + 1
         backward = (size + 1) * 2 + size
         return Traffic(forward * elements, backward * elements, product, 3 * product)
-    cast = (4 + size) if half else 0  # an fp32 map read and written in the values' dtype, or back
-    forward = size + 4 + cast + (1 + 2 * size) + size
-    backward = (size + 4) + cast + (2 * size + 1) + size + size + (2 * size + 1) + cast + 12 + cast
+    forward = size + size + (1 + 2 * size) + size
+    backward = (size + size) + (2 * size + 1) + size + size + (2 * size + 1) + 3 * size
     return Traffic(forward * elements, backward * elements, product, 2 * product)
 
 
