@@ -10,6 +10,7 @@ tensor cores.
 
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -179,6 +180,44 @@ def test_a_tuned_entry_narrows_the_list_on_its_capability_dtype_and_bucket_only(
         assert kernels.configs("correlate", *other) == list(kernels.CONFIGS["half"]["correlate"]), other
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert kernels.configs("correlate", torch.bfloat16, 12, cuda) == list(correlate)
+
+
+def test_a_launch_autotunes_only_compiled_with_a_choice_and_no_deterministic_algorithms(monkeypatch):
+    """``common.launch`` hands a compiled kernel with several configurations to ``triton.autotune`` (with the
+    grid as a function of the chosen tiles); it launches the first configuration alone where it is the only one,
+    in the interpreter, and under ``torch.use_deterministic_algorithms``."""
+    launched = []
+
+    class Family:
+        def __call__(self):
+            return types.SimpleNamespace(kernel=Launcher("plain"))
+
+        def autotuned(self, name, configs):
+            return Launcher(("autotuned", name, tuple(config["BLOCK"] for config in configs)))
+
+    class Launcher:
+        def __init__(self, how):
+            self.how = how
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((self.how, grid, args, kwargs))
+
+    configs = [{"BLOCK": 16, "num_warps": 4, "num_stages": 3}, {"BLOCK": 32, "num_warps": 8, "num_stages": 2}]
+
+    def grid(tiles):
+        return (100 // tiles["BLOCK"],)
+
+    def launch(configs, interpreting=False):
+        monkeypatch.setattr(common, "interpreting", lambda: interpreting)
+        common.launch(Family(), "kernel", configs, grid, (1, 2), {"SWITCH": True})
+        return launched.pop()
+
+    assert launch(configs) == (("autotuned", "kernel", (16, 32)), grid, (1, 2), {"SWITCH": True})
+    first = ("plain", (6,), (1, 2), {"SWITCH": True, **configs[0]})
+    assert launch(configs, interpreting=True) == first
+    assert launch(configs[:1]) == first
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert launch(configs) == first
 
 
 def test_the_shipped_tuned_tiles_name_configurations_on_the_lists():

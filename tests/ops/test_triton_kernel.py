@@ -48,6 +48,7 @@ TILES = {"CONFIGS": only(dict(BLOCK_Q=8, BLOCK_K=16, BLOCK_TAPS=32), dict(BLOCK_
 SMALL_TILES = {
     "CONFIGS": only(dict(BLOCK_Q=4, BLOCK_K=8, BLOCK_TAPS=16), dict(BLOCK_Q=2, BLOCK_K=8, BLOCK_TAPS=16)),
     "WEIGHT_GRAD_SPLITS": 5,  # 24 tiles of a [3, 3, 7, 11] map: runs of 5, the last of 4
+    "WEIGHT_GRAD_SPLIT_PIXELS": 1,
     "IN_PLACE_PIXELS": 150,  # in-place correlation in launches of 2 batch elements (of 3), the last one shorter
 }
 #: The module's own configurations (the first of each list runs in the interpreter), for whole models.
@@ -631,6 +632,7 @@ def test_autotune_times_every_configuration_and_the_result_is_the_chosen_ones(mo
             lists[name] = (first, first | second.get(name, second["correlate"]))
     monkeypatch.setattr(kernels, "CONFIGS", two)
     monkeypatch.setattr(kernels, "WEIGHT_GRAD_SPLITS", 5)
+    monkeypatch.setattr(kernels, "WEIGHT_GRAD_SPLIT_PIXELS", 1)
     timed = []
 
     def stand_in_timer(kernel_call, quantiles):

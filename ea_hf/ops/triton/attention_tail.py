@@ -122,7 +122,7 @@ def head_bucket(head_dim: int) -> int:
         >>> head_bucket(64), head_bucket(80), head_bucket(8)
         (64, 128, 16)
     """
-    return max(16, 1 << (head_dim - 1).bit_length())
+    return common.padded_side(head_dim)
 
 
 def configs(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.device) -> list[dict]:

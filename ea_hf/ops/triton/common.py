@@ -126,6 +126,17 @@ def launch_configs(
     return [config for config in listed if config in tuned] or list(listed)
 
 
+def padded_side(size: int) -> int:
+    """``size`` padded to a power of two of at least 16, tl.dot's smallest side (the heads of the evolution's
+    products, the head size of the attention tail's).
+
+    Example:
+        >>> padded_side(12), padded_side(16), padded_side(40)
+        (16, 16, 64)
+    """
+    return max(16, 1 << (size - 1).bit_length())
+
+
 def size_bucket(size: int) -> int:
     """A map side's bucket in autotune's key: its next power of two, at least 16 and at most
     :data:`MAX_SIZE_BUCKET`, so that a kernel is tuned once per bucket, not once per sequence length (as
@@ -135,7 +146,7 @@ def size_bucket(size: int) -> int:
         >>> size_bucket(1), size_bucket(17), size_bucket(512), size_bucket(100_000)
         (16, 32, 512, 4096)
     """
-    return min(MAX_SIZE_BUCKET, max(16, 1 << (size - 1).bit_length()))
+    return min(MAX_SIZE_BUCKET, padded_side(size))
 
 
 def tiles_of(config: dict) -> dict:
