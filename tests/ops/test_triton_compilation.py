@@ -182,10 +182,10 @@ def test_a_tuned_entry_narrows_the_list_on_its_capability_dtype_and_bucket_only(
     assert kernels.configs("correlate", torch.bfloat16, 12, cuda) == list(correlate)
 
 
-def test_a_launch_autotunes_only_compiled_with_a_choice_and_no_deterministic_algorithms(monkeypatch):
+def test_a_launch_autotunes_only_where_compiled_with_a_choice(monkeypatch):
     """``common.launch`` hands a compiled kernel with several configurations to ``triton.autotune`` (with the
     grid as a function of the chosen tiles); it launches the first configuration alone where it is the only one,
-    in the interpreter, and under ``torch.use_deterministic_algorithms``."""
+    in the interpreter, under ``torch.use_deterministic_algorithms`` and while a CUDA graph is captured."""
     launched = []
 
     class Family:
@@ -216,7 +216,11 @@ def test_a_launch_autotunes_only_compiled_with_a_choice_and_no_deterministic_alg
     first = ("plain", (6,), (1, 2), {"SWITCH": True, **configs[0]})
     assert launch(configs, interpreting=True) == first
     assert launch(configs[:1]) == first
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        assert launch(configs) == first
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert launch(configs) == first
 
 

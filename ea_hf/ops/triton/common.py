@@ -27,8 +27,9 @@ and the launch options ``num_warps`` and ``num_stages``). Each kernel family lis
 :func:`launch_configs` is the one place that decides which of them a launch may use: the list, narrowed to those
 that the tuned-tile table (:data:`TUNED_TILES_FILE`) names for the GPU's compute capability, the maps' dtype and
 the family's bucket, where it names any. :func:`launch` runs the first where only one is left, in the interpreter
-(which ignores tiles, and must not time configurations), and where torch asks for deterministic algorithms (a
-search could choose another configuration in another process, and with it another order of sums); elsewhere
+(which ignores tiles, and must not time configurations), where torch asks for deterministic algorithms (a
+search could choose another configuration in another process, and with it another order of sums) and while a CUDA
+graph is captured; elsewhere
 ``triton.autotune`` times each on the first call of a tuning key (the padded heads or head size, buckets of the
 map's rows and columns, :func:`size_bucket`, and the maps' dtype) and keeps the fastest for the process. Each
 kernel writes its outputs whole and reads none of them, so autotune's repeated launches need neither
@@ -163,11 +164,13 @@ def launch(
     switches: dict,
 ) -> None:
     """Launch ``family``'s kernel ``name`` with the positional ``args`` and constexpr ``switches`` over
-    ``configs`` (:func:`launch_configs`): the first one where it is the only one, in the interpreter, or where
-    torch asks for deterministic algorithms; else the fastest, which ``triton.autotune`` finds on the first call
-    of each tuning key (see the module docstring). ``grid`` maps a configuration's tiles to the launch grid."""
+    ``configs`` (:func:`launch_configs`): the first one where it is the only one, in the interpreter, where torch
+    asks for deterministic algorithms, or while a CUDA graph is captured (autotune's timing launches cannot be
+    captured); else the fastest, which ``triton.autotune`` finds on the first call of each tuning key (see the
+    module docstring). ``grid`` maps a configuration's tiles to the launch grid."""
     kernels = family()
-    if len(configs) == 1 or interpreting() or torch.are_deterministic_algorithms_enabled():
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if len(configs) == 1 or interpreting() or torch.are_deterministic_algorithms_enabled() or capturing:
         getattr(kernels, name)[grid(configs[0])](*args, **switches, **configs[0])
     else:
         family.autotuned(name, configs)[grid](*args, **switches)
