@@ -27,13 +27,13 @@ and the launch options ``num_warps`` and ``num_stages``). Each kernel family lis
 :func:`launch_configs` is the one place that decides which of them a launch may use: the list, narrowed to those
 that the tuned-tile table (:data:`TUNED_TILES_FILE`) names for the GPU's compute capability, the maps' dtype and
 the family's bucket, where it names any. :func:`launch` runs the first where only one is left, in the interpreter
-(which ignores tiles, and must not time configurations), where torch asks for deterministic algorithms (a
-search could choose another configuration in another process, and with it another order of sums) and while a CUDA
-graph is captured; elsewhere
-``triton.autotune`` times each on the first call of a tuning key (the padded heads or head size, buckets of the
-map's rows and columns, :func:`size_bucket`, and the maps' dtype) and keeps the fastest for the process. Each
-kernel writes its outputs whole and reads none of them, so autotune's repeated launches need neither
-``reset_to_zero`` nor ``restore_value`` (in-place results go through scratch maps).
+(which ignores tiles, and must not time configurations), where torch asks for deterministic algorithms (a search
+could choose another configuration in another process, and with it another order of sums) and while a CUDA graph
+is captured; elsewhere ``triton.autotune`` times each on the first call of a tuning key (the padded heads or head
+size, buckets of the map's rows and columns, :func:`size_bucket`, and the maps' dtype) and keeps the fastest for
+the process. Each kernel writes its outputs whole and reads none of them, so autotune's repeated launches need
+neither ``reset_to_zero`` nor ``restore_value`` (both in Triton 3.6 and 3.9; in-place results go through scratch
+maps, and the weight gradient's partial sums have a shape that every configuration fills).
 """
 
 from __future__ import annotations
