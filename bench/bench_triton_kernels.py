@@ -259,8 +259,9 @@ def forced(lists: dict[str, tuple[dict, ...]], kernel: str, config: dict) -> dic
 
 def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace, lists: dict) -> list[dict]:
     """The Triton step's times under each configuration of each kernel's list (``lists``: the kernels' module's
-    ``CONFIGS``, by dtype), one kernel at a time (:func:`forced`): the modes of SWEEP_MODES that run the kernel,
-    and with ``--tune`` the step's largest error against torch operations in float64."""
+    ``CONFIGS``, by dtype), one kernel at a time (:func:`forced`, the others on the first configuration of the
+    lists in force): the modes of SWEEP_MODES that run the kernel, and with ``--tune`` the step's largest error
+    against torch operations in float64."""
     kernels = ea.triton_kernels()
     device = "cpu" if args.dry_run else "cuda"
     inputs = step_inputs(dtype, length, batch, False, device)
@@ -270,7 +271,9 @@ def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace, lis
         for kernel, configs in lists[kind].items():
             for config in configs:
                 row: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "kernel": kernel, "config": config}
-                with ea.attributes(kernels, {"CONFIGS": {**lists, kind: forced(lists[kind], kernel, config)}}):
+                # The other kernels on the first of the lists in force (the module's, or the dry run's tiles).
+                in_force = kernels.CONFIGS
+                with ea.attributes(kernels, {"CONFIGS": {**in_force, kind: forced(in_force[kind], kernel, config)}}):
                     try:
                         for mode in SWEEP_MODES[kernel]:
                             step = functools.partial(evolve, inputs, mode)
