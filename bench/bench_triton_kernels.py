@@ -5,8 +5,9 @@ ReLU, blend; and its backward), on the maps of one BERT-Base layer: what a tile 
 minute of GPU time. Per case (dtype, N, batch, centred or causal kernel) it records the median time (CUDA events)
 of the forward step out of place (as in training), in place (as in inference) and of forward plus backward, on
 the Triton kernels and on torch operations, and how far the Triton result is from the torch one (float64, on
-the same inputs). ``--sweep`` also times the Triton kernels under each tile setting of ``SWEEP`` (the forward
-tiles, then the weight-gradient tiles). ``--liger`` also times, per centred case, Liger-Kernel's Multi-Token
+the same inputs). ``--sweep`` also times the Triton step under each configuration (tiles, warps, stages) on each
+kernel's list (``CONFIGS`` of the kernels' module, which autotune searches on a GPU), one kernel at a time, the
+others on their first. ``--liger`` also times, per centred case, Liger-Kernel's Multi-Token
 Attention (``LigerMultiTokenAttention``: a convolution over attention maps, the nearest published peer of the step)
 forward plus backward on the same maps, in turns with the step's forward plus backward on both paths, and records
 the ratios EA / Liger and what each computes (``LIGER_COMPUTES``, ``EA_COMPUTES``); where liger_kernel cannot be
@@ -47,19 +48,14 @@ FULL_CASES = ((512, 8), (2048, 2))
 DRY_RUN_CASES = ((13, 2),)
 #: evolve()'s modes and the names of their times.
 MODES = {"forward": "forward", "in_place": "forward_in_place", "backward": "forward_backward"}
-#: Tile settings the sweep times, each over the module's own: forward (and input-gradient) tiles, then the
-#: weight-gradient kernel's. Names are attributes of the Triton kernels' module (harness.ea.triton_kernels).
-SWEEP = [
-    {"BLOCK_ROWS": 4, "BLOCK_COLS": 32, "TAP_BLOCK": 32, "NUM_WARPS": 4},
-    {"BLOCK_ROWS": 8, "BLOCK_COLS": 32, "TAP_BLOCK": 16, "NUM_WARPS": 4},
-    {"BLOCK_ROWS": 8, "BLOCK_COLS": 32, "TAP_BLOCK": 32, "NUM_WARPS": 8},
-    {"BLOCK_ROWS": 16, "BLOCK_COLS": 32, "TAP_BLOCK": 32, "NUM_WARPS": 8},
-    {"BLOCK_ROWS": 8, "BLOCK_COLS": 64, "TAP_BLOCK": 32, "NUM_WARPS": 8},
-    {"WEIGHT_BLOCK_ROWS": 4, "WEIGHT_BLOCK_COLS": 32, "WEIGHT_TAP_BLOCK": 32, "WEIGHT_NUM_WARPS": 4},
-    {"WEIGHT_BLOCK_ROWS": 4, "WEIGHT_BLOCK_COLS": 16, "WEIGHT_TAP_BLOCK": 128, "WEIGHT_NUM_WARPS": 8},
-    {"WEIGHT_BLOCK_ROWS": 8, "WEIGHT_BLOCK_COLS": 32, "WEIGHT_TAP_BLOCK": 16, "WEIGHT_NUM_WARPS": 4},
-]
-#: How far a swept setting's step may be from torch operations' in float64 (largest error relative to the largest
+#: The modes of the step the sweep times for each kernel (its first mode chooses it): the correlation runs in the
+#: forward step, out of place and in place; the gradients' kernels in forward plus backward.
+SWEEP_MODES = {
+    "correlate": ("forward", "in_place"),
+    "input_grad": ("backward",),
+    "weight_grad": ("backward",),
+}
+#: How far a swept configuration's step may be from torch operations' in float64 (largest error relative to the largest
 #: value) to be chosen by ``--tune``: the accuracy rule of the kernels' tests for each dtype.
 TUNE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}
 #: Where ``--liger`` finds Liger-Kernel's Multi-Token Attention module (the import its README shows).
@@ -255,47 +251,59 @@ def liger_line(record: dict) -> str:
     )
 
 
-def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace) -> list[dict]:
-    """The Triton step's times (each mode) under each setting of SWEEP (with GPU_TILES off, so that each setting
-    is what runs)."""
+def forced(lists: dict[str, tuple[dict, ...]], kernel: str, config: dict) -> dict[str, tuple[dict, ...]]:
+    """One dtype's configuration lists with ``kernel`` on ``config`` alone and every other kernel on its first:
+    one configuration each, so that no autotune runs and the tuned-tile table cannot narrow them."""
+    return {name: (config,) if name == kernel else configs[:1] for name, configs in lists.items()}
+
+
+def run_sweep(dtype: str, length: int, batch: int, args: argparse.Namespace, lists: dict) -> list[dict]:
+    """The Triton step's times under each configuration of each kernel's list (``lists``: the kernels' module's
+    ``CONFIGS``, by dtype), one kernel at a time (:func:`forced`, the others on the first configuration of the
+    lists in force): the modes of SWEEP_MODES that run the kernel, and with ``--tune`` the step's largest error
+    against torch operations in float64."""
     kernels = ea.triton_kernels()
     device = "cpu" if args.dry_run else "cuda"
     inputs = step_inputs(dtype, length, batch, False, device)
-    saved = {name: getattr(kernels, name) for name in ea.triton_tile_names()}
+    kind = "float32" if dtype == "fp32" else "half"
     rows = []
     with ea.fused_kernels([kernels]):
-        for setting in SWEEP:
-            row: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "setting": setting}
-            with ea.attributes(kernels, {**saved, **setting, "GPU_TILES": kernels.NO_GPU_TILES}):
-                try:
-                    for mode, name in MODES.items():
-                        step = functools.partial(evolve, inputs, mode)
-                        row[f"{name}_ms"] = 1000 * median_seconds(step, device, args.repeats, args.warmup)
-                    if args.tune:  # a setting is chosen only where it computes the step right
-                        row["largest_relative_error"] = max(path_errors(inputs).values())
-                except Exception as error:  # e.g. out of shared memory: recorded, the sweep goes on
-                    row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-            rows.append(row)
-            print(f"  sweep {dtype} N={length} {setting}: {row.get('forward_ms', row.get('error'))}", flush=True)
+        for kernel, configs in lists[kind].items():
+            for config in configs:
+                row: dict[str, Any] = {"dtype": dtype, "n": length, "batch": batch, "kernel": kernel, "config": config}
+                # The other kernels on the first of the lists in force (the module's, or the dry run's tiles).
+                in_force = kernels.CONFIGS
+                with ea.attributes(kernels, {"CONFIGS": {**in_force, kind: forced(in_force[kind], kernel, config)}}):
+                    try:
+                        for mode in SWEEP_MODES[kernel]:
+                            step = functools.partial(evolve, inputs, mode)
+                            row[f"{MODES[mode]}_ms"] = 1000 * median_seconds(step, device, args.repeats, args.warmup)
+                        if args.tune:  # a configuration is chosen only where it computes the step right
+                            row["largest_relative_error"] = max(path_errors(inputs).values())
+                    except Exception as error:  # e.g. out of shared memory: recorded, the sweep goes on
+                        row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                rows.append(row)
+                time = row.get(f"{MODES[SWEEP_MODES[kernel][0]]}_ms", row.get("error"))
+                print(f"  sweep {dtype} N={length} {kernel} {config}: {time}", flush=True)
     return rows
 
 
 def tuned_entry(rows: list[dict], capability: str, bucket: int) -> dict | None:
-    """The tuned-tile table's entry (``ea_hf/ops/triton/tuned_tiles.json``) for one dtype's sweep ``rows``: the
-    fastest correct forward tiles (by the forward's time; they also shape the input gradient's launch) and the
-    fastest correct weight-gradient tiles (by forward and backward); None where no setting was correct."""
+    """The tuned-tile table's entry (``ea_hf/ops/triton/tuned_tiles.json``) for one dtype's sweep ``rows``: per
+    kernel, its fastest correct configuration (by the time of its first mode in SWEEP_MODES), which narrows the
+    kernel's list to itself on this GPU; None where no configuration was correct."""
     dtype = rows[0]["dtype"]
     tolerance = TUNE_TOLERANCE[dtype]
     correct = [row for row in rows if "error" not in row and row["largest_relative_error"] <= tolerance]
-    tiles: dict[str, Any] = {}
-    for weight_tiles, time in ((False, "forward_ms"), (True, "forward_backward_ms")):
-        group = [row for row in correct if any(name.startswith("WEIGHT_") for name in row["setting"]) == weight_tiles]
+    chosen: dict[str, list[dict]] = {}
+    for kernel, modes in SWEEP_MODES.items():
+        group = [row for row in correct if row["kernel"] == kernel]
         if group:
-            tiles |= min(group, key=lambda row: row[time])["setting"]
-    if not tiles:
+            chosen[kernel] = [min(group, key=lambda row: row[f"{MODES[modes[0]]}_ms"])["config"]]
+    if not chosen:
         return None
     return {"family": "evolution", "capability": capability, "dtype": str(torch_dtype(dtype)).removeprefix("torch."),
-            "bucket": bucket, "tiles": tiles,
+            "bucket": bucket, "configs": chosen,
             "chosen_on": f"N={rows[0]['n']}, batch {rows[0]['batch']}, {HEADS} heads"}  # fmt: skip
 
 
@@ -321,8 +329,9 @@ def write_tuned_table(path: str, sweeps: list[dict], capability: str) -> list[di
     return entries
 
 
-def run_cases(args: argparse.Namespace, liger_class: Any) -> tuple[list[dict], list[dict]]:
-    """(every case, with Liger's comparison where asked for, and every sweep row), printed as they finish."""
+def run_cases(args: argparse.Namespace, liger_class: Any, lists: dict) -> tuple[list[dict], list[dict]]:
+    """(every case, with Liger's comparison where asked for, and every sweep row over the configuration lists
+    ``lists``), printed as they finish."""
     cases, sweeps = [], []
     for dtype in args.dtypes:
         for length, batch in args.cases:
@@ -340,7 +349,7 @@ def run_cases(args: argparse.Namespace, liger_class: Any) -> tuple[list[dict], l
                     case["liger"] = compare = compare_liger(liger_class, dtype, length, batch, args)
                     print(liger_line(compare), flush=True)
             if args.sweep or args.tune:
-                sweeps.extend(run_sweep(dtype, length, batch, args))
+                sweeps.extend(run_sweep(dtype, length, batch, args, lists))
     return cases, sweeps
 
 
@@ -355,9 +364,10 @@ def collect(args: argparse.Namespace) -> dict:
     if liger is not None and not liger["available"]:
         print(f"Liger-Kernel not timed: {liger['reason']}", flush=True)
     elapsed = stopwatch()
+    lists = ea.triton_kernels().CONFIGS  # the kernels' own, which the dry run's interpreter tiles replace
     # Put back afterwards: the tests run this in their own process.
     with ea.evolution_on("triton", "cpu" if args.dry_run else "cuda"):
-        cases, sweeps = run_cases(args, liger_class)
+        cases, sweeps = run_cases(args, liger_class, lists)
     return {
         "benchmark": "one evolution step: Triton kernels vs torch operations (bench/bench_triton_kernels.py)",
         "created": utc_now(),
@@ -383,15 +393,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="tiny maps on CPU in Triton's interpreter")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(TORCH_DTYPES), help="default fp32 bf16 (dry run: fp32)")
     parser.add_argument("--cases", nargs="+", type=parse_case, help="N:BATCH (default 512:8 2048:2)")
-    parser.add_argument("--sweep", action="store_true", help="also time the Triton kernels under each SWEEP tile")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time the Triton step under each configuration of each kernel"
+    )
     parser.add_argument(
         "--liger", action="store_true", help="also time Liger-Kernel's Multi-Token Attention (centred cases)"
     )
     parser.add_argument(
         "--tune",
         metavar="TABLE",
-        help="sweep the tiles, check each setting against torch operations, and write the tuned-tile table with "
-        "this GPU's fastest correct settings to TABLE (copy it to ea_hf/ops/triton/tuned_tiles.json to commit it)",
+        help="sweep the configurations, check each against torch operations, and write the tuned-tile table with "
+        "this GPU's fastest correct one per kernel to TABLE (copy it to ea_hf/ops/triton/tuned_tiles.json to commit "
+        "it: the kernels then run it on this GPU instead of searching their lists)",
     )
     parser.add_argument("--repeats", type=int, help="timed calls (default 20; dry run 2)")
     parser.add_argument("--warmup", type=int, help="untimed calls first (default 3; dry run 1)")

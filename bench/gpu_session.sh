@@ -104,7 +104,7 @@ fi
 # a. smoke
 step a_smoke 50 "${ON_GPU_CPUS[@]}" $PYTHON -m pytest -q -p no:cacheprovider -rs -x --junitxml="$OUT/a_smoke/tests.xml" \
     $(gpu_or_dry "tests/ops/test_triton_kernel.py tests/ops/test_triton_attention.py -k cuda" \
-        "tests/ops/test_triton_compilation.py -k gpu_tiles")
+        "tests/ops/test_triton_compilation.py -k configuration_lists")
 
 # b. the decision table
 DRY=$(gpu_or_dry "" "--dry-run --repeats 1 --warmup 1")

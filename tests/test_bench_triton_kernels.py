@@ -33,7 +33,7 @@ def triton_kernels(bench):
 
 def test_dry_run_times_both_paths_and_tunes_the_tiles(bench, triton_kernels, tmp_path, monkeypatch):
     calls = spy_on(monkeypatch, triton_kernels)
-    tiles = {name: getattr(triton_kernels, name) for name in bench.ea.triton_tile_names()}
+    configs = triton_kernels.CONFIGS
     environment = {name: os.environ.get(name) for name in ("EA_HF_TRITON", "TRITON_INTERPRET")}
     registered = list(registry.FUSED_KERNELS)
 
@@ -55,36 +55,41 @@ def test_dry_run_times_both_paths_and_tunes_the_tiles(bench, triton_kernels, tmp
         # fp32 Triton kernels against torch operations in float64: output and all four gradients.
         assert set(case["relative_errors"]) == {"output", "scores", "previous", "weight", "bias"}
         assert max(case["relative_errors"].values()) <= 1e-5
-    # Every timed Triton call and the sweep ran on the kernels: per case 3 modes x (1 warm-up + 1) calls, the
-    # error check, then 8 settings x (3 modes x 2 calls + the setting's error check); backward once per call of
-    # the backward mode and check.
-    assert calls.count("correlate") == 2 * (3 * 2 + 1) + len(bench.SWEEP) * (3 * 2 + 1)
-    assert calls.count("backward") == 2 * (2 + 1) + len(bench.SWEEP) * (2 + 1)
-    assert [row["setting"] for row in report["sweep"]] == bench.SWEEP
+    # Every timed Triton call and the sweep ran on the kernels: per case 3 modes x (1 warm-up + 1) calls and the
+    # error check; then each configuration of the correlation's list in 2 modes (forward, in place) and each of
+    # the gradient kernels' lists in forward plus backward, 2 calls each, and each configuration's error check.
+    lists = triton_kernels.CONFIGS["float32"]
+    forward_configs = len(lists["correlate"])
+    backward_configs = len(lists["input_grad"]) + len(lists["weight_grad"])
+    assert calls.count("correlate") == 2 * (3 * 2 + 1) + forward_configs * (2 * 2 + 1) + backward_configs * (2 + 1)
+    assert calls.count("backward") == 2 * (2 + 1) + forward_configs + backward_configs * (2 + 1)
+    assert [(row["kernel"], row["config"]) for row in report["sweep"]] == [
+        (kernel, config) for kernel, configs in lists.items() for config in configs
+    ]
     for row in report["sweep"]:
-        assert "error" not in row and all(row[f"{mode}_ms"] > 0 for mode in bench.MODES.values())
+        modes = bench.SWEEP_MODES[row["kernel"]]
+        assert "error" not in row and all(row[f"{bench.MODES[mode]}_ms"] > 0 for mode in modes)
         assert row["largest_relative_error"] <= bench.TUNE_TOLERANCE["fp32"]
-    # --tune: the committed table with this machine's entry, the fastest forward and weight-gradient settings.
+    # --tune: the committed table with this machine's entry, each kernel's fastest configuration by its first mode.
     fastest = {
-        weight: min((row for row in report["sweep"] if ("WEIGHT_BLOCK_ROWS" in row["setting"]) == weight),
-                    key=lambda row: row["forward_backward_ms" if weight else "forward_ms"])["setting"]
-        for weight in (False, True)
+        kernel: [min((row for row in report["sweep"] if row["kernel"] == kernel),
+                     key=lambda row: row[f"{bench.MODES[modes[0]]}_ms"])["config"]]
+        for kernel, modes in bench.SWEEP_MODES.items()
     }  # fmt: skip
     (entry,) = json.loads(table.read_text())["entries"]
-    assert entry["tiles"] == fastest[False] | fastest[True] and report["tuned_entries"] == [entry]
+    assert entry["configs"] == fastest and report["tuned_entries"] == [entry]
     key = {name: entry[name] for name in ("family", "capability", "dtype", "bucket")}
     assert key == {"family": "evolution", "capability": "interpreter", "dtype": "float32", "bucket": 16}
-    assert set(entry["tiles"]) <= set(triton_kernels.TILE_NAMES)
     for case in report["cases"]:  # the bandwidth each path achieved on the step's least bytes
         assert 0 < case["triton_forward_gb_s"] and 0 < case["torch_forward_backward_gb_s"]
     assert report["settings"]["dry_run"] is True and report["gpu"] is None
     defaults = bench.parse_args(["--dry-run"])  # what the dry run times without --repeats
     assert (report["settings"]["repeats"], defaults.repeats, defaults.warmup) == (1, 2, 1)
-    # Put back: tiles, environment, registered kernels.
-    assert {name: getattr(triton_kernels, name) for name in bench.ea.triton_tile_names()} == tiles
+    # Put back: configurations, environment, registered kernels.
+    assert triton_kernels.CONFIGS is configs
     assert {name: os.environ.get(name) for name in environment} == environment
     assert registry.FUSED_KERNELS == registered
-    assert all(triton_kernels.GPU_TILES.values()) and torch.is_grad_enabled()
+    assert torch.is_grad_enabled()
 
 
 def test_without_cuda_the_full_run_refuses(bench, monkeypatch):

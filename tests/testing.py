@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pandas as pd
@@ -239,26 +238,23 @@ def spy_on(monkeypatch, module, names=("correlate", "backward")) -> list[str]:
 
 def recorded_triton_launches(
     monkeypatch, kernels, call, names=("correlate", "input_grad", "weight_grad")
-) -> list[tuple[str, tuple, dict]]:
-    """(kernel name, positional arguments, keyword arguments) of every launch that ``call()`` makes through
-    the kernels ``names`` of a Triton kernel module (``ea_hf.ops.triton.evolution`` or ``attention_tail``,
-    passed as ``kernels``) as it would on a GPU (tiles and precision for a compiled kernel), without running
-    any: the outputs are left unwritten."""
+) -> list[tuple[str, tuple, dict, list[dict]]]:
+    """(kernel name, positional arguments, constexpr switches, configurations) of every launch that ``call()``
+    makes through the kernels ``names`` of a Triton kernel module (``ea_hf.ops.triton.evolution`` or
+    ``attention_tail``, passed as ``kernels``) as it would on a GPU (the configurations and the precision of
+    products for a compiled kernel; see ``ea_hf.ops.triton.common.launch``), without running any: the outputs are
+    left unwritten."""
     from ea_hf.ops.triton import common
 
     launches = []
 
-    class Launcher:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.name, args, kwargs))
+    def record(family, name, configs, grid, args, switches):
+        assert family is kernels.jitted and name in names, name
+        launches.append((name, args, dict(switches), list(configs)))
 
     with monkeypatch.context() as patch:
-        recorder = types.SimpleNamespace(**{name: Launcher(name) for name in names})
-        patch.setattr(kernels, "jitted", lambda: recorder)
-        patch.setattr(common, "interpreting", lambda: False)  # for the tiles and the precision of products
+        patch.setattr(common, "launch", record)
+        patch.setattr(common, "interpreting", lambda: False)  # for the precision of products
         call()
     return launches
 

@@ -22,13 +22,17 @@ PATHS = ("torch", "triton")
 #: A candidate path of the decision table (:func:`evolution_on` takes it too): torch operations with the
 #: convolutions on channels-last maps whose heads are padded to a multiple of 8 (``EA_HF_CHANNELS_LAST=1``).
 CHANNELS_LAST_PATH = "torch-nhwc"
-#: Tiles for Triton's interpreter: one program per tiny map, as the interpreter runs every program in Python. The
-#: torch allocations do not depend on them but for the weight gradient's partial sums, a few KiB (memory_model.py
-#: measures under them). On a GPU the kernels' own tiles are used.
-INTERPRETER_TILES = {"BLOCK_ROWS": 32, "BLOCK_COLS": 32, "WEIGHT_BLOCK_ROWS": 32, "WEIGHT_BLOCK_COLS": 32}
-#: The same with one weight-gradient program per head and tap, for dry runs that only time: faster still, but the
-#: weight gradient's partial sums (torch allocations) shrink with the programs.
-DRY_RUN_TILES = {**INTERPRETER_TILES, "WEIGHT_GRAD_PROGRAMS": 1}
+_ONE_PROGRAM = {"BLOCK_Q": 32, "BLOCK_K": 32, "BLOCK_TAPS": 32, "num_warps": 4, "num_stages": 3}
+#: Tiles for Triton's interpreter (the Triton kernels' configuration lists, one configuration each): one program
+#: per tiny map, as the interpreter runs every program in Python. The torch allocations do not depend on them.
+#: On a GPU the kernels' own lists are searched.
+INTERPRETER_TILES = {
+    "CONFIGS": {kind: dict.fromkeys(("correlate", "input_grad", "weight_grad"), (_ONE_PROGRAM,))
+                for kind in ("float32", "half")},
+}  # fmt: skip
+#: The same with one run of tiles for the weight gradient, for dry runs that only time: faster still, but the
+#: weight gradient's partial sums (torch allocations) shrink with the runs.
+DRY_RUN_TILES = {**INTERPRETER_TILES, "WEIGHT_GRAD_SPLITS": 1}
 
 
 def import_ea_hf() -> ModuleType:
@@ -57,11 +61,6 @@ def fused_kernels(kernels: list[ModuleType]) -> contextlib.AbstractContextManage
     from ea_hf.modeling import kernels as registry
 
     return attributes(registry, {"FUSED_KERNELS": kernels})
-
-
-def triton_tile_names() -> tuple[str, ...]:
-    """The names of the Triton kernels' tile settings (module attributes, :func:`triton_kernels`)."""
-    return triton_kernels().TILE_NAMES
 
 
 @contextlib.contextmanager

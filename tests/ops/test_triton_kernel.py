@@ -31,23 +31,28 @@ triton = pytest.importorskip(
     "triton", minversion=common.MIN_TRITON, reason="the Triton kernels need the optional triton package"
 )
 
+
+def only(correlation: dict, weight_grad: dict) -> dict:
+    """CONFIGS with one configuration per kernel, for every dtype: the correlation kernels' and the
+    weight-gradient kernel's tiles (warps and stages do not matter in the interpreter)."""
+    launch = {"num_warps": 4, "num_stages": 3}
+    kernels_tiles = {"correlate": correlation, "input_grad": correlation, "weight_grad": weight_grad}
+    return {kind: {name: (tiles | launch,) for name, tiles in kernels_tiles.items()} for kind in kernels.CONFIGS}
+
+
 #: Tiles for most tests: one or two tiles per map, few interpreted programs.
-TILES = dict(BLOCK_ROWS=8, BLOCK_COLS=16, WEIGHT_BLOCK_ROWS=8, WEIGHT_BLOCK_COLS=16)
+TILES = {"CONFIGS": only(dict(BLOCK_Q=8, BLOCK_K=16, BLOCK_TAPS=32), dict(BLOCK_Q=8, BLOCK_K=16, BLOCK_TAPS=32))}
 #: Tiles that split a 7 x 11 map (a tile's columns are whole bytes of the packed gate: a multiple of 8), a
 #: reduction split into several blocks of (head, tap) pairs, and a weight gradient split into runs of several
 #: tiles, the last one shorter (each side of a product at least 16).
-SMALL_TILES = dict(
-    BLOCK_ROWS=4,
-    BLOCK_COLS=8,
-    TAP_BLOCK=16,
-    WEIGHT_BLOCK_ROWS=2,
-    WEIGHT_BLOCK_COLS=8,
-    WEIGHT_TAP_BLOCK=16,
-    WEIGHT_GRAD_PROGRAMS=10,
-    IN_PLACE_PROGRAMS=8,  # in-place correlation in launches of 2 batch elements (of 3), the last one shorter
-)
-#: The module's own tiles, for whole models.
-DEFAULT_TILES = {name: getattr(kernels, name) for name in (*TILES, *SMALL_TILES, "GPU_TILES")}
+SMALL_TILES = {
+    "CONFIGS": only(dict(BLOCK_Q=4, BLOCK_K=8, BLOCK_TAPS=16), dict(BLOCK_Q=2, BLOCK_K=8, BLOCK_TAPS=16)),
+    "WEIGHT_GRAD_SPLITS": 5,  # 24 tiles of a [3, 3, 7, 11] map: runs of 5, the last of 4
+    "WEIGHT_GRAD_SPLIT_PIXELS": 1,
+    "IN_PLACE_PIXELS": 150,  # in-place correlation in launches of 2 batch elements (of 3), the last one shorter
+}
+#: The module's own configurations (the first of each list runs in the interpreter), for whole models.
+DEFAULT_TILES = {name: getattr(kernels, name) for name in (*TILES, *SMALL_TILES)}
 #: Max error relative to the reference's largest magnitude: fp32 kernels, and half-precision maps.
 FP32_TOLERANCE = 1e-5
 HALF_TOLERANCE = 2e-2
@@ -59,9 +64,8 @@ def triton_on(monkeypatch, device):
     monkeypatch.setenv("TRITON_INTERPRET", "1" if device == "cpu" else "0")
     # float32 accuracy on a GPU (three TF32 products a product; see test_float32_precision_follows_cudnn)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    for name, value in TILES.items():
+    for name, value in TILES.items():  # (on a GPU too: one configuration, so autotune does not choose)
         monkeypatch.setattr(kernels, name, value)
-    monkeypatch.setattr(kernels, "GPU_TILES", kernels.NO_GPU_TILES)  # the tests' tiles for every dtype
 
 
 @pytest.fixture
@@ -454,8 +458,12 @@ def test_correlate_takes_only_a_packed_gate_in_whole_bytes(monkeypatch, device):
     x, weight = to(device, torch.zeros(1, 2, 5, 20), torch.zeros(2, 2, 3, 3))
     with pytest.raises(ValueError, match=r"bit-packed \(packed_gate\).*\(1, 2, 5, 4\), not torch.bool"):
         kernels.correlate(x, weight, None, row_shift=-1, saved=torch.zeros_like(x, dtype=torch.bool))
-    monkeypatch.setattr(kernels, "BLOCK_COLS", 4)
-    with pytest.raises(ValueError, match="BLOCK_COLS must be a multiple of 8, not 4"):
+    monkeypatch.setattr(
+        kernels,
+        "CONFIGS",
+        only(dict(BLOCK_Q=8, BLOCK_K=4, BLOCK_TAPS=16), TILES["CONFIGS"]["float32"]["weight_grad"][0]),
+    )
+    with pytest.raises(ValueError, match=r"BLOCK_K must be a multiple of 8, not \[4\]"):
         kernels.correlate(x, weight, None, row_shift=-1, saved=packed_gate(x))
     assert kernels.correlate(x, weight, None, row_shift=-1).shape == x.shape  # no gate: any tile
 
@@ -600,13 +608,72 @@ def test_float32_precision_follows_cudnn(monkeypatch):
     torch operations' F.conv2d), else as three TF32 products; the interpreter always multiplies in float32."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    assert kernels.product_tiles(12, torch.float32, 4, 32, 32, 4)["FP32_PRECISION"] == "tf32"
+    assert kernels.product_switches(12, torch.float32)["FP32_PRECISION"] == "tf32"
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    assert kernels.product_tiles(12, torch.float32, 4, 32, 32, 4)["FP32_PRECISION"] == "tf32x3"
+    assert kernels.product_switches(12, torch.float32)["FP32_PRECISION"] == "tf32x3"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    tiles = kernels.product_tiles(12, torch.bfloat16, 8, 32, 16, 8)
-    assert tiles["FP32_PRECISION"] == "ieee" and tiles["HALF"] and not tiles["TENSOR_CORES"]
-    assert (tiles["BLOCK_H"], tiles["BLOCK_Q"], tiles["BLOCK_K"], tiles["BLOCK_TAPS"], tiles["num_warps"]) == (
-        16, 8, 32, 16, 8,
-    )  # fmt: skip
+    switches = kernels.product_switches(12, torch.bfloat16)
+    assert switches["FP32_PRECISION"] == "ieee" and switches["HALF"] and not switches["TENSOR_CORES"]
+    assert switches["BLOCK_H"] == 16
+
+
+def test_autotune_times_every_configuration_and_the_result_is_the_chosen_ones(monkeypatch, device):
+    """Under ``triton.autotune`` (which a compiled launch with more than one configuration runs; see
+    ``ea_hf.ops.triton.common.launch``) every kernel runs once per configuration of its list, timed, and then the
+    fastest: the results (a gated forward step out of place and in place, and its backward) are bit for bit those
+    of the chosen configuration alone, so no kernel reads what it writes. The same tuning key is not timed again;
+    a map of another size bucket is. In the interpreter, which never autotunes by itself, a stand-in timer
+    prefers each list's second configuration; on a GPU, autotune's own timer chooses."""
+    two = only(dict(BLOCK_Q=4, BLOCK_K=8, BLOCK_TAPS=16), dict(BLOCK_Q=2, BLOCK_K=8, BLOCK_TAPS=16))
+    second = {"correlate": dict(BLOCK_Q=2, BLOCK_K=16, BLOCK_TAPS=32), "weight_grad": dict(BLOCK_Q=4, BLOCK_TAPS=32)}
+    for lists in two.values():  # a second configuration per kernel, with other tiles and other tap blocks
+        for name, (first,) in lists.items():
+            lists[name] = (first, first | second.get(name, second["correlate"]))
+    monkeypatch.setattr(kernels, "CONFIGS", two)
+    monkeypatch.setattr(kernels, "WEIGHT_GRAD_SPLITS", 5)
+    monkeypatch.setattr(kernels, "WEIGHT_GRAD_SPLIT_PIXELS", 1)
+    timed = []
+
+    def stand_in_timer(kernel_call, quantiles):
+        kernel_call()
+        timed.append(kernel_call)
+        return [2.0 if len(timed) % 2 else 1.0] * len(quantiles)
+
+    timer = stand_in_timer if device == "cpu" else None
+    autotuners = {}
+
+    def autotuned_launch(family, name, configs, grid, args, switches):
+        autotuners[name] = family.autotuned(name, configs, do_bench=timer)
+        autotuners[name][grid](*args, **switches)
+
+    def step(rows, cols):
+        batch, heads, alpha, beta = 3, 3, 0.3, 0.6
+        scores, previous, upstream, weight, bias, context = make_inputs(batch, heads, rows, cols, 3, False)
+        scores, previous, upstream, weight, bias = to(device, scores, previous, upstream, weight, bias)
+        maps, step = StepMaps(scores, previous, None), EvolutionStep(alpha, beta, context)
+        logits, gate = kernels.evolve(step, maps, weight * beta, bias * beta, in_place=False, gate=True)
+        in_place_maps = StepMaps(scores.clone(), previous, None)
+        in_place, _ = kernels.evolve(step, in_place_maps, weight * beta, bias * beta, in_place=True)
+        return [logits, gate, in_place, *kernels.backward(step, maps, GradientIn(upstream), gate, weight * beta)]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(common, "launch", autotuned_launch)
+        got = step(7, 11)
+        # Two configurations for each of the four tuning keys: the correlation with a gate and in place (autotune's
+        # key holds the dtypes of the tensors passed: the in-place launch passes no gate), and both gradients.
+        assert len(timed) == (8 if device == "cpu" else 0)
+        again = step(7, 11)  # the same tuning keys: no timing
+        assert len(timed) == (8 if device == "cpu" else 0)
+        step(7, 20)  # 20 columns: another bucket, timed again
+        assert len(timed) == (16 if device == "cpu" else 0)
+    chosen = {name: autotuner.best_config for name, autotuner in autotuners.items()}
+    for name, config in chosen.items():
+        chosen[name] = dict(config.kwargs) | {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        assert chosen[name] in two["float32"][name]
+        if device == "cpu":
+            assert chosen[name] == two["float32"][name][1]
+        monkeypatch.setitem(two["float32"], name, (chosen[name],))
+    want = step(7, 11)
+    for got_map, again_map, want_map in zip(got, again, want, strict=True):
+        assert torch.equal(got_map, want_map) and torch.equal(again_map, want_map)

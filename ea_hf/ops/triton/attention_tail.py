@@ -28,7 +28,8 @@ float32 for the softmax's sums everywhere.
 
 Opt-in with the evolution kernels (``EA_HF_TRITON=1``; on CPU tensors under ``TRITON_INTERPRET=1``, for tests),
 and only where nobody reads the attention weights (the attention core asks): P is never formed. The kernels stand
-beside their launchers, jitted on first use (:data:`jitted`; see :mod:`.common`).
+beside their launchers, jitted on first use (:data:`jitted`), and launched over a few configurations of tiles,
+warps and stages (:data:`CONFIGS`), which autotune searches on a GPU (see :mod:`.common`).
 """
 
 from __future__ import annotations
@@ -39,12 +40,32 @@ from torch import Tensor
 from . import common
 from .common import JittedPerSetting, tile_product, tl, triton
 
-#: Query rows and key columns of a tile (powers of two, at least 16: sides of tl.dot); the largest head dimension
-#: taken (a tile holds a [BLOCK_KEYS, head_dim] block of V and of dV).
-BLOCK_QUERIES = 64
-BLOCK_KEYS = 64
+#: The largest head dimension taken (a tile holds a [BLOCK_N, head_dim] block of V and of dV).
 MAX_HEAD_DIM = 256
-NUM_WARPS = 4
+
+
+def _config(queries: int, keys: int, warps: int, stages: int = 3) -> dict[str, int]:
+    return {"BLOCK_M": queries, "BLOCK_N": keys, "num_warps": warps, "num_stages": stages}
+
+
+#: The configurations each kernel's launches search on a GPU (:func:`configs`; see :mod:`.common`), by the maps'
+#: dtype: BLOCK_M query rows and BLOCK_N key columns a tile (powers of two, at least 16: sides of tl.dot), warps
+#: and pipeline stages. The first of each is what runs in the interpreter and under torch's deterministic
+#: algorithms: 64 x 64 tiles on 4 warps, flash attention's usual start. The forward and row-term kernels loop over
+#: key blocks for a block of query rows; the backward kernel over query blocks for a block of key columns.
+#: ``tests/ops/test_triton_compilation.py`` compiles every one for sm_90 at BERT's head size.
+CONFIGS: dict[str, dict[str, tuple[dict, ...]]] = {
+    "float32": {
+        "forward": (_config(64, 64, 4), _config(128, 64, 8), _config(64, 32, 4)),
+        "row_terms": (_config(64, 64, 4), _config(128, 64, 8), _config(64, 32, 4)),
+        "backward": (_config(64, 64, 4), _config(32, 64, 4), _config(64, 32, 4)),
+    },
+    "half": {
+        "forward": (_config(64, 64, 4), _config(128, 64, 8), _config(64, 128, 8, 2)),
+        "row_terms": (_config(64, 64, 4), _config(128, 64, 8), _config(64, 128, 8, 2)),
+        "backward": (_config(64, 64, 4), _config(32, 64, 4), _config(64, 128, 8, 2)),
+    },
+}  # fmt: skip
 
 
 def applicable(logits: Tensor, allowed: Tensor | None, additive: Tensor | None, value: Tensor) -> bool:
@@ -93,17 +114,34 @@ def _pointers(logits: Tensor, *optional: Tensor | None) -> list[Tensor]:
     return [logits if tensor is None else tensor for tensor in optional]
 
 
-def launch_tiles(head_dim: int, dtype: torch.dtype) -> dict[str, object]:
-    """A launch's constexpr tiles and warps for values of ``head_dim`` and ``dtype``: the module's tiles, the head
-    dimension padded to a power of two of at least 16, and how the maps are multiplied
-    (:func:`~.common.product_switches`)."""
-    return {
-        "BLOCK_M": BLOCK_QUERIES,
-        "BLOCK_N": BLOCK_KEYS,
-        "num_warps": NUM_WARPS,
-        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
-        **common.product_switches(dtype),
-    }
+def head_bucket(head_dim: int) -> int:
+    """The head dimension padded to a power of two of at least 16 (BLOCK_D, a side of tl.dot): the tuned-tile
+    table's bucket.
+
+    Example:
+        >>> head_bucket(64), head_bucket(80), head_bucket(8)
+        (64, 128, 16)
+    """
+    return common.padded_side(head_dim)
+
+
+def configs(kernel: str, dtype: torch.dtype, head_dim: int, device: torch.device) -> list[dict]:
+    """The configurations a launch of ``kernel`` (``forward``, ``row_terms`` or ``backward``) on values of
+    ``head_dim`` and ``dtype`` on ``device`` may use: :data:`CONFIGS` of the dtype, narrowed by the tuned-tile
+    table (:func:`~.common.launch_configs`, bucket :func:`head_bucket`). Read at call time.
+
+    Example:
+        >>> configs("forward", torch.bfloat16, 64, torch.device("cpu"))[0]
+        {'BLOCK_M': 64, 'BLOCK_N': 64, 'num_warps': 4, 'num_stages': 3}
+    """
+    listed = CONFIGS["float32" if dtype == torch.float32 else "half"][kernel]
+    return common.launch_configs("attention_tail", kernel, listed, device, dtype, head_bucket(head_dim))
+
+
+def launch_switches(head_dim: int, dtype: torch.dtype) -> dict[str, object]:
+    """A launch's constexpr arguments besides its configuration: the head dimension padded
+    (:func:`head_bucket`), and how the maps are multiplied (:func:`~.common.product_switches`)."""
+    return {"BLOCK_D": head_bucket(head_dim), **common.product_switches(dtype)}
 
 
 # Device functions the kernels call by name, jitted with them (see :mod:`.common`).
@@ -165,7 +203,7 @@ def _map_pointers(
 
 def _forward_kernel(
     logits_ptr, allowed_ptr, a_b, a_h, a_q, a_k, additive_ptr, d_b, d_h, d_q, d_k, keep_ptr, dropout_scale,
-    v_ptr, out_ptr, stats_ptr, heads, group, rows, cols, head_dim, fill,
+    v_ptr, out_ptr, stats_ptr, heads, group, rows, cols, head_dim, fill, rows_bucket, cols_bucket,
     HAS_ALLOWED: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HALF: tl.constexpr, TENSOR_CORES: tl.constexpr, FP32_PRECISION: tl.constexpr,
@@ -225,7 +263,6 @@ def forward(
     ``ea_hf::triton_attention_tail`` (:mod:`.operators`)."""
     if torch.compiler.is_compiling():  # (the operator's body, run outside tracing, comes back here)
         return torch.ops.ea_hf.triton_attention_tail(logits, allowed, additive, value, dropout_keep, dropout_scale)
-    kernels = jitted()
     batch, heads, rows, cols = logits.shape
     head_dim = value.shape[-1]
     logits, value = logits.contiguous(), value.contiguous()
@@ -234,20 +271,24 @@ def forward(
     keep = None if dropout_keep is None else dropout_keep.contiguous()
     output = torch.empty(batch, heads, rows, head_dim, dtype=value.dtype, device=value.device)
     stats = torch.empty(2, batch, heads, rows, dtype=torch.float32, device=value.device)
-    tiles = launch_tiles(head_dim, value.dtype)
-    grid = (batch * heads, triton.cdiv(rows, tiles["BLOCK_M"]))
     allowed_ptr, additive_ptr, keep_ptr = _pointers(logits, allowed, additive, keep)
-    kernels.forward[grid](
+    arguments = (
         logits, allowed_ptr, *allowed_strides, additive_ptr, *additive_strides, keep_ptr, float(dropout_scale), value,
         output, stats, heads, heads // value.shape[1], rows, cols, head_dim, torch.finfo(torch.float32).min,
-        HAS_ALLOWED=allowed is not None, HAS_ADDITIVE=additive is not None, HAS_DROPOUT=keep is not None, **tiles,
+        common.size_bucket(rows), common.size_bucket(cols),
+    )  # fmt: skip
+    switches = {"HAS_ALLOWED": allowed is not None, "HAS_ADDITIVE": additive is not None,
+                "HAS_DROPOUT": keep is not None, **launch_switches(head_dim, value.dtype)}  # fmt: skip
+    common.launch(
+        jitted, "forward", configs("forward", value.dtype, head_dim, value.device),
+        lambda tiles: (batch * heads, triton.cdiv(rows, tiles["BLOCK_M"])), arguments, switches,
     )  # fmt: skip
     return output, stats
 
 
 def _row_terms_kernel(
     logits_ptr, allowed_ptr, a_b, a_h, a_q, a_k, additive_ptr, d_b, d_h, d_q, d_k, keep_ptr, dropout_scale,
-    v_ptr, grad_out_ptr, stats_ptr, delta_ptr, heads, group, rows, cols, head_dim, fill,
+    v_ptr, grad_out_ptr, stats_ptr, delta_ptr, heads, group, rows, cols, head_dim, fill, rows_bucket, cols_bucket,
     HAS_ALLOWED: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HALF: tl.constexpr, TENSOR_CORES: tl.constexpr, FP32_PRECISION: tl.constexpr,
@@ -287,7 +328,7 @@ def _row_terms_kernel(
 def _backward_kernel(
     logits_ptr, allowed_ptr, a_b, a_h, a_q, a_k, additive_ptr, d_b, d_h, d_q, d_k, keep_ptr, dropout_scale,
     v_ptr, grad_out_ptr, stats_ptr, delta_ptr, grad_logits_ptr, grad_v_ptr, heads, group, rows, cols, head_dim,
-    fill,
+    fill, rows_bucket, cols_bucket,
     HAS_ALLOWED: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HALF: tl.constexpr, TENSOR_CORES: tl.constexpr, FP32_PRECISION: tl.constexpr,
@@ -358,34 +399,37 @@ def backward(
             logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output
         )
         return grad_logits.to(grad_dtype), grad_value
-    kernels = jitted()
     batch, heads, rows, cols = logits.shape
     value_heads, head_dim = value.shape[1], value.shape[-1]
     logits, value, grad_output = logits.contiguous(), value.contiguous(), grad_output.contiguous()
     allowed, allowed_strides = _mask_view(allowed, logits.shape)
     additive, additive_strides = _mask_view(additive, logits.shape)
     keep = None if dropout_keep is None else dropout_keep.contiguous()
-    tiles = launch_tiles(head_dim, value.dtype)
     allowed_ptr, additive_ptr, keep_ptr = _pointers(logits, allowed, additive, keep)
     arguments = (logits, allowed_ptr, *allowed_strides, additive_ptr, *additive_strides, keep_ptr,
                  float(dropout_scale), value, grad_output, stats)  # fmt: skip
-    sizes = (heads, heads // value_heads, rows, cols, head_dim, torch.finfo(torch.float32).min)
+    sizes = (heads, heads // value_heads, rows, cols, head_dim, torch.finfo(torch.float32).min,
+             common.size_bucket(rows), common.size_bucket(cols))  # fmt: skip
     switches = {
         "HAS_ALLOWED": allowed is not None,
         "HAS_ADDITIVE": additive is not None,
         "HAS_DROPOUT": keep is not None,
+        **launch_switches(head_dim, value.dtype),
     }
     # The softmax gradient's row terms (see the module docstring), summed from the tiles of P and dP.
     delta = torch.empty(batch, heads, rows, dtype=torch.float32, device=logits.device)
-    kernels.row_terms[(batch * heads, triton.cdiv(rows, tiles["BLOCK_M"]))](
-        *arguments, delta, *sizes, **switches, **tiles
-    )
+    common.launch(
+        jitted, "row_terms", configs("row_terms", value.dtype, head_dim, value.device),
+        lambda tiles: (batch * heads, triton.cdiv(rows, tiles["BLOCK_M"])), (*arguments, delta, *sizes), switches,
+    )  # fmt: skip
     grad_logits = torch.empty(logits.shape, dtype=grad_dtype, device=logits.device)
     # dV per query head, in float32; summed over each key/value head's group below.
     grad_value = torch.empty(batch, heads, cols, head_dim, dtype=torch.float32, device=value.device)
-    kernels.backward[(batch * heads, triton.cdiv(cols, tiles["BLOCK_N"]))](
-        *arguments, delta, grad_logits, grad_value, *sizes, **switches, **tiles
-    )
+    common.launch(
+        jitted, "backward", configs("backward", value.dtype, head_dim, value.device),
+        lambda tiles: (batch * heads, triton.cdiv(cols, tiles["BLOCK_N"])),
+        (*arguments, delta, grad_logits, grad_value, *sizes), switches,
+    )  # fmt: skip
     group = heads // value_heads
     grad_value = grad_value.view(batch, value_heads, group, cols, head_dim).sum(2)
     return grad_logits, grad_value.to(value.dtype)
@@ -406,7 +450,9 @@ def attend(
 
 
 #: The kernels above, jitted with their device functions for the current ``TRITON_INTERPRET`` setting on first use.
+#: Autotune's key for each (with the maps' dtypes): the padded head dimension and the map's buckets.
 jitted = JittedPerSetting(
     {"forward": _forward_kernel, "row_terms": _row_terms_kernel, "backward": _backward_kernel},
     helpers=(_masked_logits, _probabilities, _kept_weights, _map_pointers, tile_product),
+    tuning_keys=dict.fromkeys(("forward", "row_terms", "backward"), ("BLOCK_D", "rows_bucket", "cols_bucket")),
 )

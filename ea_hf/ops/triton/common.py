@@ -21,6 +21,19 @@ helpers that ``triton.language`` itself defines with ``@triton.jit`` are decorat
 torch imports it early (``torch._dynamo``), usually before a test sets ``TRITON_INTERPRET``; the interpreter cannot
 call them then. The kernels' annotations (``tl.constexpr``) stay unevaluated strings (``from __future__ import
 annotations``), which triton reads as such, so that the kernel modules import without triton.
+
+**Configurations.** A kernel's tiles, warps and pipeline stages are a configuration (a dict: its constexpr tiles
+and the launch options ``num_warps`` and ``num_stages``). Each kernel family lists a few per kernel and map dtype;
+:func:`launch_configs` is the one place that decides which of them a launch may use: the list, narrowed to those
+that the tuned-tile table (:data:`TUNED_TILES_FILE`) names for the GPU's compute capability, the maps' dtype and
+the family's bucket, where it names any. :func:`launch` runs the first where only one is left, in the interpreter
+(which ignores tiles, and must not time configurations), where torch asks for deterministic algorithms (a search
+could choose another configuration in another process, and with it another order of sums) and while a CUDA graph
+is captured; elsewhere ``triton.autotune`` times each on the first call of a tuning key (the padded heads or head
+size, buckets of the map's rows and columns, :func:`size_bucket`, and the maps' dtype) and keeps the fastest for
+the process. Each kernel writes its outputs whole and reads none of them, so autotune's repeated launches need
+neither ``reset_to_zero`` nor ``restore_value`` (both in Triton 3.6 and 3.9; in-place results go through scratch
+maps, and the weight gradient's partial sums have a shape that every configuration fills).
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import functools
 import json
 import os
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FunctionType, SimpleNamespace
 
@@ -58,14 +72,18 @@ if triton is not None and release(triton.__version__) < release(MIN_TRITON):
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-#: The tiles chosen on GPUs (``bench/bench_triton_kernels.py --tune``), read by :func:`tuned_tiles`.
+#: The configurations chosen on GPUs (``bench/bench_triton_kernels.py --tune``), read by :func:`tuned_configs`.
 TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
+#: A configuration's launch options; its other entries are the kernel's constexpr tiles.
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+#: The largest bucket of a map's side (:func:`size_bucket`): longer maps tune as this long.
+MAX_SIZE_BUCKET = 4096
 
 
 def tile_key(family: str, device: torch.device, dtype: torch.dtype, bucket: int) -> dict[str, object]:
     """What an entry of the tuned-tile table is keyed by: the kernel family, the GPU's compute capability
-    (``"9.0"``), the maps' dtype and the family's size bucket (a power of two: the padded heads of the evolution
-    kernels)."""
+    (``"9.0"``), the maps' dtype and the family's bucket (a power of two: the padded heads of the evolution
+    kernels, the padded head size of the attention tail's)."""
     major, minor = torch.cuda.get_device_capability(device)
     return {"family": family, "capability": f"{major}.{minor}", "dtype": str(dtype).removeprefix("torch."),
             "bucket": bucket}  # fmt: skip
@@ -76,19 +94,86 @@ def _tuned_entries(path: Path) -> tuple[dict, ...]:
     return tuple(json.loads(path.read_text())["entries"]) if path.is_file() else ()
 
 
-def tuned_tiles(key: dict[str, object], path: Path | None = None) -> dict[str, object]:
-    """The tiles the table at ``path`` (:data:`TUNED_TILES_FILE`) holds for ``key`` (see :func:`tile_key`), or
-    none: the kernels' defaults.
+def tuned_configs(key: dict[str, object], path: Path | None = None) -> dict[str, list[dict]]:
+    """The configurations per kernel that the table at ``path`` (:data:`TUNED_TILES_FILE`) holds for ``key`` (see
+    :func:`tile_key`), or none.
 
     Example:
         >>> key = {"family": "evolution", "capability": "0.0", "dtype": "bfloat16", "bucket": 16}
-        >>> tuned_tiles(key)  # no GPU of capability 0.0 was tuned
+        >>> tuned_configs(key)  # no GPU of capability 0.0 was tuned
         {}
     """
     for entry in _tuned_entries(path or TUNED_TILES_FILE):
         if all(entry.get(name) == value for name, value in key.items()):
-            return dict(entry["tiles"])
+            return {kernel: [dict(config) for config in configs] for kernel, configs in entry["configs"].items()}
     return {}
+
+
+def launch_configs(
+    family: str, kernel: str, listed: Sequence[dict], device: torch.device, dtype: torch.dtype, bucket: int
+) -> list[dict]:
+    """The configurations a launch of ``kernel`` (of ``family``) may use: ``listed`` (the family's list for the
+    maps' dtype, best guess first), on a GPU narrowed to those that the tuned-tile table names for its compute
+    capability, ``dtype`` and ``bucket`` (where it names none of them, the whole list). Read at call time.
+
+    Example:
+        >>> listed = [{"BLOCK": 16, "num_warps": 4, "num_stages": 3}, {"BLOCK": 32, "num_warps": 8, "num_stages": 3}]
+        >>> launch_configs("evolution", "correlate", listed, torch.device("cpu"), torch.float32, 16) == listed
+        True
+    """
+    if device.type != "cuda":
+        return list(listed)
+    tuned = tuned_configs(tile_key(family, device, dtype, bucket)).get(kernel, [])
+    return [config for config in listed if config in tuned] or list(listed)
+
+
+def padded_side(size: int) -> int:
+    """``size`` padded to a power of two of at least 16, tl.dot's smallest side (the heads of the evolution's
+    products, the head size of the attention tail's).
+
+    Example:
+        >>> padded_side(12), padded_side(16), padded_side(40)
+        (16, 16, 64)
+    """
+    return max(16, 1 << (size - 1).bit_length())
+
+
+def size_bucket(size: int) -> int:
+    """A map side's bucket in autotune's key: its next power of two, at least 16 and at most
+    :data:`MAX_SIZE_BUCKET`, so that a kernel is tuned once per bucket, not once per sequence length (as
+    flash-attention's Triton kernels key on the length // 32).
+
+    Example:
+        >>> size_bucket(1), size_bucket(17), size_bucket(512), size_bucket(100_000)
+        (16, 32, 512, 4096)
+    """
+    return min(MAX_SIZE_BUCKET, padded_side(size))
+
+
+def tiles_of(config: dict) -> dict:
+    """A configuration's constexpr tiles (without its launch options)."""
+    return {name: value for name, value in config.items() if name not in LAUNCH_OPTIONS}
+
+
+def launch(
+    family: JittedPerSetting,
+    name: str,
+    configs: Sequence[dict],
+    grid: Callable[[dict], tuple[int, ...]],
+    args: tuple,
+    switches: dict,
+) -> None:
+    """Launch ``family``'s kernel ``name`` with the positional ``args`` and constexpr ``switches`` over
+    ``configs`` (:func:`launch_configs`): the first one where it is the only one, in the interpreter, where torch
+    asks for deterministic algorithms, or while a CUDA graph is captured (autotune's timing launches cannot be
+    captured); else the fastest, which ``triton.autotune`` finds on the first call of each tuning key (see the
+    module docstring). ``grid`` maps a configuration's tiles to the launch grid."""
+    kernels = family()
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if len(configs) == 1 or interpreting() or torch.are_deterministic_algorithms_enabled() or capturing:
+        getattr(kernels, name)[grid(configs[0])](*args, **switches, **configs[0])
+    else:
+        family.autotuned(name, configs)[grid](*args, **switches)
 
 
 def interpreting() -> bool:
@@ -150,15 +235,43 @@ class JittedPerSetting:
     for the other).
 
     ``kernels`` (name: plain function) are functions of one module; ``helpers`` are the device functions they
-    call by name, from that module or imported into it under their own names (such as :func:`tile_product`)."""
+    call by name, from that module or imported into it under their own names (such as :func:`tile_product`).
+    ``tuning_keys`` names, per kernel, the arguments whose values key ``triton.autotune``'s choice (the maps'
+    dtypes are added by autotune itself); :meth:`autotuned` wraps a compiled kernel in it."""
 
-    def __init__(self, kernels: dict[str, FunctionType], helpers: tuple[FunctionType, ...]):
+    def __init__(
+        self,
+        kernels: dict[str, FunctionType],
+        helpers: tuple[FunctionType, ...],
+        tuning_keys: dict[str, tuple[str, ...]] | None = None,
+    ):
         modules = {kernel.__module__ for kernel in kernels.values()}
         if len(modules) != 1:
             raise ValueError(f"kernels jitted together come from one module, not {sorted(modules)}")
-        self.kernels, self.helpers = kernels, helpers
+        self.kernels, self.helpers, self.tuning_keys = kernels, helpers, dict(tuning_keys or {})
         self._lock = threading.Lock()
         self._jitted: dict[bool, SimpleNamespace] = {}
+        self._autotuned: dict[tuple, object] = {}
+
+    def autotuned(self, name: str, configs: Sequence[dict], do_bench: Callable | None = None):
+        """The kernel ``name`` under ``triton.autotune`` over ``configs``, keyed by its ``tuning_keys``: made once
+        per list (and interpreter setting) and kept, with what it has measured, for the process. On a GPU the
+        choices are kept in Triton's cache too (``cache_results``), so that another process takes the same
+        configuration without timing them again. ``do_bench`` replaces autotune's timer (tests run it in the
+        interpreter, which :func:`launch` never autotunes)."""
+        kernel = getattr(self(), name)
+        listed = tuple(tuple(sorted(config.items())) for config in configs)
+        cache_key = (interpreting(), name, listed, do_bench)
+        with self._lock:
+            if cache_key not in self._autotuned:
+                tuned = [
+                    triton.Config(tiles_of(config), **{option: config[option] for option in LAUNCH_OPTIONS})
+                    for config in configs
+                ]
+                self._autotuned[cache_key] = triton.autotune(
+                    tuned, key=list(self.tuning_keys[name]), cache_results=True, do_bench=do_bench
+                )(kernel)
+            return self._autotuned[cache_key]
 
     def __call__(self) -> SimpleNamespace:
         if triton is None:

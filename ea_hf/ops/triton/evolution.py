@@ -16,17 +16,17 @@
   tap) pairs and run of tiles, with per-program partial sums reduced by torch (deterministic, no atomics).
   Neither materialises A_in, the gated gradient or the masked input.
 
-Each kernel stands beside its launcher. The opt-in (``EA_HF_TRITON=1``), how products are multiplied and why the
-kernels are jitted on first use (:data:`jitted`) are :mod:`.common`'s. Whole models in half precision evolve maps
-in their own dtype. ``tests/ops/test_triton_kernel.py`` runs every kernel in Triton's CPU interpreter (and
-compiled where a GPU is), ``tests/ops/test_triton_compilation.py`` compiles every launch for sm_90 where no GPU is.
+Each kernel stands beside its launcher, and launches over a few configurations of tiles, warps and stages
+(:data:`CONFIGS`), which autotune searches on a GPU. The opt-in (``EA_HF_TRITON=1``), how products are multiplied,
+how a launch's configuration is chosen and why the kernels are jitted on first use (:data:`jitted`) are
+:mod:`.common`'s. Whole models in half precision evolve maps in their own dtype.
+``tests/ops/test_triton_kernel.py`` runs every kernel in Triton's CPU interpreter (and compiled where a GPU is),
+``tests/ops/test_triton_compilation.py`` compiles every launch and every configuration for sm_90 where no GPU is.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -38,55 +38,58 @@ from ..limits import MAX_HEADS, MAX_KERNEL_COLUMNS, MAX_KERNEL_ROWS
 from . import common
 from .common import JittedPerSetting, tile_product, tl, triton
 
-#: Tile sizes (powers of two), for float32 maps. Every kernel is a matrix product per tile of pixels: the
-#: correlation kernels compute all heads of a BLOCK_ROWS x BLOCK_COLS tile, taking TAP_BLOCK (input head, tap)
-#: pairs per product; the weight-gradient kernel reduces over WEIGHT_BLOCK_ROWS x WEIGHT_BLOCK_COLS tiles,
-#: WEIGHT_TAP_BLOCK pairs per program. A tile's pixels and the tap blocks are sides of tl.dot, so on a GPU each
-#: must be at least 16. Tests make the tiles small to exercise several partial tiles.
-BLOCK_ROWS = 4
-BLOCK_COLS = 32
-TAP_BLOCK = 32
-WEIGHT_BLOCK_ROWS = 4
-WEIGHT_BLOCK_COLS = 32
-WEIGHT_TAP_BLOCK = 32
-#: Warps per program (launch options, not tiles: the interpreter ignores them).
-NUM_WARPS = 4
-WEIGHT_NUM_WARPS = 4
-#: About how many programs the weight-gradient kernel is split into (over runs of tiles) to fill a GPU.
-WEIGHT_GRAD_PROGRAMS = 2048
-#: The fewest programs an in-place correlation launches at once (see :func:`correlate`).
-IN_PLACE_PROGRAMS = 16384
-#: What maps on a GPU use instead, by dtype: the fastest tiles of a sweep (``bench/bench_triton_kernels.py --sweep``,
-#: BERT-Base maps; its figures: docs/performance.md, "Choices in the fused kernels"). Half-precision maps take half the
-#: bytes a value, so larger weight-gradient tiles fit in a program's shared memory (float32 maps with those need more
-#: than the 227 KiB of sm_90).
-GPU_TILES = {
-    "float32": {"BLOCK_ROWS": 8, "TAP_BLOCK": 16, "WEIGHT_BLOCK_ROWS": 8, "WEIGHT_TAP_BLOCK": 16},
-    "half": {
-        "BLOCK_ROWS": 8,
-        "TAP_BLOCK": 16,
-        "WEIGHT_BLOCK_COLS": 16,
-        "WEIGHT_TAP_BLOCK": 128,
-        "WEIGHT_NUM_WARPS": 8,
-        "WEIGHT_GRAD_PROGRAMS": 4096,
+
+def _config(rows: int, cols: int, taps: int, warps: int, stages: int = 3) -> dict[str, int]:
+    return {"BLOCK_Q": rows, "BLOCK_K": cols, "BLOCK_TAPS": taps, "num_warps": warps, "num_stages": stages}
+
+
+#: The configurations each kernel's launches search on a GPU (:func:`configs`; see :mod:`.common`), by the maps'
+#: dtype: a tile of BLOCK_Q x BLOCK_K pixels, BLOCK_TAPS (head, tap) pairs a product, warps and pipeline stages.
+#: The correlation kernels compute all heads of a tile per program; the weight-gradient kernel reduces over the
+#: tiles of a run. A tile's pixels and the tap blocks are sides of tl.dot, so each is at least 16, and a tile's
+#: columns are whole bytes of the packed gate (a multiple of 8). The first of each list is the best known
+#: (``bench/bench_triton_kernels.py --sweep`` on BERT-Base maps, N = 512, batch 8: the half-precision tiles on an
+#: H100, the float32 ones on an H200 in TF32; docs/performance.md, "Choices in the fused kernels"): it is what runs
+#: in the interpreter and under torch's deterministic algorithms. The rest are the sweep's other settings and
+#: their neighbours. Half-precision maps take half the bytes a value, so larger weight-gradient tap blocks fit in a
+#: program's shared memory (float32 maps with 128 need more than the 227 KiB of sm_90);
+#: ``tests/ops/test_triton_compilation.py`` compiles every one for sm_90.
+CONFIGS: dict[str, dict[str, tuple[dict, ...]]] = {
+    "float32": {
+        "correlate": (_config(8, 32, 16, 4), _config(4, 32, 32, 4), _config(16, 32, 16, 8), _config(8, 32, 16, 4, 2)),
+        "input_grad": (_config(8, 32, 16, 4), _config(4, 32, 32, 4), _config(8, 32, 32, 8), _config(16, 32, 16, 8)),
+        "weight_grad": (_config(8, 32, 16, 4), _config(4, 32, 32, 4), _config(4, 16, 64, 8)),
     },
-}
-#: GPU_TILES that leave the module's tiles in force for every dtype: what the tests and the tile sweep set, so
-#: that the tiles they choose are the ones that run.
-NO_GPU_TILES: dict[str, dict] = {dtype: {} for dtype in GPU_TILES}
-#: The names of the tile settings above (what :func:`tile_settings` reads, and a sweep sets).
-TILE_NAMES = (
-    "BLOCK_ROWS",
-    "BLOCK_COLS",
-    "TAP_BLOCK",
-    "WEIGHT_BLOCK_ROWS",
-    "WEIGHT_BLOCK_COLS",
-    "WEIGHT_TAP_BLOCK",
-    "NUM_WARPS",
-    "WEIGHT_NUM_WARPS",
-    "WEIGHT_GRAD_PROGRAMS",
-    "IN_PLACE_PROGRAMS",
-)
+    "half": {
+        "correlate": (
+            _config(8, 32, 16, 4), _config(4, 32, 32, 4), _config(8, 32, 32, 8), _config(16, 32, 16, 8),
+            _config(8, 64, 32, 8),
+        ),
+        "input_grad": (_config(8, 32, 16, 4), _config(4, 32, 32, 4), _config(8, 32, 32, 8), _config(8, 64, 32, 8)),
+        "weight_grad": (_config(4, 16, 128, 8), _config(8, 32, 16, 4), _config(4, 32, 32, 4), _config(4, 16, 64, 4)),
+    },
+}  # fmt: skip
+#: How many runs of tiles the weight-gradient kernel shares a batch's tiles out in (program axis 0): one per
+#: WEIGHT_GRAD_SPLIT_PIXELS pixels of the batch's maps, at most WEIGHT_GRAD_SPLITS. With its blocks of taps, enough
+#: programs to fill a GPU whatever the configuration, each writing its own partial sums (:func:`backward_pass`),
+#: which stay a small fraction of a map (BERT-Base, N = 512, batch 8: 7 MB against a 50 MB bfloat16 map).
+WEIGHT_GRAD_SPLITS = 1024
+WEIGHT_GRAD_SPLIT_PIXELS = 1024
+#: About how many pixels an in-place correlation launches at once (see :func:`correlate`).
+IN_PLACE_PIXELS = 1 << 22
+
+
+def configs(kernel: str, dtype: torch.dtype, heads: int, device: torch.device) -> list[dict]:
+    """The configurations a launch of ``kernel`` (``correlate``, ``input_grad`` or ``weight_grad``) on ``heads``
+    maps of ``dtype`` on ``device`` may use: :data:`CONFIGS` of the dtype, narrowed by the tuned-tile table
+    (:func:`~.common.launch_configs`, bucket :func:`tile_bucket`). Read at call time, so that tests can set them.
+
+    Example:
+        >>> configs("weight_grad", torch.bfloat16, 12, torch.device("cpu"))[0]
+        {'BLOCK_Q': 4, 'BLOCK_K': 16, 'BLOCK_TAPS': 128, 'num_warps': 8, 'num_stages': 3}
+    """
+    listed = CONFIGS["float32" if dtype == torch.float32 else "half"][kernel]
+    return common.launch_configs("evolution", kernel, listed, device, dtype, tile_bucket(heads))
 
 
 def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor) -> bool:
@@ -201,6 +204,8 @@ def _correlate_kernel(
     cols,
     gate_cols,
     row_shift,
+    rows_bucket,
+    cols_bucket,
     KERNEL_ROWS: tl.constexpr,
     KERNEL_COLS: tl.constexpr,
     HAS_END: tl.constexpr,
@@ -308,69 +313,57 @@ def correlate(
 
     In place, programs still reading ``x`` would race with those writing it, so the result is computed a few
     batch elements at a time into a scratch map (an output element reads only its own batch element of ``x``)
-    and copied over them: the result is identical to the out-of-place one. A launch takes at least a quarter of
-    the batch, and enough elements for about IN_PLACE_PROGRAMS programs (one element of a short map leaves
-    most of a GPU idle), so the scratch is at most the map itself and usually a fraction of it.
+    and copied over them: the result is identical to the out-of-place one, and every launch (autotune's timed
+    ones too) writes a map that no launch reads. A launch takes at least a quarter of the batch, and enough
+    elements for about IN_PLACE_PIXELS pixels (one element of a short map leaves most of a GPU idle), so the
+    scratch is at most the map itself and usually a fraction of it.
     """
     options = CorrelationOptions(**options)
     batch, heads, rows, cols = x.shape
-    kernels, tiles = jitted(), tile_settings(x.dtype, heads, x.device)
+    listed = configs("correlate", x.dtype, heads, x.device)
     x = x.contiguous()
     weight = _float32(weight, x.device)
     bias = _float32(bias, x.device)
     lerp_end = None if options.lerp_end is None else options.lerp_end.contiguous()
     blend = None if options.blend is None else options.blend.contiguous()
     saved = checked_packed_gate(options.saved, x)
-    if saved is not None and tiles.BLOCK_COLS % 8:
+    if saved is not None and any(config["BLOCK_K"] % 8 for config in listed):
         raise ValueError(
-            f"a tile writes whole bytes of the packed gate: BLOCK_COLS must be a multiple of 8, not {tiles.BLOCK_COLS}"
+            "a tile writes whole bytes of the packed gate: BLOCK_K must be a multiple of 8, not "
+            f"{[config['BLOCK_K'] for config in listed]}"
         )
     in_keep, *in_strides = _keep_view(options.in_keep, batch, rows, cols)
     out_keep, *out_strides = _keep_view(options.out_keep, batch, rows, cols)
+    switches = {
+        "KERNEL_ROWS": weight.shape[-2],
+        "KERNEL_COLS": weight.shape[-1],
+        "HAS_END": lerp_end is not None,
+        "HAS_IN_KEEP": in_keep is not None,
+        "HAS_BIAS": bias is not None,
+        "RELU": bool(options.relu),
+        "HAS_SAVED": saved is not None,
+        "HAS_OUT_KEEP": out_keep is not None,
+        "HAS_BLEND": blend is not None,
+        **product_switches(heads, x.dtype),
+    }
 
     def launch(elements: slice, out: torch.Tensor) -> None:
         def part(tensor: torch.Tensor | None) -> torch.Tensor | None:
             return None if tensor is None else tensor[elements]
 
         count = len(range(*elements.indices(batch)))
-        grid = (count, triton.cdiv(rows, tiles.BLOCK_ROWS), triton.cdiv(cols, tiles.BLOCK_COLS))
-        kernels.correlate[grid](
-            part(x),
-            part(lerp_end),
-            float(options.lerp_weight),
-            part(in_keep),
-            *in_strides,
-            weight,
-            bias,
-            part(saved),
-            part(out_keep),
-            *out_strides,
-            part(blend),
-            float(options.blend_coef),
-            out,
-            heads,
-            rows,
-            cols,
-            packed_gate_shape(x.shape)[-1],
-            row_shift,
-            KERNEL_ROWS=weight.shape[-2],
-            KERNEL_COLS=weight.shape[-1],
-            HAS_END=lerp_end is not None,
-            HAS_IN_KEEP=in_keep is not None,
-            HAS_BIAS=bias is not None,
-            RELU=bool(options.relu),
-            HAS_SAVED=saved is not None,
-            HAS_OUT_KEEP=out_keep is not None,
-            HAS_BLEND=blend is not None,
-            **product_tiles(heads, x.dtype, tiles.BLOCK_ROWS, tiles.BLOCK_COLS, tiles.TAP_BLOCK, tiles.NUM_WARPS),
-        )
+        arguments = (
+            part(x), part(lerp_end), float(options.lerp_weight), part(in_keep), *in_strides, weight, bias,
+            part(saved), part(out_keep), *out_strides, part(blend), float(options.blend_coef), out, heads, rows,
+            cols, packed_gate_shape(x.shape)[-1], row_shift, common.size_bucket(rows), common.size_bucket(cols),
+        )  # fmt: skip
+        common.launch(jitted, "correlate", listed, _pixel_grid(count, rows, cols), arguments, switches)
 
     if not options.in_place:
         out = torch.empty_like(x)
         launch(slice(None), out)
         return out
-    programs_per_element = triton.cdiv(rows, tiles.BLOCK_ROWS) * triton.cdiv(cols, tiles.BLOCK_COLS)
-    chunk = min(batch, max(triton.cdiv(batch, 4), triton.cdiv(tiles.IN_PLACE_PROGRAMS, programs_per_element)))
+    chunk = min(batch, max(triton.cdiv(batch, 4), triton.cdiv(IN_PLACE_PIXELS, rows * cols)))
     scratch = torch.empty_like(x[:chunk])
     for first in range(0, batch, chunk):
         elements = slice(first, min(first + chunk, batch))
@@ -378,6 +371,11 @@ def correlate(
         launch(elements, scratch[:count])
         x[elements].copy_(scratch[:count])
     return x
+
+
+def _pixel_grid(batch: int, rows: int, cols: int):
+    """The grid of the correlation kernels under a configuration: one program per batch element and tile."""
+    return lambda tiles: (batch, triton.cdiv(rows, tiles["BLOCK_Q"]), triton.cdiv(cols, tiles["BLOCK_K"]))
 
 
 def _input_grad_kernel(
@@ -398,6 +396,8 @@ def _input_grad_kernel(
     cols,
     gate_cols,
     context_rows,
+    rows_bucket,
+    cols_bucket,
     KERNEL_ROWS: tl.constexpr,
     KERNEL_COLS: tl.constexpr,
     HAS_KEEP: tl.constexpr,
@@ -473,10 +473,9 @@ def _weight_grad_kernel(
     cols,
     gate_cols,
     context_rows,
-    row_blocks,
-    col_blocks,
-    total_blocks,
-    blocks_per_split,
+    batch,
+    rows_bucket,
+    cols_bucket,
     KERNEL_ROWS: tl.constexpr,
     KERNEL_COLS: tl.constexpr,
     HAS_PREVIOUS: tl.constexpr,
@@ -493,10 +492,17 @@ def _weight_grad_kernel(
     k = (c, dy, dx) < heads * taps a_k is the masked A_in[b, c, i+dy-context_rows, j+dx-kw//2] and for
     k = heads * taps it is 1 (so that column holds the bias gradient).
 
-    Each program takes one block of BLOCK_TAPS columns k (program axis 1) and a run of tiles (axis 0): per
-    tile, the [heads, pixels] gated gradient times the [pixels, BLOCK_TAPS] gathered input taps. The
-    per-split partial sums are added up by torch, in a fixed order (deterministic, no atomics)."""
+    Each program takes one block of BLOCK_TAPS columns k (program axis 1) and a run of tiles (axis 0): the
+    batch's BLOCK_Q x BLOCK_K tiles are shared out in runs of equal length (the last shorter, some empty where
+    the tiles are fewer than the splits) over the splits; per tile, the [heads, pixels] gated gradient times
+    the [pixels, BLOCK_TAPS] gathered input taps. Each program writes its [BLOCK_H, BLOCK_TAPS] block of
+    partial, zeros for an empty run, so that every entry is written whatever the tiles; the per-split partial
+    sums are added up by torch, in a fixed order (deterministic, no atomics)."""
     split = tl.program_id(0)
+    row_blocks = (rows + BLOCK_Q - 1) // BLOCK_Q  # (tl.cdiv is a jitted helper: see .common)
+    col_blocks = (cols + BLOCK_K - 1) // BLOCK_K
+    total_blocks = batch * row_blocks * col_blocks
+    blocks_per_split = (total_blocks + tl.num_programs(0) - 1) // tl.num_programs(0)
     o = tl.arange(0, BLOCK_H)
     k = tl.program_id(1) * BLOCK_TAPS + tl.arange(0, BLOCK_TAPS)
     taps_per_head = KERNEL_ROWS * KERNEL_COLS
@@ -532,8 +538,9 @@ def _weight_grad_kernel(
         )  # fmt: skip
         a = tl.where(pixel_inside[:, None] & (k == reduction)[None, :], 1.0, a)  # the bias column
         acc = tile_product(g, a, acc, grad_ptr, HALF, TENSOR_CORES, FP32_PRECISION)
-    at = (split * BLOCK_H + o)[:, None] * (tl.num_programs(1) * BLOCK_TAPS) + k[None, :]
-    tl.store(partial_ptr + at, acc)
+    columns = reduction + 1
+    at = (split * BLOCK_H + o)[:, None] * columns + k[None, :]
+    tl.store(partial_ptr + at, acc, mask=(k < columns)[None, :])
 
 
 def backward_pass(
@@ -550,7 +557,6 @@ def backward_pass(
     ``weight`` and the incoming gradient. Output row i of the forward step read input rows
     ``i - context_rows .. i - context_rows + kh - 1``.
     """
-    kernels = jitted()
     alpha, context_rows = step.alpha, step.context_rows
     scores, previous, keep = maps
     batch, heads, rows, cols = scores.shape
@@ -565,123 +571,65 @@ def backward_pass(
     keep, *keep_strides = _keep_view(keep, batch, rows, cols)
     grad_scores = torch.empty_like(scores)
     grad_previous = None if previous is None else torch.empty_like(scores)
-    tiles = tile_settings(scores.dtype, heads, scores.device)
-    grid = (batch, triton.cdiv(rows, tiles.BLOCK_ROWS), triton.cdiv(cols, tiles.BLOCK_COLS))
-    kernels.input_grad[grid](
-        incoming,
-        gate,
-        weight,
-        keep,
-        *keep_strides,
-        grad_scores,
-        grad_previous,
-        1.0 if previous is None else 1.0 - float(alpha),
-        float(alpha),
-        1.0 - float(step.beta),
-        heads,
-        rows,
-        cols,
-        gate_cols,
-        context_rows,
-        KERNEL_ROWS=kernel_rows,
-        KERNEL_COLS=kernel_cols,
-        HAS_KEEP=keep is not None,
-        HAS_SECOND=grad_previous is not None,
-        **product_tiles(heads, scores.dtype, tiles.BLOCK_ROWS, tiles.BLOCK_COLS, tiles.TAP_BLOCK, tiles.NUM_WARPS),
-    )
+    switches = {"KERNEL_ROWS": kernel_rows, "KERNEL_COLS": kernel_cols, **product_switches(heads, scores.dtype)}
+    buckets = (common.size_bucket(rows), common.size_bucket(cols))
+    arguments = (
+        incoming, gate, weight, keep, *keep_strides, grad_scores, grad_previous,
+        1.0 if previous is None else 1.0 - float(alpha), float(alpha), 1.0 - float(step.beta), heads, rows, cols,
+        gate_cols, context_rows, *buckets,
+    )  # fmt: skip
+    common.launch(
+        jitted, "input_grad", configs("input_grad", scores.dtype, heads, device), _pixel_grid(batch, rows, cols),
+        arguments, switches | {"HAS_KEEP": keep is not None, "HAS_SECOND": grad_previous is not None},
+    )  # fmt: skip
     # The weight gradient's columns are (input head, tap) pairs plus one for the bias, in blocks of BLOCK_TAPS
-    # (program axis 1); the tiles of all batch elements are split into runs (axis 0) so that about
-    # WEIGHT_GRAD_PROGRAMS programs run. Each writes its [heads, BLOCK_TAPS] partial sums, which torch adds up
-    # in a fixed order (deterministic, no atomics).
+    # (program axis 1); the tiles of all batch elements are shared out in WEIGHT_GRAD_SPLITS runs (axis 0). Each
+    # program writes its [BLOCK_H, BLOCK_TAPS] partial sums, which torch adds up in a fixed order (deterministic,
+    # no atomics). The partial sums' shape is the configurations' common one, so that any of them fills it whole.
     columns = heads * kernel_rows * kernel_cols + 1
-    weight_tiles = product_tiles(
-        heads,
-        scores.dtype,
-        tiles.WEIGHT_BLOCK_ROWS,
-        tiles.WEIGHT_BLOCK_COLS,
-        tiles.WEIGHT_TAP_BLOCK,
-        tiles.WEIGHT_NUM_WARPS,
-    )
-    tap_blocks = triton.cdiv(columns, tiles.WEIGHT_TAP_BLOCK)
-    row_blocks, col_blocks = triton.cdiv(rows, tiles.WEIGHT_BLOCK_ROWS), triton.cdiv(cols, tiles.WEIGHT_BLOCK_COLS)
-    total_blocks = batch * row_blocks * col_blocks
-    splits = max(1, min(total_blocks, math.ceil(tiles.WEIGHT_GRAD_PROGRAMS / tap_blocks)))
-    blocks_per_split = math.ceil(total_blocks / splits)
-    splits = math.ceil(total_blocks / blocks_per_split)
-    partial = torch.empty(splits, weight_tiles["BLOCK_H"], tap_blocks * tiles.WEIGHT_TAP_BLOCK, device=device)
-    kernels.weight_grad[(splits, tap_blocks)](
-        scores,
-        previous,
-        float(alpha),
-        keep,
-        *keep_strides,
-        incoming,
-        gate,
-        partial,
-        heads,
-        rows,
-        cols,
-        gate_cols,
-        context_rows,
-        row_blocks,
-        col_blocks,
-        total_blocks,
-        blocks_per_split,
-        KERNEL_ROWS=kernel_rows,
-        KERNEL_COLS=kernel_cols,
-        HAS_PREVIOUS=previous is not None,
-        HAS_KEEP=keep is not None,
-        **weight_tiles,
-    )
+    splits = max(1, min(WEIGHT_GRAD_SPLITS, batch * rows * cols // WEIGHT_GRAD_SPLIT_PIXELS))
+    partial = torch.empty(splits, switches["BLOCK_H"], columns, device=device)
+    arguments = (
+        scores, previous, float(alpha), keep, *keep_strides, incoming, gate, partial, heads, rows, cols, gate_cols,
+        context_rows, batch, *buckets,
+    )  # fmt: skip
+    common.launch(
+        jitted, "weight_grad", configs("weight_grad", scores.dtype, heads, device),
+        lambda tiles: (splits, triton.cdiv(columns, tiles["BLOCK_TAPS"])), arguments,
+        switches | {"HAS_PREVIOUS": previous is not None, "HAS_KEEP": keep is not None},
+    )  # fmt: skip
     sums = partial.sum(0)[:heads]
     # Copies, not views of one tensor: an operator's outputs may not alias each other (see operators.py).
     grad_weight = sums[:, : columns - 1].reshape(heads, heads, kernel_rows, kernel_cols).contiguous()
     return grad_scores, grad_previous, grad_weight, sums[:, columns - 1].contiguous()
 
 
-def tile_settings(dtype: torch.dtype, heads: int = 1, device: torch.device | None = None) -> SimpleNamespace:
-    """The tile settings for ``heads`` maps of ``dtype``: the module's, where the kernels are compiled with
-    GPU_TILES of the dtype over them, and over those the tiles chosen on this GPU (:func:`~.common.tuned_tiles`,
-    keyed by :func:`tile_bucket`). Read at call time, so that tests can set them."""
-    tiles = {name: globals()[name] for name in TILE_NAMES}
-    if not common.interpreting():
-        tiles.update(GPU_TILES["float32" if dtype == torch.float32 else "half"])
-        if device is not None and device.type == "cuda" and GPU_TILES is not NO_GPU_TILES:
-            tiles.update(common.tuned_tiles(common.tile_key("evolution", device, dtype, tile_bucket(heads))))
-    return SimpleNamespace(**tiles)
-
-
 def tile_bucket(heads: int) -> int:
-    """The tuned-tile table's bucket of ``heads`` maps: the heads padded to a power of two of at least 16, as the
-    products pad them (BLOCK_H), so that tiles tuned on 12 heads serve 16.
+    """The heads padded to a power of two of at least 16, as the products pad them (BLOCK_H, tl.dot's smallest
+    side): the tuned-tile table's bucket, so that configurations tuned on 12 heads serve 16.
 
     Example:
         >>> tile_bucket(12), tile_bucket(16), tile_bucket(40)
         (16, 16, 64)
     """
-    return max(16, 1 << (heads - 1).bit_length())
+    return common.padded_side(heads)
 
 
-def product_tiles(
-    heads: int, dtype: torch.dtype, block_rows: int, block_cols: int, tap_block: int, num_warps: int
-) -> dict[str, object]:
-    """A launch's constexpr tile arguments and warps: the heads padded to a power of two of at least 16 (tl.dot's
-    smallest side), the pixel tile, the reduction block, and how the maps are multiplied
-    (:func:`~.common.product_switches`)."""
-    return {
-        "BLOCK_H": tile_bucket(heads),
-        "BLOCK_Q": block_rows,
-        "BLOCK_K": block_cols,
-        "BLOCK_TAPS": tap_block,
-        **common.product_switches(dtype),
-        "num_warps": num_warps,
-    }
+def product_switches(heads: int, dtype: torch.dtype) -> dict[str, object]:
+    """A launch's constexpr arguments besides its configuration: the heads padded (:func:`tile_bucket`), and how
+    the maps are multiplied (:func:`~.common.product_switches`)."""
+    return {"BLOCK_H": tile_bucket(heads), **common.product_switches(dtype)}
 
 
 #: The kernels above, jitted with their device functions for the current ``TRITON_INTERPRET`` setting on first use.
+#: Autotune's key for each (with the maps' dtype): the padded heads, the kernel's size and the map's buckets.
 jitted = JittedPerSetting(
     {"correlate": _correlate_kernel, "input_grad": _input_grad_kernel, "weight_grad": _weight_grad_kernel},
     helpers=(_tile_pixels, _input_taps, _gated_gradient, tile_product),
+    tuning_keys=dict.fromkeys(
+        ("correlate", "input_grad", "weight_grad"),
+        ("BLOCK_H", "KERNEL_ROWS", "KERNEL_COLS", "rows_bucket", "cols_bucket"),
+    ),
 )
 
 
