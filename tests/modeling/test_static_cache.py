@@ -13,7 +13,7 @@ kept rows of a static cache live in buffers allocated once (``history.StaticConv
 import pytest
 import torch
 import transformers
-from testing import CAUSAL_LM_FAMILIES, causal_lm, generate, left_padded_inputs
+from testing import CAUSAL_LM_FAMILIES, causal_lm, generate, left_padded_inputs, table
 
 import ea_hf
 from ea_hf.modeling.architectures import release
@@ -82,7 +82,7 @@ def assert_same_generation(got, expected, tolerance: float = TOLERANCE) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", table(FAMILIES))
 def test_compiled_static_generation_traces_two_graphs_and_matches_eager(family):
     """Every family: fullgraph compiles, a prefill graph and a decoding graph, eager EA's tokens."""
     skip_unsupported(family)
