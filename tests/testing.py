@@ -564,6 +564,8 @@ def representatives(families: Iterable[str]) -> list[str]:
     Example:
         >>> representatives(["bert", "roberta", "modernbert", "llama", "mistral", "qwen2"])
         ['bert', 'modernbert', 'llama', 'mistral']
+        >>> sorted({ea_hf.ARCHITECTURES[family].kind for family in representatives(ALL_ARCHITECTURES)})
+        ['audio encoder', 'decoder-only', 'seq2seq', 'text encoder', 'vision encoder']
     """
     families = list(families)
     supported = sorted(families, key=lambda family: not installed_release_supports(_spec_of(family)))
