@@ -72,8 +72,7 @@ def test_ea_hf_commands_parse_and_their_recipes_validate(page):
 PYTHON_PAGES = [page for page in PAGES if blocks(page, "python")]
 #: Pages whose blocks take long (training runs, a Hub round trip, TRL, ONNX export...): the fast run leaves them
 #: to CI's full_table stage.
-LONG_PAGES = {"deploy.md", "fine-tuning.md", "hub.md", "lora.md", "sentence-transformers.md", "time-series.md"}
-LONG_PAGES |= {"trl.md"}
+LONG_PAGES = {"deploy.md", "fine-tuning.md", "hub.md", "lora.md", "sentence-transformers.md", "trl.md"}
 #: Runs each page's blocks in a namespace and folder of its own, all pages in one interpreter apart from pytest's
 #: (one import of torch and transformers instead of one per page); prints {page: traceback or None} last.
 RUNNER = """

@@ -226,6 +226,7 @@ def test_eager_decoding_refuses_a_cache_cropped_outside_generate():
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # (inductor's C++ build takes a minute here; the fast run has Llama's below)
 def test_inductor_compiled_generation_matches_eager():
     """Inductor, on the prefill and the decoding step, of Gemma 2's full and sliding-window layers (which the
     ``eager`` backend does not check: inductor lowers the graphs itself)."""
