@@ -226,7 +226,7 @@ def test_eager_decoding_refuses_a_cache_cropped_outside_generate():
 
 
 @pytest.mark.slow
-@pytest.mark.full_table  # (inductor's C++ build takes a minute here; the fast run has Llama's below)
+@pytest.mark.full_table  # (inductor's C++ build takes a minute here)
 def test_inductor_compiled_generation_matches_eager():
     """Inductor, on the prefill and the decoding step, of Gemma 2's full and sliding-window layers (which the
     ``eager`` backend does not check: inductor lowers the graphs itself)."""
@@ -240,6 +240,7 @@ def test_inductor_compiled_generation_matches_eager():
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # (inductor's C++ build, a minute; test_compile.py's aot_eager traces alike)
 def test_generate_compiles_llama_decoding_with_inductor():
     """transformers' automatic path with its default backend, inductor (mode None: CUDA graphs are a GPU's): one
     graph for every decoding step."""
