@@ -97,7 +97,8 @@ def page_runs(request, tmp_path_factory) -> dict[str, str | None]:
     base temporary folder is the run's)."""
     from filelock import FileLock
 
-    tests = [item for item in request.session.items if item.originalname == "test_python_blocks_run_in_order"]
+    name = "test_python_blocks_run_in_order"  # (doctest items have no originalname)
+    tests = [item for item in request.session.items if getattr(item, "originalname", None) == name]
     pages = [page for page in PYTHON_PAGES if page in {item.callspec.params["page"] for item in tests}]
     shared = tmp_path_factory.getbasetemp()
     if "PYTEST_XDIST_WORKER" in os.environ:
