@@ -256,6 +256,7 @@ def test_every_command_of_a_session_script_parses(tmp_path, session, scripts):
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # (CI's second stage: test_every_command_of_a_session_script_parses covers its arguments)
 def test_the_gpu_session_dry_run_runs_every_step(tmp_path):
     """``DRY_RUN=1 bash bench/gpu_session.sh``: every step's CPU dry run (Triton's interpreter, tiny models) ends
     well within its limit and leaves its results in the one tarball that comes back, the tuned-tile table

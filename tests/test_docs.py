@@ -6,6 +6,7 @@ tests do not have (``console``: a GPU, the Hub, hours); a ``console`` block says
 it."""
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -69,6 +70,9 @@ def test_ea_hf_commands_parse_and_their_recipes_validate(page):
 
 
 PYTHON_PAGES = [page for page in PAGES if blocks(page, "python")]
+#: Pages whose blocks take long (training runs, a Hub round trip, TRL, ONNX export...): the fast run leaves them
+#: to CI's full_table stage.
+LONG_PAGES = {"deploy.md", "fine-tuning.md", "hub.md", "lora.md", "sentence-transformers.md", "trl.md"}
 #: Runs each page's blocks in a namespace and folder of its own, all pages in one interpreter apart from pytest's
 #: (one import of torch and transformers instead of one per page); prints {page: traceback or None} last.
 RUNNER = """
@@ -87,20 +91,39 @@ print(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def page_runs(tmp_path_factory) -> dict[str, str | None]:
-    pages = [
-        (page.name, str(tmp_path_factory.mktemp(page.stem)), "\n\n".join(blocks(page, "python")))
-        for page in PYTHON_PAGES
-    ]
-    run = subprocess.run(
-        [sys.executable, "-c", RUNNER], input=json.dumps(pages), capture_output=True, text=True, timeout=1200
-    )
-    assert run.returncode == 0 and run.stdout.strip(), run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def page_runs(request, tmp_path_factory) -> dict[str, str | None]:
+    """{page: traceback or None} of the pages whose test this run selected, run once for the whole run: under
+    pytest-xdist the first worker to ask runs them and the others read its results (the folder above a worker's
+    base temporary folder is the run's)."""
+    from filelock import FileLock
+
+    name = "test_python_blocks_run_in_order"  # (doctest items have no originalname)
+    tests = [item for item in request.session.items if getattr(item, "originalname", None) == name]
+    pages = [page for page in PYTHON_PAGES if page in {item.callspec.params["page"] for item in tests}]
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent
+    results = shared / "docs_page_runs.json"
+    with FileLock(str(shared / "docs_page_runs.lock")):
+        if results.exists():
+            return json.loads(results.read_text())
+        inputs = [
+            (page.name, str(tmp_path_factory.mktemp(page.stem)), "\n\n".join(blocks(page, "python"))) for page in pages
+        ]
+        run = subprocess.run(
+            [sys.executable, "-c", RUNNER], input=json.dumps(inputs), capture_output=True, text=True, timeout=1200
+        )
+        assert run.returncode == 0 and run.stdout.strip(), run.stderr[-4000:]
+        results.write_text(run.stdout.strip().splitlines()[-1])
+        return json.loads(results.read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda page: page.stem)
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(page, marks=pytest.mark.full_table if page.name in LONG_PAGES else ()) for page in PYTHON_PAGES],
+    ids=lambda page: page.stem,
+)
 def test_python_blocks_run_in_order(page, page_runs):
     assert page_runs[page.name] is None, f"{page.name}:\n{page_runs[page.name]}"
 

@@ -2,18 +2,23 @@
 and small GLUE-format samples. Fixtures live in conftest.py; this module is imported by name (``from testing
 import tiny_model``; the tests folder is on pytest's ``pythonpath``)."""
 
+import functools
+import importlib
+import inspect
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 import transformers
 
 import ea_hf
-from ea_hf.modeling.architectures import model_types_of_kind
+from ea_hf.modeling.architectures import installed_release_supports, model_types_of_kind
 from ea_hf.modeling.echo import EchoAttention
 from ea_hf.modeling.model_classes import auto_class_names
 from ea_hf.training.kinds.glue import GLUE_TASKS
@@ -482,6 +487,120 @@ def tiny_inputs(model_type: str, batch: int = 3, length: int = 9, seed: int = 1)
         input_ids[torch.arange(batch), real - 1] = EOS
         inputs["decoder_input_ids"] = decoder_input_ids()
     return inputs
+
+
+# Representatives: the fast run's share of each table ----------------------------------------------------------------
+
+#: The mark of a test (or one family of a table) that only CI's second stage runs (``pytest -m full_table``); the
+#: README's test command deselects it (``-m "not full_table"``).
+FULL_TABLE = pytest.mark.full_table
+
+
+@functools.cache
+def attention_features(family: str) -> frozenset[str]:
+    """What a family's tiny model (:func:`tiny_config`, with a :data:`CAUSAL_LM_FAMILIES` id's overrides) is, as far
+    as evolving attention takes different paths: its kind and inputs, and the attention variants of its layers
+    (grouped or multi-query heads, sliding-window, chunked and linear layers, soft-capping, sinks, position bias,
+    rotary positions, cross-attention, shared layers, experts, an attention module's own head size...), read off
+    the architecture table, the config and the attention class's call of the attention interface.
+
+    Example:
+        >>> sorted(attention_features("gemma2") - attention_features("mistral"))
+        ['soft-capping']
+    """
+    model_type, overrides = CAUSAL_LM_FAMILIES.get(family, (family, {}))
+    spec = ea_hf.ARCHITECTURES[model_type]
+    config = tiny_config(model_type, **overrides).to_dict()  # (a dict: some configs refuse per-layer attributes)
+    features = {spec.kind, "inputs: " + ", ".join(sorted(tiny_inputs(model_type, batch=1, length=3)))}
+    if family in CAUSAL_LM_FAMILIES and spec.kind != "decoder-only":
+        features.add("causal form")  # BertForCausalLM, BartForCausalLM and kin
+    if spec.cross_attention:
+        features.add("cross-attention")
+    if spec.shared_layers:
+        features.add("shared layers")
+    if spec.head_dim_attribute != "head_dim":
+        features.add(f"head size from {spec.head_dim_attribute}")
+    key_value_heads = config.get("num_key_value_heads")
+    if config.get("multi_query") or key_value_heads == 1:
+        features.add("multi-query")
+    elif key_value_heads is not None and key_value_heads < config.get("num_attention_heads", NUM_HEADS):
+        features.add("grouped-query")
+    features |= set(config.get("layer_types") or ()) - {"full_attention"}
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        features.add("sliding_attention")
+    named = {
+        "attention_chunk_size": "chunked_attention",
+        "attn_logit_softcapping": "soft-capping",
+        "relative_attention_num_buckets": "position bias",
+        "alibi": "alibi",
+        "num_kv_shared_layers": "layers sharing keys and values",
+        "attention_k_eq_v": "keys as values",
+        "num_register_tokens": "register tokens",
+    }
+    features |= {feature for key, feature in named.items() if config.get(key)}
+    rotary = ("rope_parameters", "rope_theta", "rotary_dim")
+    if any(config.get(key) for key in rotary) or config.get("position_embedding_type") == "rotary":
+        features.add("rotary positions")
+    if model_type in MIXTURE_OF_EXPERTS_ARCHITECTURES or overrides.get("enable_moe_block"):
+        features.add("experts")
+    modeling = importlib.import_module(
+        transformers.CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_")
+    )
+    if "s_aux" in inspect.getsource(getattr(modeling, spec.attention[0]).forward):
+        features.add("sinks")  # a learned sink logit per head, handed to the attention interface
+    return frozenset(features)
+
+
+def representatives(families: Iterable[str]) -> list[str]:
+    """The first of ``families`` (architecture table ``model_type``s or :data:`CAUSAL_LM_FAMILIES` ids) of each
+    distinct :func:`attention_features`, preferring those the installed transformers supports: the families a
+    table test runs in the fast run. A family with a combination no other has is its own representative, so
+    adding one with a new feature adds it to the fast run.
+
+    Example:
+        >>> representatives(["bert", "roberta", "modernbert", "llama", "mistral", "qwen2"])
+        ['bert', 'modernbert', 'llama', 'mistral']
+        >>> sorted({ea_hf.ARCHITECTURES[family].kind for family in representatives(ALL_ARCHITECTURES)})
+        ['audio encoder', 'decoder-only', 'seq2seq', 'text encoder', 'vision encoder']
+    """
+    families = list(families)
+    supported = sorted(families, key=lambda family: not installed_release_supports(_spec_of(family)))
+    first = {}
+    for family in supported:
+        first.setdefault(attention_features(family), family)
+    chosen = set(first.values())
+    return [family for family in families if family in chosen]
+
+
+def _spec_of(family: str):
+    return ea_hf.ARCHITECTURES[CAUSAL_LM_FAMILIES.get(family, (family, {}))[0]]
+
+
+def table(values: Iterable, family_at: int | None = None) -> list:
+    """Values for ``pytest.mark.parametrize`` over the families of a table: :func:`representatives` as they are,
+    the others marked :data:`FULL_TABLE`, so that the fast run tests each kind and attention variant and CI's
+    second stage every family. ``values`` are families, or tuples of parameters with the family at ``family_at``;
+    representatives are then chosen among the tuples alike in their other parameters (each head of a family, each
+    collator...).
+
+    Example:
+        >>> [bool(value.marks) for value in table(["llama", "olmo", "mistral"])]
+        [False, True, False]
+        >>> [bool(value.marks) for value in table([("a", "llama"), ("a", "olmo"), ("b", "olmo")], family_at=1)]
+        [False, True, False]
+    """
+    values = [value if family_at is not None else (value,) for value in values]
+    position = family_at or 0
+    families_alike: dict[tuple, list[str]] = {}
+    for value in values:
+        families_alike.setdefault(value[:position] + value[position + 1 :], []).append(value[position])
+    fast = {(others, family) for others, families in families_alike.items() for family in representatives(families)}
+    return [
+        pytest.param(
+            *value, marks=() if (value[:position] + value[position + 1 :], value[position]) in fast else FULL_TABLE
+        )
+        for value in values
+    ]
 
 
 def example_alone(model_type: str, inputs: dict[str, torch.Tensor], row: int) -> tuple[dict[str, torch.Tensor], int]:

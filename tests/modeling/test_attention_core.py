@@ -6,7 +6,7 @@ import operator
 import pytest
 import torch
 import transformers
-from testing import ALL_ARCHITECTURES, defined, first_output, patched_model, tiny_config, tiny_inputs
+from testing import ALL_ARCHITECTURES, defined, first_output, patched_model, table, tiny_config, tiny_inputs
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -469,7 +469,7 @@ def test_training_keeps_what_eager_keeps_plus_a_bit_a_value_or_S(monkeypatch, le
     assert unfused_extra >= 1.2
 
 
-@pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(ALL_ARCHITECTURES))
 def test_whole_models_train_the_same_through_the_core(model_type, scores_path, monkeypatch):
     """A training step of every architecture gives the same outputs and gradients through the core as through
     the unfused layers (padding, causal masks, cross attention, T5's position bias, Gemma's soft-capping), with S

@@ -13,7 +13,7 @@ rather than the minute inductor's C++ build takes here (inductor gave the same o
 import pytest
 import torch
 import transformers
-from testing import SEQ2SEQ_ARCHITECTURES, defined, patched_model, tiny_inputs
+from testing import FULL_TABLE, SEQ2SEQ_ARCHITECTURES, defined, patched_model, tiny_inputs
 from torch._dynamo.backends.common import aot_autograd
 
 import ea_hf
@@ -99,7 +99,9 @@ def test_fullgraph_compile_of_large_maps_recomputes_them_like_eager(model_type):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize(  # the fast run: an encoder's and a decoder's remote code (the test above: every kind)
+    "model_type", [pytest.param(m, marks=() if m in ("bert", "llama") else FULL_TABLE) for m in sorted(FAMILIES)]
+)
 def test_a_loaded_ea_checkpoint_compiles_like_eager(model_type, tmp_path):
     """An EA checkpoint saved and loaded back with the Auto class (remote code) compiles like the patched model."""
     model = patched_model(model_type, {"alpha": 0.2, "beta": 0.3}, head=FAMILIES[model_type])

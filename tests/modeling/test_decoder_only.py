@@ -24,6 +24,7 @@ from testing import (
     left_padded_inputs,
     max_abs_diff,
     routing_noise,
+    table,
 )
 
 import ea_hf
@@ -60,7 +61,7 @@ def position_ids(attention_mask):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", table(FAMILIES))
 def test_one_causal_chain_per_attention_type(family):
     model = evolved_lm(family)
     rows = [row for row in ea_hf.summary(model).modules if row.role == "decoder"]
@@ -94,7 +95,7 @@ def test_a_hybrid_evolves_its_attention_layers_alone():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", table(FAMILIES))
 def test_zero_weights_reproduce_the_model(family):
     """alpha = beta = 0 computes what the unpatched model computes with its default attention (sdpa; eager for
     Gemma 2, see testing.py), on a left-padded batch, and generates the same tokens."""
@@ -112,7 +113,7 @@ def test_zero_weights_reproduce_the_model(family):
     assert max_abs_diff(real_tokens(inputs, changed), real_tokens(inputs, reference)) > 1e-2
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", table(FAMILIES))
 def test_later_tokens_change_nothing_before_them(family):
     model, noise = evolved_lm(family), routing_noise(family)
     input_ids = left_padded_inputs(batch=2, length=10)["input_ids"]
@@ -168,7 +169,7 @@ def padding_difference(model, family: str) -> float:
     return worst
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", table(FAMILIES))
 def test_left_padding_changes_nothing(family):
     """Each prompt of a left-padded batch gives the logits and the generated tokens it gives alone."""
     model = evolved_lm(family)
@@ -209,7 +210,7 @@ MODES = GENERATION_MODES | {"sample": {"num_beams": 1, "do_sample": True, "top_k
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", table(FAMILIES))
 def test_generation_with_the_cache_equals_generation_without(family, mode):
     if family == "llama4_text" and "static" in mode and release(transformers.__version__) < release("5.20.0"):
         pytest.skip(

@@ -15,6 +15,7 @@ from testing import (
     first_output,
     max_abs_diff,
     patched_model,
+    table,
     tiny_inputs,
     tiny_model,
 )
@@ -22,7 +23,7 @@ from testing import (
 import ea_hf
 
 
-@pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(ALL_ARCHITECTURES))
 @pytest.mark.parametrize("method", ["residual", "echo"])
 def test_methods_reduce_exactly_to_the_plain_model_and_change_it_otherwise(model_type, method):
     """residual with alpha = 0, and echo as patched (its state scales start at 0), compute the original model."""

@@ -21,6 +21,7 @@ from testing import (
     left_padded_inputs,
     max_abs_diff,
     run_without_ea_hf,
+    table,
     tiny_config,
     tiny_inputs,
     tiny_model,
@@ -57,7 +58,7 @@ def load_quietly(auto_class, path, **kwargs):
     return auto_class.from_pretrained(path, output_loading_info=True, **kwargs)
 
 
-@pytest.mark.parametrize("model_type, head", HEAD_CASES, ids=[f"{m}-{h}" for m, h in HEAD_CASES])
+@pytest.mark.parametrize("model_type, head", table(HEAD_CASES, 0), ids=[f"{m}-{h}" for m, h in HEAD_CASES])
 def test_every_head_saves_and_loads_through_its_auto_class(model_type, head, tmp_path, caplog):
     auto_class = getattr(transformers, head)
     torch.manual_seed(0)
@@ -86,7 +87,7 @@ def test_every_head_saves_and_loads_through_its_auto_class(model_type, head, tmp
         assert max_abs_diff(first_output(loaded.eval()(**inputs)), expected) <= 1e-5
 
 
-@pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(ALL_ARCHITECTURES))
 def test_config_json_carries_every_setting_and_safetensors_weights(model_type, tmp_path):
     settings = settings_of(model_type)
     model = ea_hf.patch(tiny_model(model_type), **settings)

@@ -18,6 +18,7 @@ from testing import (
     checkpointing_changes_no_gradient,
     max_abs_diff,
     routing_noise,
+    table,
     tiny_model,
 )
 
@@ -99,13 +100,13 @@ def first_document_changes_nothing_else(model, inputs, changed_inputs, noise: fl
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", MASKED_APART)
+@pytest.mark.parametrize("family", table(MASKED_APART))
 def test_packed_documents_compute_what_they_compute_alone(family):
     model, docs = evolved(family), documents()
     assert max_abs_diff(logits(model, packed(docs)), alone(model, docs)) <= 1e-5
 
 
-@pytest.mark.parametrize("family", MASKED_APART)
+@pytest.mark.parametrize("family", table(MASKED_APART))
 def test_changing_one_packed_document_leaves_the_others_as_they_were(family):
     model, docs = evolved(family), documents()
     first_document_changes_nothing_else(model, packed(docs), packed(with_first_changed(docs)), routing_noise(family))
@@ -124,7 +125,7 @@ def test_without_unpacking_the_convolution_reads_across_documents(family, monkey
     assert max_abs_diff(together, alone(model, docs)) > 1e-4
 
 
-@pytest.mark.parametrize("family", ACROSS_DOCUMENTS + LINEAR_ATTENTION)
+@pytest.mark.parametrize("family", table(ACROSS_DOCUMENTS + LINEAR_ATTENTION))
 def test_families_that_transformers_does_not_pack_attend_across_documents_patched_too(family):
     """Where transformers does not mask packed documents apart (or a linear-attention layer reads across them),
     the unpatched model attends across documents, and so does the patched one: alpha = beta = 0 computes what
@@ -143,7 +144,7 @@ def test_families_that_transformers_does_not_pack_attend_across_documents_patche
 
 @pytest.mark.parametrize(
     ("collator", "family"),
-    [("position-ids", family) for family in MASKED_APART] + [("flash-kwargs", family) for family in FAMILIES],
+    table([("position-ids", family) for family in MASKED_APART] + [("flash-kwargs", family) for family in FAMILIES], 1),
 )
 def test_collated_documents_are_kept_apart(collator, family):
     """``DataCollatorWithFlattening``'s batches: with position ids alone, the families transformers masks apart
@@ -167,7 +168,7 @@ def test_collated_documents_are_kept_apart(collator, family):
         assert max_abs_diff(logits(model, collated(collator, docs)), alone(model, docs)) <= 1e-5
 
 
-@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in LINEAR_ATTENTION + OWN_POSITIONS])
+@pytest.mark.parametrize("family", table(f for f in FAMILIES if f not in LINEAR_ATTENTION + OWN_POSITIONS))
 def test_a_training_step_on_packed_documents_is_one_on_each_document(family):
     """The loss of a collated batch (``DataCollatorWithFlattening``'s labels: no target across a boundary) and its
     gradients are those of the documents alone, weighted by their targets. Position ids where transformers masks
@@ -267,7 +268,7 @@ def test_position_ids_with_a_cache_are_not_packed():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ENCODERS)
+@pytest.mark.parametrize("model_type", table(ENCODERS))
 def test_encoders_keep_documents_apart_by_flash_style_boundaries(model_type):
     """transformers masks no encoder by its position ids (``create_bidirectional_mask`` takes none); flash
     attention's boundaries reach the encoders' attention, and keep the documents apart there too."""

@@ -21,6 +21,7 @@ from testing import (
     first_output,
     max_abs_diff,
     patched_model,
+    table,
     tiny_config,
     tiny_inputs,
     tiny_model,
@@ -68,7 +69,7 @@ def test_exactness_on_pretrained_minilm(minilm_path, minilm_tokenizer, reference
         assert max_abs_diff(patched, reference) <= EXACT
 
 
-@pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(ALL_ARCHITECTURES))
 def test_exactness_and_its_converse_on_every_architecture(model_type):
     model = tiny_model(model_type)
     inputs = tiny_inputs(model_type)
@@ -151,12 +152,12 @@ def padding_difference(model_type: str, method: str) -> float:
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-@pytest.mark.parametrize("model_type", TEXT_ARCHITECTURES + AUDIO_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(TEXT_ARCHITECTURES + AUDIO_ARCHITECTURES))
 def test_padding_invariance_on_every_padded_architecture(model_type, method):
     assert padding_difference(model_type, method) <= PADDING
 
 
-@pytest.mark.parametrize("model_type", TEXT_ARCHITECTURES + AUDIO_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(TEXT_ARCHITECTURES + AUDIO_ARCHITECTURES))
 def test_padding_invariance_fails_without_the_convolution_mask(model_type, monkeypatch):
     """The converse: a convolution that reads the padded positions' logits moves the real ones."""
     monkeypatch.setattr(attention_module, "convolution_mask", lambda *arguments: None)
@@ -366,7 +367,7 @@ def test_patching_twice_is_refused():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(ALL_ARCHITECTURES))
 def test_unpatch_restores_the_original_model(model_type):
     model = tiny_model(model_type)
     inputs = tiny_inputs(model_type)
@@ -552,7 +553,7 @@ def test_a_family_newer_than_the_installed_transformers_is_refused_naming_the_re
     assert ea_hf.is_patched(ea_hf.patch(model))
 
 
-@pytest.mark.parametrize("model_type", ALL_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(ALL_ARCHITECTURES))
 def test_the_config_alone_tells_the_attention_roles(model_type):
     """What model cards and recipes read without building a model: the roles patch finds in its modules."""
     model = tiny_model(model_type)

@@ -18,6 +18,7 @@ from testing import (
     generation_gap,
     max_abs_diff,
     seq2seq_head,
+    table,
     tiny_inputs,
     tiny_model,
 )
@@ -41,7 +42,7 @@ def seq2seq_lm(model_type: str, **overrides):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", SEQ2SEQ_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(SEQ2SEQ_ARCHITECTURES))
 def test_three_chains_with_their_own_settings(model_type):
     model = ea_hf.patch(seq2seq_lm(model_type), **EVOLVED)
     rows = ea_hf.summary(model).modules
@@ -142,7 +143,7 @@ def test_t5_position_bias_is_part_of_the_evolving_logits():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", SEQ2SEQ_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(SEQ2SEQ_ARCHITECTURES))
 def test_later_decoder_tokens_change_nothing_before_them(model_type):
     model = ea_hf.patch(seq2seq_lm(model_type), **EVOLVED)
     inputs = tiny_inputs(model_type)
@@ -198,7 +199,7 @@ def source_padding_difference(model, model_type: str) -> float:
     return worst
 
 
-@pytest.mark.parametrize("model_type", TEXT_SEQ2SEQ_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(TEXT_SEQ2SEQ_ARCHITECTURES))
 def test_source_padding_changes_nothing(model_type):
     model = ea_hf.patch(seq2seq_lm(model_type), **EVOLVED)
     assert source_padding_difference(model, model_type) <= 1e-5
@@ -209,7 +210,7 @@ def test_source_padding_changes_nothing(model_type):
         assert max_abs_diff(model(**noisy).logits, model(**inputs).logits) <= 1e-6
 
 
-@pytest.mark.parametrize("model_type", TEXT_SEQ2SEQ_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(TEXT_SEQ2SEQ_ARCHITECTURES))
 def test_source_padding_moves_the_logits_without_the_convolution_mask(model_type, monkeypatch):
     """The converse: convolutions that read the padded source positions' logits (encoder and cross attention)
     move the real ones (0.07 to 1.5 apart on the tiny models, against at most 7.2e-6 with the mask)."""
@@ -224,7 +225,7 @@ def test_source_padding_moves_the_logits_without_the_convolution_mask(model_type
 
 
 @pytest.mark.parametrize("mode", GENERATION_MODES)
-@pytest.mark.parametrize("model_type", SEQ2SEQ_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(SEQ2SEQ_ARCHITECTURES))
 def test_generation_with_the_cache_equals_generation_without(model_type, mode):
     model = ea_hf.patch(seq2seq_lm(model_type), **EVOLVED)
     inputs = tiny_inputs(model_type)
@@ -279,7 +280,7 @@ def test_generation_needs_the_kept_rows(num_beams, monkeypatch):
                 assert generation_gap(generate(model, inputs, num_beams=num_beams), reference) > 1e-3
 
 
-@pytest.mark.parametrize("model_type", SEQ2SEQ_ARCHITECTURES)
+@pytest.mark.parametrize("model_type", table(SEQ2SEQ_ARCHITECTURES))
 def test_zero_weights_generate_what_the_original_generates(model_type):
     model = seq2seq_lm(model_type)
     inputs = tiny_inputs(model_type)

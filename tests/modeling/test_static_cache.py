@@ -13,7 +13,7 @@ kept rows of a static cache live in buffers allocated once (``history.StaticConv
 import pytest
 import torch
 import transformers
-from testing import CAUSAL_LM_FAMILIES, causal_lm, generate, left_padded_inputs
+from testing import CAUSAL_LM_FAMILIES, causal_lm, generate, left_padded_inputs, table
 
 import ea_hf
 from ea_hf.modeling.architectures import release
@@ -82,7 +82,7 @@ def assert_same_generation(got, expected, tolerance: float = TOLERANCE) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", table(FAMILIES))
 def test_compiled_static_generation_traces_two_graphs_and_matches_eager(family):
     """Every family: fullgraph compiles, a prefill graph and a decoding graph, eager EA's tokens."""
     skip_unsupported(family)
@@ -226,6 +226,7 @@ def test_eager_decoding_refuses_a_cache_cropped_outside_generate():
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # (inductor's C++ build takes a minute here)
 def test_inductor_compiled_generation_matches_eager():
     """Inductor, on the prefill and the decoding step, of Gemma 2's full and sliding-window layers (which the
     ``eager`` backend does not check: inductor lowers the graphs itself)."""
@@ -239,6 +240,7 @@ def test_inductor_compiled_generation_matches_eager():
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # (inductor's C++ build, a minute; test_compile.py's aot_eager traces alike)
 def test_generate_compiles_llama_decoding_with_inductor():
     """transformers' automatic path with its default backend, inductor (mode None: CUDA graphs are a GPU's): one
     graph for every decoding step."""
