@@ -107,6 +107,7 @@ def test_every_launch_compiles_for_an_h100(monkeypatch, dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # CI's second stage, and the oldest Triton's run of this file (.ci/run)
 @pytest.mark.usefixtures("compiling")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_configuration_compiles_for_an_h100(monkeypatch, dtype):
