@@ -191,12 +191,19 @@ def convolve_bytes(x, weight, bias, row_shift) -> int:
     return _held(x, weight, bias) + _map_bytes(x)
 
 
-def _row_blocks(rows: int) -> int:
-    return -(-rows // attention_tail.BLOCK_QUERIES)
+def _first_tile(logits: torch.Tensor, kernel: str, side: str) -> int:
+    """A side of the first configuration of ``kernel``'s list for maps like ``logits``: the tiles counted (autotune
+    may choose others on a GPU, which re-read the values and the output's gradient more or less often)."""
+    kind = "float32" if logits.dtype == torch.float32 else "half"
+    return attention_tail.CONFIGS[kind][kernel][0][side]
 
 
-def _column_blocks(cols: int) -> int:
-    return -(-cols // attention_tail.BLOCK_KEYS)
+def _row_blocks(logits: torch.Tensor) -> int:
+    return -(-logits.shape[-2] // _first_tile(logits, "forward", "BLOCK_M"))
+
+
+def _column_blocks(logits: torch.Tensor) -> int:
+    return -(-logits.shape[-1] // _first_tile(logits, "backward", "BLOCK_N"))
 
 
 def tail_bytes(logits, allowed, additive, value, dropout_keep, dropout_scale) -> int:
@@ -204,7 +211,7 @@ def tail_bytes(logits, allowed, additive, value, dropout_keep, dropout_scale) ->
     mask, and all the values (V once per row block); it writes the output and two statistics a row."""
     batch, heads, rows, _ = logits.shape
     output = batch * heads * rows * value.shape[-1] * value.element_size()
-    values = _held(value) * (heads // value.shape[1]) * _row_blocks(rows)
+    values = _held(value) * (heads // value.shape[1]) * _row_blocks(logits)
     return _held(logits, allowed, additive, dropout_keep) + values + output + 2 * batch * heads * rows * 4
 
 
@@ -217,9 +224,9 @@ def tail_backward_bytes(logits, allowed, additive, value, dropout_keep, dropout_
     groups = heads // value.shape[1]
     masks = _held(logits, allowed, additive, dropout_keep)
     per_row = batch * heads * rows * 4
-    row_terms = masks + _held(value) * groups * _row_blocks(rows) + _held(grad_output, stats) + per_row
+    row_terms = masks + _held(value) * groups * _row_blocks(logits) + _held(grad_output, stats) + per_row
     grad_value_float = batch * heads * cols * value.shape[-1] * 4
-    backward = masks + _held(grad_output) * _column_blocks(cols) + _held(value) * groups + _held(stats) + per_row
+    backward = masks + _held(grad_output) * _column_blocks(logits) + _held(value) * groups + _held(stats) + per_row
     backward += _map_bytes(logits) + grad_value_float
     return row_terms + backward + grad_value_float + 2 * _held(value)
 
