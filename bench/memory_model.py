@@ -12,10 +12,10 @@ torch-operation path (GPUs' default; the CPU's with ``EA_HF_KERNELS=0``) keeps, 
   bools: 5 bytes per element in fp32, 3 in bf16 (dropout's mask adds 1 where attention dropout is on);
 - with gradient checkpointing, A_logit alone: the next layer's replay reads it, everything else is recomputed.
 
-A layer's backward adds a working set of a few maps, some fp32 whatever the model's precision (the softmax
-and its gradient run in fp32): ``TRANSIENT_MAPS``, measured, in fp32 maps. Eager attention keeps
-its softmax per layer (Llama-style families upcast the softmax: an fp32 and a model-dtype copy); sdpa keeps no
-map. Layers that ``layers=`` leaves plain run eager attention.
+A layer's backward adds a working set of a few maps: ``TRANSIENT_MAPS``, measured, counted in fp32 maps. Eager
+attention keeps its softmax per layer (Llama-style families upcast the softmax: an fp32 and a model-dtype copy);
+sdpa keeps no map. Layers that ``layers=`` leaves plain run ea_hf's eager attention, which keeps its softmax in the
+maps' dtype.
 
 On the Triton path (``EA_HF_TRITON=1``: the evolution kernels and the fused attention tail) a layer keeps A_logit,
 the gate bit-packed (an eighth of a byte an element, the fused kernels' form) and two floats a query row, and its
@@ -40,14 +40,14 @@ from harness.models import DTYPE_BYTES, build_model, random_batch, torch_dtype  
 #: A layer's backward working set above what the step keeps, in fp32 maps of that layer: (causal, checkpointing,
 #: dtype) -> maps, measured with MemTracker on CPU at N = 512 (``--check``); it does not grow with the depth.
 TRANSIENT_MAPS = {
-    (False, False, "fp32"): 5.8, (False, False, "bf16"): 3.9,
-    (True, False, "fp32"): 6.8, (True, False, "bf16"): 4.3,
-    (True, True, "fp32"): 7.2, (True, True, "bf16"): 4.8,
+    (False, False, "fp32"): 4.8, (False, False, "bf16"): 2.9,
+    (True, False, "fp32"): 5.8, (True, False, "bf16"): 3.3,
+    (True, True, "fp32"): 6.2, (True, True, "bf16"): 3.8,
 }  # fmt: skip
 #: The same on the Triton path (the kernels interpreted), in bf16: an encoder without checkpointing (BERT,
 #: N = 256), and a causal decoder (Llama, N = 512) without and with it. The decoder's grows with N towards it (a
 #: term below the maps' N^2), so the model errs high on short maps (docs/performance.md).
-TRITON_TRANSIENT_MAPS = {(False, False, "bf16"): 2.1, (True, False, "bf16"): 2.0, (True, True, "bf16"): 2.2}
+TRITON_TRANSIENT_MAPS = {(False, False, "bf16"): 2.0, (True, False, "bf16"): 1.9, (True, True, "bf16"): 2.2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ def ea_added_bytes(
     Example:
         >>> bert = Attention(layers=12, heads=12, upcast_softmax=False, causal=False)
         >>> round(ea_added_bytes(bert, 8, 512, "bf16", checkpointing=False) / 2**20)  # MiB
-        1238
+        1142
     """
     elements = map_elements(batch, attention.heads, n)
     evolving = attention.evolving_positions
@@ -103,11 +103,9 @@ def ea_added_bytes(
             per_layer += 8 * batch * attention.heads * n
         if attention.causal:  # the convolution's causal mask, one per sequence
             per_layer += batch * n * n
-        # Layers left plain run ea_hf's eager attention, which keeps its softmax, in fp32 for a half-precision
-        # model (as eager attention normalises) and the model's dtype for the product with the values.
+        # Layers left plain run ea_hf's eager attention, which keeps its softmax in the maps' dtype.
         plain = sum(1 for layer in range(top + 1) if layer not in evolving)
-        softmax_bytes = 4 + map_bytes if map_bytes < 4 else 4
-        kept = len(evolving) * per_layer + plain * softmax_bytes * elements
+        kept = len(evolving) * per_layer + plain * map_bytes * elements
     transients = TRITON_TRANSIENT_MAPS if path == "triton" else TRANSIENT_MAPS
     transient = transients[(attention.causal, checkpointing, dtype)] * 4 * elements
     return int(kept + transient)

@@ -29,9 +29,11 @@ def torch_operations(monkeypatch):
 def test_the_model_predicts_the_measured_peak(case):
     (row,) = memory_model.check_rows([case])
     # The working set was measured where the top evolving layer is the model's last; under a plain layer it is
-    # smaller, so with layers left plain (and no checkpointing) the model errs high, and the tolerance is wider.
-    tolerance = 0.06 if case[2] is not None and not case[5] else 0.05
-    assert row["measured"] == pytest.approx(row["predicted"], rel=tolerance), row
+    # smaller, so with layers left plain (and no checkpointing) the model errs high, within a wider tolerance.
+    if case[2] is not None and not case[5]:
+        assert row["predicted"] * 0.91 <= row["measured"] <= row["predicted"], row
+    else:
+        assert row["measured"] == pytest.approx(row["predicted"], rel=0.05), row
 
 
 @pytest.mark.slow
