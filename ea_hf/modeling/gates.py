@@ -166,7 +166,7 @@ class GatedEvolveConvolution(torch.autograd.Function):
         step, needs = ctx.step, ctx.needs_input_grad
         maps = StepMaps(scores, previous, keep)
         grad_scores, grad_previous, grad_weight, grad_bias = evolve_backward(
-            step, maps, GradientIn(grad_logits), gate, scaled_weight, needs_input=True, needs_kernel=needs[4] or needs[5]
+            step, maps, GradientIn(grad_logits), gate, scaled_weight, needs_kernel=needs[4] or needs[5]
         )
         if isinstance(grad_scores, ScaledMap):
             grad_scores = grad_scores.map * grad_scores.scale

@@ -42,7 +42,8 @@ def test_every_setting_is_a_recipe_key_a_cli_option_and_a_patch_parameter():
 def test_a_field_added_to_the_settings_reaches_the_recipe_schema_and_the_cli():
     section = ea_section_class(WithSpread)
     assert [field.name for field in dataclasses.fields(section)] == ["enabled", *FIELDS, "spread", "decoder", "cross",
-                                                                     "learning_rate", "ramp_ratio"]  # fmt: skip
+                                                                     "learning_rate", "gates_learning_rate",
+                                                                     "ramp_ratio"]  # fmt: skip
     assert section().spread == 0.5
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser, WithSpread)
