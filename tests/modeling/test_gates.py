@@ -279,3 +279,43 @@ def test_gates_learning_rate_reaches_the_optimizer():
     assert by_parameter[id(modules[0].alpha_gate)] == 0.1
     assert by_parameter[id(modules[0].weight)] == 1e-3
     assert by_parameter[id(model.embeddings.word_embeddings.weight)] == 1e-5
+
+
+def test_model_cards_show_learned_gates():
+    from ea_hf.hub.cards import model_card
+
+    model = ea_hf.patch(tiny_model("bert"), gates="learned")
+    set_gates(model, [(0.25, 0.5)] * len(evolution_modules(model)))
+    text = model_card(model, "user/ea-gates").text
+    assert " gates |" in text and "| learned |" in text
+    assert "| encoder.layer.0.attention.self.evolving_attention | 0.25 | 0.5 |" in text
+    fixed = model_card(ea_hf.patch(tiny_model("bert")), "user/ea").text
+    assert "learned gates" not in fixed and "| gates |" not in fixed
+
+
+def test_learned_gates_train_and_save_with_lora(tmp_path):
+    peft = pytest.importorskip("peft", reason="PEFT adapters are the optional peft extra")
+    from ea_hf.integrations.peft import load_adapter, lora_config
+
+    head = transformers.AutoModelForSequenceClassification
+    model = ea_hf.patch(tiny_model("bert", head), gates="learned")
+    peft_model = peft.get_peft_model(model, lora_config(model, r=2))
+    named = dict(peft_model.named_parameters())
+    gates = {n: p for n, p in named.items() if n.endswith(("alpha_gate", "beta_gate")) and "modules_to_save" in n}
+    # An alpha and a beta gate per trained copy; the model holds the copies and the frozen originals.
+    assert len(gates) == len(evolution_modules(model)) == 2 * model.config.num_hidden_layers
+    assert all(p.requires_grad for p in gates.values())
+    inputs = tiny_inputs("bert")
+    optimizer = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(2):
+        optimizer.zero_grad()
+        peft_model(**inputs).logits.pow(2).sum().backward()
+        optimizer.step()
+    assert any(float(p.detach()) != 0.0 for p in gates.values())  # the gates moved off their start
+    peft_model.eval()
+    with torch.no_grad():
+        expected = peft_model(**inputs).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    loaded = load_adapter(ea_hf.patch(tiny_model("bert", head), gates="learned"), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert max_abs_diff(loaded(**inputs).logits, expected) <= 1e-6
