@@ -8,7 +8,16 @@ import textwrap
 import pytest
 import torch
 import transformers
-from testing import first_output, max_abs_diff, run_without_ea_hf, spy_on, tiny_inputs, tiny_model
+from testing import (
+    cached_and_uncached_generation,
+    first_output,
+    left_padded_inputs,
+    max_abs_diff,
+    run_without_ea_hf,
+    spy_on,
+    tiny_inputs,
+    tiny_model,
+)
 
 import ea_hf
 from ea_hf.modeling import kernels
@@ -319,3 +328,24 @@ def test_learned_gates_train_and_save_with_lora(tmp_path):
     loaded = load_adapter(ea_hf.patch(tiny_model("bert", head), gates="learned"), tmp_path / "adapter").eval()
     with torch.no_grad():
         assert max_abs_diff(loaded(**inputs).logits, expected) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "settings", [{"method": "linear", "beta": 0.6}, {"gates": "learned"}], ids=["linear", "learned"]
+)
+def test_cached_generation_equals_uncached_with_moved_gates_and_kernels(settings):
+    """The linear method's decoding steps convolve the kept rows of earlier steps as torch operations; learned gates
+    decode with their values as numbers. Kernels and gates moved off their start, so that the evolution counts."""
+    model = ea_hf.patch(tiny_model("llama", transformers.AutoModelForCausalLM), **settings)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for module in evolution_modules(model):
+            module.weight.add_(0.5 * torch.randn_like(module.weight))
+            if module.learned_gates:
+                module.alpha_gate.fill_(0.4)
+                module.beta_gate.fill_(0.7)
+    inputs = left_padded_inputs()
+    with torch.no_grad():
+        plain = tiny_model("llama", transformers.AutoModelForCausalLM)(**inputs).logits
+        assert max_abs_diff(model(**inputs).logits, plain) > 1e-3  # the evolution changes the model
+    cached_and_uncached_generation(model, inputs)
