@@ -168,7 +168,7 @@ class AttentionMapEvolution(nn.Module):
     @property
     def alpha(self) -> float:
         """The weight of the previous layer's logits: the setting, or the learned gate's current value."""
-        return self._gate_number(getattr(self, "alpha_gate", None), self._alpha)
+        return self._alpha if self.gates == "fixed" else self._gate_number(self.alpha_gate, self._alpha)
 
     @alpha.setter
     def alpha(self, value: float) -> None:
@@ -177,14 +177,14 @@ class AttentionMapEvolution(nn.Module):
     @property
     def beta(self) -> float:
         """The weight of the convolution branch: the setting, or the learned gate's current value."""
-        return self._gate_number(getattr(self, "beta_gate", None), self._beta)
+        return self._beta if self.gates == "fixed" else self._gate_number(self.beta_gate, self._beta)
 
     @beta.setter
     def beta(self, value: float) -> None:
         self._set_gate_number("beta", value)
 
     def _gate_number(self, gate: torch.Tensor | None, setting: float) -> float:
-        if gate is None or gate.device.type == "meta":  # fixed, or not loaded yet
+        if gate is None or gate.device.type == "meta":  # no beta gate (residual), or not loaded yet
             return setting
         return float(gate.detach().clamp(0.0, 1.0))
 

@@ -349,3 +349,41 @@ def test_cached_generation_equals_uncached_with_moved_gates_and_kernels(settings
         plain = tiny_model("llama", transformers.AutoModelForCausalLM)(**inputs).logits
         assert max_abs_diff(model(**inputs).logits, plain) > 1e-3  # the evolution changes the model
     cached_and_uncached_generation(model, inputs)
+
+
+def test_recipes_and_settings_take_gates_and_the_linear_method():
+    from ea_hf.training.recipe import recipe_from_dict
+
+    base = {"name": "d", "model": {"name_or_path": "m"}, "data": {"task": "sst2"}}
+    recipe = recipe_from_dict(
+        base, ["ea.gates=learned", "ea.method=linear", "ea.init=dirac", "ea.gates_learning_rate=0.01"]
+    )
+    assert recipe.evolution() == ea_hf.EvolvingAttentionSettings(
+        alpha=0.0, beta=0.0, method="linear", init="dirac", gates="learned"
+    )
+    assert recipe.ea.gates_learning_rate == 0.01
+    with pytest.raises(ValueError, match="ea.ramp_ratio: ramps fixed alpha and beta"):
+        recipe_from_dict(base, ["ea.gates=learned", "ea.ramp_ratio=0.1"])
+    with pytest.raises(ValueError, match="method 'echo' has no alpha and beta to learn"):
+        ea_hf.EvolvingAttentionSettings(method="echo", alpha=0.0, beta=0.0, gates="learned")
+    with pytest.raises(ValueError, match="gates must be one of fixed, learned, got 'lerned'"):
+        ea_hf.EvolvingAttentionSettings(gates="lerned")
+    # Learned gates start where the settings say (0 unless given); the linear method at the identity, alpha 0.
+    assert ea_hf.EvolvingAttentionSettings.for_method("conv", gates="learned", beta=0.3).beta == 0.3
+    linear = ea_hf.EvolvingAttentionSettings.for_method("linear")
+    assert (linear.alpha, linear.beta, linear.init) == (0.0, 0.2, "dirac")
+    assert "gates" not in ea_hf.EvolvingAttentionSettings().to_dict()  # fixed settings are stored as before
+
+
+def test_residual_attention_learns_its_alpha_from_an_exact_start():
+    model = ea_hf.patch(tiny_model("bert"), method="residual", gates="learned")
+    modules = evolution_modules(model)
+    assert all(m.beta_gate is None and m.beta == 0.0 for m in modules)
+    inputs = tiny_inputs("bert")
+    with torch.no_grad():
+        expected = first_output(tiny_model("bert")(**inputs))
+    output = first_output(model(**inputs))
+    assert max_abs_diff(output, expected) < 1e-5
+    output.pow(2).mean().backward()
+    assert modules[0].alpha_gate.grad is None  # the chain's first layer has no previous logits to mix in
+    assert all(m.alpha_gate.grad.abs() > 0 for m in modules[1:])
