@@ -387,3 +387,31 @@ def test_residual_attention_learns_its_alpha_from_an_exact_start():
     output.pow(2).mean().backward()
     assert modules[0].alpha_gate.grad is None  # the chain's first layer has no previous logits to mix in
     assert all(m.alpha_gate.grad.abs() > 0 for m in modules[1:])
+
+
+def test_a_models_gate_gradients_match_finite_differences():
+    """Through a whole model (float64, interior gate values): the attention path with autograd hands every layer's
+    gates their exact gradients. (The causal step is checked on its own above.)"""
+    model = ea_hf.patch(tiny_model("bert", initializer_range=0.2), gates="learned").double()
+    set_gates(model, [(0.3 + 0.1 * i, 0.6 - 0.1 * i) for i in range(len(evolution_modules(model)))])
+    inputs = tiny_inputs("bert")
+    mask = inputs["attention_mask"].bool()
+    # A fixed direction: the squares of a LayerNorm's outputs would sum to nearly a constant.
+    direction = torch.randn(int(mask.sum()), model.config.hidden_size, dtype=torch.float64)
+
+    def loss():
+        return (first_output(model(**inputs))[mask] * direction).sum()
+
+    loss().backward()
+    step = 1e-6
+    for module in evolution_modules(model):
+        for gate in (module.alpha_gate, module.beta_gate):
+            with torch.no_grad():
+                gate += step
+                above = loss()
+                gate -= 2 * step
+                below = loss()
+                gate += step
+            numeric = ((above - below) / (2 * step)).item()
+            assert gate.grad.item() == pytest.approx(numeric, rel=1e-5, abs=1e-9)
+    assert abs(evolution_modules(model)[-1].alpha_gate.grad.item()) > 1e-4
