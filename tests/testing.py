@@ -787,6 +787,7 @@ SAVED_MODELING_FILES = {
     "convolution.py",
     "echo.py",
     "evolution.py",
+    "gates.py",
     "history.py",
     "kernels.py",
     "map_reuse.py",

@@ -96,6 +96,8 @@ class CardFacts:
     auto_class: str
     settings: Mapping[str, Mapping[str, Any]]
     added_parameters: int
+    #: (module, alpha, beta) of each layer with learned gates (``gates: learned``), at their values in the weights.
+    learned_gates: Sequence[tuple[str, str, str]] = ()
     base_model: str | None = None
     license: Mapping[str, str] = dataclasses.field(default_factory=dict)
     base_model_text: str = "a transformers model"
@@ -190,6 +192,7 @@ def card_from_facts(facts: CardFacts, repo_id: str) -> ModelCard:
         added_parameters=f"{facts.added_parameters:,}",
         setting_columns=columns,
         settings=rows,
+        learned_gates=list(facts.learned_gates),
         results=result_rows,
         recipe=task.recipe_yaml.strip() if task is not None else None,
         adapter=facts.adapter,
@@ -236,11 +239,13 @@ def model_card(model: Any, repo_id: str) -> ModelCard:
     name_or_path = getattr(model, "name_or_path", None) or None
     origin = checkpoint_origin(name_or_path, name_or_path)
     local = bool(name_or_path) and Path(name_or_path).exists()
+    patched = summary(model)
     facts = CardFacts(
         architecture=type(model).__name__,
         auto_class=auto_class_of(config),
         settings=stored_settings(model.config),
-        added_parameters=summary(model).added_parameters,
+        added_parameters=patched.added_parameters,
+        learned_gates=[(m.name, f"{m.alpha:.4g}", f"{m.beta:.4g}") for m in patched.modules if m.gates == "learned"],
         base_model=origin.hub_id,
         license=origin.license,
         base_model_text="a local checkpoint" if local else "a transformers model",

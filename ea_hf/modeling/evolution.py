@@ -27,7 +27,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as hf_init
 
@@ -35,10 +34,11 @@ from .attention_core import CoreConstants, CoreInputs, CoreMasks
 from .chain import BACKWARD_SPARES_KEY, REPLAYS_KEY, SHARED_LAYERS, SPARE_KEY
 from .compiled import evolving_attention_core
 from .convolution import begin_history, evolve_convolution
+from .gates import GatedEvolveConvolution, convolution_branch, evolve_with_autograd, gate_value
 from .history import ConvolutionHistory
 from .masks import AttentionMask
 from .products import attention_scores, evolution_maps
-from .settings import ATTENTION_ROLES, CAUSAL_ROLES, EvolvingAttentionSettings
+from .settings import ATTENTION_ROLES, CAUSAL_ROLES, CONVOLUTION_METHODS, EvolvingAttentionSettings
 from .step import EvolutionStep, StepMaps
 
 
@@ -60,8 +60,13 @@ class AttentionMapEvolution(nn.Module):
             self-attention) or ``"cross"`` (encoder-decoder attention). The last two convolve causally.
         position: this layer's index in its stack.
         previous: index of the previous evolving layer of the same chain, ``None`` for the first one.
-        method: ``"conv"`` or ``"residual"`` (no convolution weights; :class:`~.echo.EchoAttention` is the
+        method: ``"conv"``, ``"linear"`` (no ReLU in the convolution branch; it runs as torch operations, see
+            :mod:`~.gates`) or ``"residual"`` (no convolution weights; :class:`~.echo.EchoAttention` is the
             ``"echo"`` method's module).
+        gates: ``"fixed"`` (alpha and beta are numbers) or ``"learned"``: parameters ``alpha_gate`` and (with a
+            convolution) ``beta_gate``, started at ``alpha`` and ``beta`` and clamped into [0, 1] with a
+            straight-through gradient (:func:`~.gates.gate_value`); :attr:`alpha` and :attr:`beta` then read their
+            current values.
         device: where the convolution weights are made.
         dtype: the convolution weights' dtype.
 
@@ -95,6 +100,7 @@ class AttentionMapEvolution(nn.Module):
         position: int = 0,
         previous: int | None = None,
         method: str = "conv",
+        gates: str = "fixed",
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -102,8 +108,8 @@ class AttentionMapEvolution(nn.Module):
         if role not in ATTENTION_ROLES:
             raise ValueError(f"Unknown attention role {role!r}; expected 'encoder', 'decoder' or 'cross'")
         self.num_heads = num_heads
-        self.alpha = float(alpha)
-        self.beta = float(beta)
+        self.gates = gates
+        self._alpha, self._beta = float(alpha), float(beta)
         self.kernel_size = kernel_size
         self.init = init
         self.role = role
@@ -112,9 +118,15 @@ class AttentionMapEvolution(nn.Module):
         self.position = position
         self.previous = previous
         self.method = method
-        if method == "conv":
+        factory = {"device": device, "dtype": dtype}
+        if gates == "learned":
+            self.alpha_gate = nn.Parameter(torch.tensor(self._alpha, **factory))
+            has_beta = method in CONVOLUTION_METHODS
+            self.beta_gate = nn.Parameter(torch.tensor(self._beta, **factory)) if has_beta else None
+        elif gates != "fixed":
+            raise ValueError(f"Unknown gates {gates!r}; expected 'fixed' or 'learned'")
+        if method in CONVOLUTION_METHODS:
             rows = kernel_size // 2 + 1 if self.causal else kernel_size
-            factory = {"device": device, "dtype": dtype}
             self.weight = nn.Parameter(torch.empty(num_heads, num_heads, rows, kernel_size, **factory))
             self.bias = nn.Parameter(torch.empty(num_heads, **factory))
         else:  # residual attention (and echo, a subclass): no convolution
@@ -144,8 +156,50 @@ class AttentionMapEvolution(nn.Module):
             kernel_size=settings.kernel_size,
             init=settings.init,
             method=settings.method,
+            gates=settings.gates,
             **where,
         )
+
+    @property
+    def learned_gates(self) -> bool:
+        """Whether alpha and beta are parameters (``gates: learned``)."""
+        return self.gates == "learned"
+
+    @property
+    def alpha(self) -> float:
+        """The weight of the previous layer's logits: the setting, or the learned gate's current value."""
+        return self._alpha if self.gates == "fixed" else self._gate_number(self.alpha_gate, self._alpha)
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        self._set_gate_number("alpha", value)
+
+    @property
+    def beta(self) -> float:
+        """The weight of the convolution branch: the setting, or the learned gate's current value."""
+        return self._beta if self.gates == "fixed" else self._gate_number(self.beta_gate, self._beta)
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._set_gate_number("beta", value)
+
+    def _gate_number(self, gate: torch.Tensor | None, setting: float) -> float:
+        if gate is None or gate.device.type == "meta":  # no beta gate (residual), or not loaded yet
+            return setting
+        return float(gate.detach().clamp(0.0, 1.0))
+
+    def _set_gate_number(self, name: str, value: float) -> None:
+        if self.learned_gates:
+            raise AttributeError(f"{name} is a learned gate here ({name}_gate): training sets it, not assignment")
+        setattr(self, f"_{name}", float(value))
+
+    def gate_tensors(self) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """(alpha, beta) as autograd takes them: the learned gates' clamped values (:func:`~.gates.gate_value`) as
+        0-dim tensors, or the fixed numbers."""
+        if not self.learned_gates:
+            return self._alpha, self._beta
+        beta = self._beta if self.beta_gate is None else gate_value(self.beta_gate)
+        return gate_value(self.alpha_gate), beta
 
     @property
     def context_rows(self) -> int:
@@ -162,6 +216,7 @@ class AttentionMapEvolution(nn.Module):
         return (
             f"method={self.method!r}, heads={self.num_heads}, kernel_size={self.kernel_size}, alpha={self.alpha}, "
             f"beta={self.beta}, role={self.role!r}, position={self.position}, previous={self.previous}"
+            + (", gates='learned'" if self.learned_gates else "")
         )
 
     @torch.no_grad()
@@ -171,8 +226,12 @@ class AttentionMapEvolution(nn.Module):
         ``kaiming_uniform`` is torch's ``nn.Conv2d`` default (weight and bias); ``xavier_uniform`` and
         ``normal`` (std 0.02) draw the weight and zero the bias; ``dirac`` starts as the identity map per head
         with a zero bias (for a causal kernel the centre is its last row). Parameters already loaded from a
-        checkpoint are left alone.
+        checkpoint are left alone. Learned gates start at the settings' alpha and beta.
         """
+        if self.learned_gates:
+            hf_init.constant_(self.alpha_gate, self._alpha)
+            if self.beta_gate is not None:
+                hf_init.constant_(self.beta_gate, self._beta)
         if self.weight is None:
             return
         if self.init == "kaiming_uniform":
@@ -201,20 +260,18 @@ class AttentionMapEvolution(nn.Module):
         return (self.role, SHARED_LAYERS if self.shared_across_layers else self.position)
 
     def convolve(self, conv_input: torch.Tensor, rows_before: int = 0, columns_before: int = 0) -> torch.Tensor:
-        """ReLU(Conv(A_in)) for the rows of ``conv_input`` after its first ``rows_before`` (earlier, cached) rows
-        and the columns after its first ``columns_before`` (keys that a sliding window's cache has dropped).
+        """ReLU(Conv(A_in)) (``linear``: Conv(A_in)) for the rows of ``conv_input`` after its first ``rows_before``
+        (earlier, cached) rows and the columns after its first ``columns_before`` (keys that a sliding window's
+        cache has dropped).
 
         ``conv_input`` must already have its masked entries zeroed; outside the map the convolution sees zeros.
         This is the plain formulation; :meth:`forward` computes the same through
         :func:`~.convolution.evolve_convolution`.
         """
-        c = self.context_rows
-        if not self.causal:
-            return F.relu(F.conv2d(conv_input, self.weight, self.bias, padding=c))
-        # Zero rows above the first one stand for the rows that do not exist yet (or are not cached);
-        # with the kernel's bottom row at the centre, output row i reads input rows i - c .. i.
-        padded = F.pad(conv_input, (c, c, c - rows_before, 0))
-        return F.relu(F.conv2d(padded, self.weight, self.bias))[..., columns_before:]
+        return convolution_branch(
+            conv_input, self.weight, self.bias, self.context_rows, self.causal, rows_before=rows_before,
+            columns_before=columns_before, relu=self.method != "linear",
+        )  # fmt: skip
 
     def previous_logits(self, chain: dict[Any, Any] | None) -> torch.Tensor | None:
         """A_logit of the previous layer of this chain (``None`` for the first layer or when alpha is 0)."""
@@ -238,7 +295,11 @@ class AttentionMapEvolution(nn.Module):
                 f"Evolving attention layer {self.position} ({self.role}) expected the logits of layer "
                 f"{self.previous}, which did not run in this forward call (layers skipped or reordered?)."
             )
-        return previous if self.alpha != 0.0 else None
+        return previous if self.alpha != 0.0 or self.gates_need_previous() else None
+
+    def gates_need_previous(self) -> bool:
+        """Whether A_prev is needed at alpha = 0: for the gradient of a learned alpha."""
+        return self.learned_gates and torch.is_grad_enabled() and self.alpha_gate.requires_grad
 
     def record_logits(self, chain: dict[Any, Any], logits: torch.Tensor) -> None:
         """Put this layer's A_logit in ``chain`` for the next layer; in a replay, drop the entry instead.
@@ -263,7 +324,7 @@ class AttentionMapEvolution(nn.Module):
                 "each call reads the logits of the call before it."
             )
         previous = chain.pop(self.key, None)
-        return previous if self.alpha != 0.0 else None
+        return previous if self.alpha != 0.0 or self.gates_need_previous() else None
 
     def reference(
         self,
@@ -291,6 +352,8 @@ class AttentionMapEvolution(nn.Module):
         """Whether :meth:`attend` should run this layer's whole attention core: with autograd, a convolution and
         no earlier decoding rows (a forward pass with a fresh cache, as training with ``use_cache`` makes, has
         none). While torch.compile traces, the core is :func:`~.compiled.compiled_core`."""
+        if self.learned_gates or self.method == "linear":  # they run in :meth:`forward` (see :mod:`~.gates`)
+            return False
         return self.beta != 0.0 and (history is None or history.rows is None) and torch.is_grad_enabled()
 
     def attend(
@@ -379,6 +442,8 @@ class AttentionMapEvolution(nn.Module):
         Returns:
             A_logit, the evolved logits [B, H, Q, K].
         """
+        if self.method == "linear" or (self.learned_gates and torch.is_grad_enabled()):
+            return self.gated_forward(scores, conv_mask, chain, history)
         if history is not None and history.rows is not None and torch.is_grad_enabled():
             # Later decoding steps with autograd on (not what generate does): the plain formulation carries
             # gradients through the kept rows of earlier steps.
@@ -391,5 +456,34 @@ class AttentionMapEvolution(nn.Module):
             logits = evolve_convolution(self.step, StepMaps(scores, previous, keep), self.weight, self.bias, history)
         if previous is not None and not torch.is_grad_enabled():
             chain[SPARE_KEY] = previous
+        self.record_logits(chain, logits)
+        return logits
+
+    def gated_forward(
+        self,
+        scores: torch.Tensor,
+        conv_mask: torch.Tensor | None,
+        chain: dict[Any, Any] | None,
+        history: ConvolutionHistory | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward` of the ``linear`` method and of learned gates with autograd: A_logit from the gates'
+        tensors (see :mod:`~.gates`). Learned gates on ``conv`` run the step's kernels
+        (:class:`~.gates.GatedEvolveConvolution`) where no earlier decoding rows are kept; the rest runs as torch
+        operations (:func:`~.gates.evolve_with_autograd`)."""
+        previous = self.previous_logits(chain)
+        keep = None if conv_mask is None else conv_mask.to(scores.dtype)
+        maps = StepMaps(scores, previous, keep)
+        alpha, beta = self.gate_tensors()
+        numbers = [float(g.detach()) if isinstance(g, torch.Tensor) else g for g in (alpha, beta)]
+        step = EvolutionStep(*numbers, self.context_rows, self.causal)
+        if history is not None and history.rows is None and self.weight is not None:
+            begin_history(step, maps, history)  # a first decoding step: like an uncached forward
+            history = None
+        if self.method == "conv" and history is None:
+            logits = GatedEvolveConvolution.apply(step, scores, previous, keep, self.weight, self.bias, alpha, beta)
+        else:
+            logits = evolve_with_autograd(
+                alpha, beta, maps, self.weight, self.bias, step, linear=self.method == "linear", history=history
+            )
         self.record_logits(chain, logits)
         return logits

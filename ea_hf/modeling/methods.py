@@ -12,9 +12,11 @@ from __future__ import annotations
 from .echo import EchoAttention
 from .evolution import AttentionMapEvolution
 
-#: Module class of each evolution method. ``residual`` is the convolution module without a convolution.
+#: Module class of each evolution method. ``residual`` is the convolution module without a convolution, ``linear``
+#: the convolution module without the ReLU.
 EVOLUTION_METHODS: dict[str, type[AttentionMapEvolution]] = {
     "conv": AttentionMapEvolution,
     "residual": AttentionMapEvolution,
     "echo": EchoAttention,
+    "linear": AttentionMapEvolution,
 }

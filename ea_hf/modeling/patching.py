@@ -27,7 +27,7 @@ from .attach import (
 from .config_classes import evolving_attention_config_class
 from .evolution import AttentionMapEvolution
 from .model_classes import auto_map_for, evolving_attention_model_class
-from .settings import CONFIG_ATTRIBUTE, METHOD_DEPENDENT, EvolvingAttentionSettings, RoleSettings
+from .settings import CONFIG_ATTRIBUTE, CONVOLUTION_METHODS, METHOD_DEPENDENT, EvolvingAttentionSettings, RoleSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,8 @@ class PatchedModule:
     method: str = "conv"
     #: Serves several layers (ALBERT): each call mixes in the previous call's logits ("call" under prev).
     shared_across_layers: bool = False
+    #: ``learned``: alpha and beta are the layer's gates, at their current values; ``fixed``: its settings.
+    gates: str = "fixed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +68,13 @@ class PatchSummary:
         lines = [f"{header} {'params':>8}"]
         for m in self.modules:
             prev = "call" if m.shared_across_layers else "-" if m.previous_layer is None else str(m.previous_layer)
-            kernel = str(m.kernel_size) if m.method == "conv" else "-"
+            kernel = str(m.kernel_size) if m.method in CONVOLUTION_METHODS else "-"
             lines.append(
                 f"{m.name:<52} {m.role:<8} {m.method:<8} {m.layer:>5} {prev:>5} {m.alpha:>6g} {m.beta:>6g} "
                 f"{kernel:>3} {m.parameters:>8,}"
             )
+        if any(m.gates == "learned" for m in self.modules):
+            lines.append("alpha and beta of the layers with learned gates: their current values")
         share = 100.0 * self.added_parameters / max(self.total_parameters, 1)
         lines.append(
             f"{len(self.modules)} evolving attention modules, {self.added_parameters:,} added parameters "
@@ -271,6 +275,7 @@ def summary(model: nn.Module) -> PatchSummary:
                     parameters=sum(p.numel() for p in module.parameters()),
                     method=module.method,
                     shared_across_layers=module.shared_across_layers,
+                    gates=module.gates,
                 )
             )
     return PatchSummary(

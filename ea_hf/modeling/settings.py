@@ -33,14 +33,22 @@ INIT_SCHEMES = ("kaiming_uniform", "xavier_uniform", "normal", "dirac")
 CONFIG_ATTRIBUTE = "evolving_attention"
 
 #: How attention maps evolve: ``conv`` is Evolving Attention (residual mix with the previous layer's logits,
-#: then a convolution); ``residual`` keeps only the residual mix (RealFormer-style, no convolution);
-#: ``echo`` is echo attention (per-head gated, stateful refinements of each layer's own logits).
-METHODS = ("conv", "residual", "echo")
+#: then a convolution); ``linear`` is the same with a linear convolution branch (no ReLU), started by default as
+#: the identity (``dirac``), so that it changes nothing at its start for any alpha and beta; ``residual`` keeps
+#: only the residual mix (RealFormer-style, no convolution); ``echo`` is echo attention (per-head gated,
+#: stateful refinements of each layer's own logits).
+METHODS = ("conv", "residual", "echo", "linear")
+#: Methods with a convolution branch (weights, ``kernel_size`` and ``init``).
+CONVOLUTION_METHODS = ("conv", "linear")
+#: How alpha and beta are set: ``fixed`` (plain numbers, the papers' way) or ``learned`` (one parameter each per
+#: layer, started at the settings' alpha and beta, which default to 0 then: the checkpoint exactly).
+GATES = ("fixed", "learned")
 #: Echo attention's state transition U_k(X) = a_k * X: one scale per head and step (``scalar``), or one per
 #: query position (``row``) or key position (``column``), which needs ``max_positions``.
 ECHO_STATES = ("scalar", "row", "column")
-#: alpha and beta when not given: the papers' 0.2 where the method uses them, 0 where it does not.
-METHOD_DEFAULTS = {"conv": (0.2, 0.2), "residual": (0.2, 0.0), "echo": (0.0, 0.0)}
+#: alpha and beta when not given: the papers' 0.2 where the method uses them, 0 where it does not; ``linear``
+#: mixes in no previous layer by default (alpha 0), so that with its identity start it changes nothing at first.
+METHOD_DEFAULTS = {"conv": (0.2, 0.2), "residual": (0.2, 0.0), "echo": (0.0, 0.0), "linear": (0.0, 0.2)}
 #: Settings only echo attention uses.
 ECHO_FIELDS = ("echoes", "echo_state", "max_positions")
 #: Settings of the convolution, which residual and echo attention do not have.
@@ -54,7 +62,7 @@ def unused_fields(method: str) -> tuple[str, ...]:
         >>> unused_fields("residual")
         ('kernel_size', 'init', 'echoes', 'echo_state', 'max_positions')
     """
-    return (() if method == "conv" else CONVOLUTION_FIELDS) + (() if method == "echo" else ECHO_FIELDS)
+    return (() if method in CONVOLUTION_METHODS else CONVOLUTION_FIELDS) + (() if method == "echo" else ECHO_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +76,9 @@ class EvolvingAttentionSettings:
         layers: indices of the layers to patch (in the stack's own numbering); ``None`` patches all.
         init: initialisation of the convolution, one of :data:`INIT_SCHEMES`.
         method: one of :data:`METHODS`. ``residual`` has no convolution (beta must be 0); ``echo`` neither
-            mixes layers nor convolves (alpha and beta must be 0).
+            mixes layers nor convolves (alpha and beta must be 0); ``linear`` drops the ReLU of ``conv``'s branch.
+        gates: one of :data:`GATES`. ``learned`` makes alpha and beta parameters of each layer, started at the
+            values given here (``for_method``'s default for them is then 0: step 0 is the checkpoint exactly).
         echoes: ``echo``: the number of echo steps S.
         echo_state: ``echo``: the state transition, one of :data:`ECHO_STATES`.
         max_positions: ``echo`` with a ``row`` or ``column`` state: the longest sequence it can take.
@@ -108,6 +118,9 @@ class EvolvingAttentionSettings:
     max_positions: int | None = dataclasses.field(
         default=None, metadata={"help": "echo: longest sequence of a row or column state"}
     )
+    gates: str = dataclasses.field(
+        default="fixed", metadata={"help": "fixed alpha and beta, or learned per layer from them", "choices": GATES}
+    )
 
     @classmethod
     def for_method(
@@ -117,9 +130,11 @@ class EvolvingAttentionSettings:
 
         Args:
             method: one of :data:`METHODS`.
-            alpha: the residual weight; None: the method's default (0.2; 0 for ``echo``).
-            beta: the convolution's weight; None: the method's default (0.2; 0 for ``residual`` and ``echo``).
-            **fields: the other fields, by name.
+            alpha: the residual weight; None: the method's default (0.2; 0 for ``echo`` and ``linear``; 0 with learned
+                gates).
+            beta: the convolution's weight; None: the method's default (0.2; 0 for ``residual`` and ``echo``; 0
+                with learned gates).
+            **fields: the other fields, by name (``init``, where not given, is ``dirac`` for ``linear``).
 
         Returns:
             The settings.
@@ -131,8 +146,15 @@ class EvolvingAttentionSettings:
             >>> s = EvolvingAttentionSettings.for_method("residual")
             >>> s.alpha, s.beta
             (0.2, 0.0)
+            >>> s = EvolvingAttentionSettings.for_method("linear", gates="learned")
+            >>> s.alpha, s.beta, s.init
+            (0.0, 0.0, 'dirac')
         """
         default_alpha, default_beta = METHOD_DEFAULTS.get(method, (0.2, 0.2))
+        if fields.get("gates") == "learned":
+            default_alpha = default_beta = 0.0
+        if method == "linear" and "init" not in fields:  # the identity start
+            fields["init"] = "dirac"
         alpha = default_alpha if alpha is None else alpha
         beta = default_beta if beta is None else beta
         return cls(alpha=alpha, beta=beta, method=method, **fields)
@@ -235,6 +257,10 @@ class EvolvingAttentionSettings:
         if self.method not in METHODS:
             return [f"method must be one of {', '.join(METHODS)}, got {self.method!r}"]
         problems = []
+        if self.gates not in GATES:
+            problems.append(f"gates must be one of {', '.join(GATES)}, got {self.gates!r}")
+        elif self.gates == "learned" and self.method == "echo":
+            problems.append("method 'echo' has no alpha and beta to learn: gates must be 'fixed'")
         if self.method == "residual" and self.beta != 0:
             problems.append(f"method 'residual' has no convolution: beta must be 0, got {self.beta!r}")
         if self.method == "echo":
@@ -255,13 +281,16 @@ class EvolvingAttentionSettings:
         """JSON-ready form, as stored in ``config.json``.
 
         Returns:
-            The fields by name (``layers`` a list; the echo fields only for ``echo``).
+            The fields by name (``layers`` a list; the echo fields only for ``echo``; ``gates`` only where
+            learned, so that fixed settings read as before).
         """
         data = dataclasses.asdict(self)
         data["layers"] = None if self.layers is None else list(self.layers)
         if self.method != "echo":  # the echo fields mean nothing to the other methods
             for name in ECHO_FIELDS:
                 del data[name]
+        if self.gates == "fixed":
+            del data["gates"]
         return data
 
     @classmethod

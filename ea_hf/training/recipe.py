@@ -167,6 +167,7 @@ def ea_section_class(settings_class: type = EvolvingAttentionSettings) -> type:
     for role in ("decoder", "cross"):
         fields.append((role, dict[str, Any] | bool | None, dataclasses.field(default=None)))
     fields.append(("learning_rate", float | None, dataclasses.field(default=None)))
+    fields.append(("gates_learning_rate", float | None, dataclasses.field(default=None)))
     fields.append(("ramp_ratio", float, dataclasses.field(default=0.0)))
     return dataclasses.make_dataclass(
         "EASection",
@@ -177,7 +178,7 @@ def ea_section_class(settings_class: type = EvolvingAttentionSettings) -> type:
 
     Its fields are ``enabled``, those of :class:`~ea_hf.modeling.settings.EvolvingAttentionSettings` (``alpha``,
     ``beta``, ``kernel_size``, ``layers``, ``init``, ``method``...; None where the method decides the default),
-    then the four below.
+    then the five below.
 
     Args:
         enabled: false gives the baseline (the other fields are then ignored, so a baseline is the same recipe
@@ -185,6 +186,7 @@ def ea_section_class(settings_class: type = EvolvingAttentionSettings) -> type:
         decoder: the settings of decoder self-attention in seq2seq models, as :func:`ea_hf.patch` takes them.
         cross: the settings of encoder-decoder attention in seq2seq models, as :func:`ea_hf.patch` takes them.
         learning_rate: of the added weights; None: ``train.learning_rate``.
+        gates_learning_rate: of the learned gates (``gates: learned``); None: that of the added weights.
         ramp_ratio: the share of the training steps over which alpha and beta rise from 0 to their values, so
             that training starts from the unchanged checkpoint (0: the papers' start, at full weight; see
             ``ea_hf.training.ramp``).
@@ -608,6 +610,11 @@ def _check(recipe: Recipe, problems: list[tuple[str, str]]) -> None:
         problems += [(f"ea.{role}", text) for role, text in role_problems]
     if not 0.0 <= recipe.ea.ramp_ratio <= 1.0:
         problems.append(("ea.ramp_ratio", "must be in [0, 1]"))
+    if recipe.ea.ramp_ratio > 0 and recipe.ea.gates == "learned":
+        problems.append(("ea.ramp_ratio", "ramps fixed alpha and beta; learned gates start at their values and train"))
+    for name in ("learning_rate", "gates_learning_rate"):
+        if getattr(recipe.ea, name) is not None and getattr(recipe.ea, name) <= 0:
+            problems.append((f"ea.{name}", "must be positive"))
     train = recipe.train
     for name in ("learning_rate", "batch_size", "gradient_accumulation_steps", "logging_steps"):
         if getattr(train, name) <= 0:

@@ -78,8 +78,15 @@ def evolution_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, AttentionMapEvolution) for p in m.parameters()]
 
 
+def gate_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The learned gates (``alpha_gate``, ``beta_gate``) of the evolution modules (``gates: learned``)."""
+    modules = [m for m in model.modules() if isinstance(m, AttentionMapEvolution) and m.learned_gates]
+    return [p for m in modules for p in (m.alpha_gate, m.beta_gate) if p is not None]
+
+
 class EvolvingAttentionTrainer(transformers.Trainer):
-    """``Trainer`` with an optional separate learning rate for the added evolution parameters, and an evaluation
+    """``Trainer`` with optional separate learning rates for the added evolution parameters and for the learned gates
+    among them (``gates_learning_rate``; None: the evolution parameters' rate), and an evaluation
     loss that is the mean over the split's examples (``example_losses``, see ``TaskKind.example_losses``).
 
     Trainer's own evaluation loss is the mean of each batch's mean loss. In a distributed run the processes'
@@ -93,6 +100,7 @@ class EvolvingAttentionTrainer(transformers.Trainer):
         self,
         *args: Any,
         ea_learning_rate: float | None = None,
+        gates_learning_rate: float | None = None,
         per_example_scores: Callable[[Any], Any] | None = None,
         example_losses: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         **kwargs: Any,
@@ -103,6 +111,7 @@ class EvolvingAttentionTrainer(transformers.Trainer):
             kwargs["preprocess_logits_for_metrics"] = functools.partial(_with_example_losses, reduce, example_losses)
         super().__init__(*args, **kwargs)
         self.ea_learning_rate = ea_learning_rate
+        self.gates_learning_rate = gates_learning_rate
         self.per_example_scores = per_example_scores
         self.example_losses = example_losses
 
@@ -124,20 +133,24 @@ class EvolvingAttentionTrainer(transformers.Trainer):
             self.is_fsdp_enabled = True
 
     def create_optimizer(self, model: nn.Module | None = None):
-        if self.ea_learning_rate is None or self.optimizer is not None:
+        if (self.ea_learning_rate is None and self.gates_learning_rate is None) or self.optimizer is not None:
             return super().create_optimizer(model) if model is not None else super().create_optimizer()
         model = self.model if model is None else model
         evolution = {id(p) for p in evolution_parameters(model)}
+        gates = {id(p) for p in gate_parameters(model)} if self.gates_learning_rate is not None else set()
+        evolution_rate = self.args.learning_rate if self.ea_learning_rate is None else self.ea_learning_rate
         decay_names = set(self.get_decay_parameter_names(model))
         groups: dict[str, dict[str, Any]] = {
             "decay": {"params": [], "weight_decay": self.args.weight_decay},
             "no_decay": {"params": [], "weight_decay": 0.0},
-            "evolution": {"params": [], "weight_decay": 0.0, "lr": self.ea_learning_rate},
+            "evolution": {"params": [], "weight_decay": 0.0, "lr": evolution_rate},
+            "gates": {"params": [], "weight_decay": 0.0, "lr": self.gates_learning_rate},
         }
         for name, parameter in model.named_parameters():
             if not parameter.requires_grad:
                 continue
-            group = "evolution" if id(parameter) in evolution else "decay" if name in decay_names else "no_decay"
+            group = "gates" if id(parameter) in gates else "evolution" if id(parameter) in evolution else None
+            group = group or ("decay" if name in decay_names else "no_decay")
             groups[group]["params"].append(parameter)
         optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
         self.optimizer = optimizer_cls([g for g in groups.values() if g["params"]], **optimizer_kwargs)
@@ -257,6 +270,7 @@ def prepare(
         compute_metrics=prepared.compute_metrics,
         preprocess_logits_for_metrics=prepared.preprocess_logits,
         ea_learning_rate=recipe.ea.learning_rate,
+        gates_learning_rate=recipe.ea.gates_learning_rate,
         per_example_scores=prepared.per_example_scores,
         example_losses=kind.example_losses(recipe, model.config),
         callbacks=callbacks,

@@ -67,7 +67,7 @@ def test_patch_command_errors_are_clear_and_nonzero(minilm_path, tmp_path, capsy
     with pytest.raises(SystemExit) as exit_info:  # argparse's own error: the choices come from the settings
         main(["patch", minilm_path, str(tmp_path / "x"), "--method", "cnov"])
     assert exit_info.value.code == 2
-    assert "invalid choice: 'cnov' (choose from 'conv', 'residual', 'echo')" in capsys.readouterr().err
+    assert "invalid choice: 'cnov' (choose from 'conv', 'residual', 'echo', 'linear')" in capsys.readouterr().err
 
 
 def test_patch_command_takes_per_role_settings_for_seq2seq_models(tmp_path, capsys):

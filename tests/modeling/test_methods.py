@@ -127,7 +127,7 @@ def test_a_1x1_kernel_keeps_the_model_permutation_equivariant():
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"method": "conf"}, "method must be one of conv, residual, echo, got 'conf'"),
+        ({"method": "conf"}, "method must be one of conv, residual, echo, linear, got 'conf'"),
         ({"method": "residual", "beta": 0.2}, "method 'residual' has no convolution: beta must be 0, got 0.2"),
         (
             {"method": "echo", "alpha": 0.1},

@@ -42,7 +42,8 @@ def test_every_setting_is_a_recipe_key_a_cli_option_and_a_patch_parameter():
 def test_a_field_added_to_the_settings_reaches_the_recipe_schema_and_the_cli():
     section = ea_section_class(WithSpread)
     assert [field.name for field in dataclasses.fields(section)] == ["enabled", *FIELDS, "spread", "decoder", "cross",
-                                                                     "learning_rate", "ramp_ratio"]  # fmt: skip
+                                                                     "learning_rate", "gates_learning_rate",
+                                                                     "ramp_ratio"]  # fmt: skip
     assert section().spread == 0.5
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser, WithSpread)
@@ -57,7 +58,7 @@ def test_recipe_values_are_checked_by_the_settings_themselves():
     recipe = recipe_from_dict(base, ["ea.method=residual", "ea.kernel_size=5", "ea.layers=[0, 1]"])
     assert recipe.evolution() == EvolvingAttentionSettings(alpha=0.2, beta=0.0, kernel_size=5, layers=(0, 1),
                                                            method="residual")  # fmt: skip
-    with pytest.raises(ValueError, match=r"ea.method: must be one of conv, residual, echo; got 'cnov'"):
+    with pytest.raises(ValueError, match=r"ea.method: must be one of conv, residual, echo, linear; got 'cnov'"):
         recipe_from_dict(base, ["ea.method=cnov"])
     with pytest.raises(ValueError, match=r"kernel_size must be a positive odd integer, got 4"):
         recipe_from_dict(base, ["ea.kernel_size=4"])
@@ -82,7 +83,8 @@ def test_the_card_table_shows_every_stored_setting_as_stored():
         "cross": EvolvingAttentionSettings.for_method("echo", echoes=3).to_dict(),
     }
     columns, rows = settings_table(stored)
-    assert columns == FIELDS  # the echo fields are stored for the echo role only
+    # The echo fields are stored for the echo role only, ``gates`` only where learned.
+    assert columns == [name for name in FIELDS if name != "gates"]
     assert rows == [
         ["encoder", "0.3", "0.2", "3", "0, 2", "kaiming_uniform", "conv", "-", "-", "-"],
         ["cross", "0.0", "0.0", "-", "all", "-", "echo", "3", "scalar", "-"],  # echo has no convolution

@@ -1,0 +1,194 @@
+"""Learned gates (alpha and beta as parameters of each layer) and the linear method's evolution.
+
+With ``gates: learned`` each evolving layer holds alpha and beta as scalar parameters, started at the settings'
+values (0 by default: the layer then computes the checkpoint's attention exactly). Their values are kept in
+[0, 1] by :func:`gate_value`, a clamp whose gradient passes straight through: the forward uses
+clamp(raw, 0, 1), the backward gives the raw parameter the gradient of the clamped value everywhere. A gate
+pushed below 0 (or above 1) therefore still gets the gradient it would get at the border and comes back when the
+loss asks for it, and at the start (raw = 0) its gradient is the exact one. (A sigmoid is never exactly 0, and
+ReLU or a square have no gradient at 0.)
+
+The gradients of the gates are exact:
+
+    dL/dalpha = <G_in, A_prev - S>,   dL/dbeta = <G, R - A_in>,   R = ReLU(Conv(A_in * keep))
+
+with G = dL/dA_logit and G_in = dL/dA_in. :class:`GatedEvolveConvolution` takes the step's kernels for the
+rest (they take alpha and beta as numbers: the fused CPU kernel where it applies, torch operations elsewhere);
+G_in is the sum of the gradients of S and A_prev that they return ((1 - alpha) G_in + alpha G_in), and R is
+recomputed in backward with the unscaled kernel (the step convolves with beta * kernel, which is zero at
+beta = 0): one convolution more in backward, only with learned gates.
+
+The ``linear`` method has no ReLU: A_logit = beta * Conv(A_in * keep) + (1 - beta) * A_in, computed as
+lerp(A_in, Conv(A_in * keep), beta). With the ``dirac`` start Conv is the identity on every kept entry (the
+centre tap reads only its own entry, at the borders too), so A_logit = A_in there exactly for any beta; masked
+entries differ, and the softmax masks them. The fused kernels apply the ReLU, so this method runs as torch
+operations (:func:`evolve_with_autograd`), whose autograd gives every gradient.
+
+This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
+transformers and sibling files (single-dot relative imports).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .convolution import evolve_backward, evolve_step
+from .history import ConvolutionHistory
+from .step import EvolutionStep, GradientIn, ScaledMap, StepMaps
+
+
+def gate_value(raw: Tensor) -> Tensor:
+    """clamp(``raw``, 0, 1) with the gradient passed straight through to ``raw`` (see the module docstring).
+
+    Example:
+        >>> raw = torch.tensor([-0.5, 0.25, 1.5], requires_grad=True)
+        >>> value = gate_value(raw)
+        >>> value.sum().backward()
+        >>> value.tolist(), raw.grad.tolist()
+        ([0.0, 0.25, 1.0], [1.0, 1.0, 1.0])
+    """
+    return raw + (raw.detach().clamp(0.0, 1.0) - raw.detach())
+
+
+def convolution_branch(
+    conv_input: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    context_rows: int,
+    causal: bool,
+    *,
+    rows_before: int = 0,
+    columns_before: int = 0,
+    relu: bool = True,
+) -> Tensor:
+    """(ReLU of) Conv(``conv_input``) for the rows after its first ``rows_before`` (earlier, cached) rows and the
+    columns after its first ``columns_before``; outside the map the convolution sees zeros. A causal kernel (its
+    last row at the centre) makes output row i read input rows i - c .. i (c = ``context_rows``).
+
+    Example:
+        >>> x = torch.randn(1, 2, 4, 4)
+        >>> identity = torch.zeros(2, 2, 2, 3)
+        >>> identity[0, 0, 1, 1] = identity[1, 1, 1, 1] = 1.0
+        >>> torch.equal(convolution_branch(x, identity, torch.zeros(2), 1, True, relu=False), x)
+        True
+    """
+    columns = weight.shape[-1] // 2
+    if causal:
+        # Zero rows above the first one stand for the rows that do not exist yet (or are not cached).
+        padded = F.pad(conv_input, (columns, columns, context_rows - rows_before, 0))
+        convolved = F.conv2d(padded, weight, bias)[..., columns_before:]
+    else:
+        convolved = F.conv2d(conv_input, weight, bias, padding=(context_rows, columns))
+    return F.relu(convolved) if relu else convolved
+
+
+def evolve_with_autograd(
+    alpha: Tensor | float,
+    beta: Tensor | float,
+    maps: StepMaps,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    step: EvolutionStep,
+    *,
+    linear: bool,
+    history: ConvolutionHistory | None = None,
+) -> Tensor:
+    """A_logit as torch operations that autograd differentiates, ``alpha`` and ``beta`` numbers or (learned)
+    tensors: lerp(S, A_prev, alpha), then without a convolution (``weight`` None) that alone, else
+    lerp(A_in, R, beta) with R = Conv(A_in * keep), through a ReLU unless ``linear``. ``history``: the earlier rows
+    of step-by-step decoding (see :meth:`~.history.ConvolutionHistory.extend`). ``step`` gives the kernel's
+    ``context_rows`` and whether it is ``causal`` (its alpha and beta are not read).
+
+    Example:
+        >>> step = EvolutionStep(alpha=0.0, beta=0.0, context_rows=1)
+        >>> s, prev = torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4)
+        >>> weight = torch.zeros(2, 2, 3, 3)
+        >>> weight[0, 0, 1, 1] = weight[1, 1, 1, 1] = 1.0  # dirac: the identity
+        >>> logits = evolve_with_autograd(0.3, 0.7, StepMaps(s, prev, None), weight, torch.zeros(2), step, linear=True)
+        >>> torch.equal(logits, torch.lerp(s, prev, 0.3))
+        True
+    """
+    scores, previous, keep = maps
+    gates = [g.to(scores.dtype) if isinstance(g, Tensor) else g for g in (alpha, beta)]
+    attention_in = scores if previous is None else torch.lerp(scores, previous, gates[0])
+    if weight is None:
+        return attention_in
+    conv_input = attention_in if keep is None else attention_in * keep
+    rows_before = columns_before = 0
+    if history is not None:
+        conv_input, rows_before, columns_before = history.extend(conv_input, step.context_rows)
+    branch = convolution_branch(
+        conv_input, weight.to(scores.dtype), bias.to(scores.dtype), step.context_rows, step.causal,
+        rows_before=rows_before, columns_before=columns_before, relu=not linear,
+    )  # fmt: skip
+    if step.causal:
+        branch = branch[..., : scores.shape[-2], : scores.shape[-1]]
+    return torch.lerp(attention_in, branch, gates[1])
+
+
+class GatedEvolveConvolution(torch.autograd.Function):
+    """A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha), with alpha and
+    beta learned: the step runs on the step's kernels with the gates' values as numbers (``step``), and backward
+    adds the exact gradients of the gates (see the module docstring).
+
+    ``apply(step, scores, previous, keep, weight, bias, alpha, beta)``: ``step`` with the clamped gates' values
+    (``skip_masked_tails`` off: the gates' gradients read every entry), ``alpha`` and ``beta`` the clamped gates as
+    0-dim tensors (the outputs of :func:`gate_value`), whose gradients this function returns.
+
+    Example:
+        >>> s, prev = torch.randn(1, 2, 5, 5, dtype=torch.float64), torch.randn(1, 2, 5, 5, dtype=torch.float64)
+        >>> weight, bias = torch.randn(2, 2, 3, 3, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+        >>> gates = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (0.3, 0.4)]
+        >>> step = EvolutionStep(0.3, 0.4, context_rows=1)
+        >>> GatedEvolveConvolution.apply(step, s, prev, None, weight, bias, *gates).sum().backward()
+        >>> plain = [g.detach().clone().requires_grad_() for g in gates]
+        >>> expected = evolve_with_autograd(*plain, StepMaps(s, prev, None), weight, bias, step, linear=False)
+        >>> expected.sum().backward()
+        >>> all(torch.allclose(g.grad, p.grad) for g, p in zip(gates, plain))
+        True
+    """
+
+    @staticmethod
+    def forward(ctx, step: EvolutionStep, scores, previous, keep, weight, bias, alpha, beta):
+        maps = StepMaps(scores, previous, keep)
+        logits, gate, scaled_weight = evolve_step(step, maps, weight, bias, for_backward=True)
+        ctx.save_for_backward(scores, previous, keep, weight, bias, gate, scaled_weight, alpha, beta)
+        ctx.step = step
+        return logits
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def backward(ctx, grad_logits):
+        scores, previous, keep, weight, bias, gate, scaled_weight, alpha, beta = ctx.saved_tensors
+        step, needs = ctx.step, ctx.needs_input_grad
+        maps = StepMaps(scores, previous, keep)
+        grad_scores, grad_previous, grad_weight, grad_bias = evolve_backward(
+            step, maps, GradientIn(grad_logits), gate, scaled_weight, needs_kernel=needs[4] or needs[5]
+        )
+        if isinstance(grad_scores, ScaledMap):
+            grad_scores = grad_scores.map * grad_scores.scale
+        grad_alpha = grad_beta = None
+        accumulate = torch.float64 if scores.dtype == torch.float64 else torch.float32
+        if needs[6] and previous is not None:
+            grad_in = grad_scores if grad_previous is None else grad_scores + grad_previous  # G_in, split back
+            grad_alpha = (grad_in * (previous - scores)).sum(dtype=accumulate).to(alpha.dtype)
+        elif needs[6]:
+            grad_alpha = torch.zeros_like(alpha)
+        if needs[7]:
+            attention_in = scores if previous is None else torch.lerp(scores, previous, step.alpha)
+            conv_input = attention_in if keep is None else attention_in * keep
+            rows, columns = scores.shape[-2:]
+            branch = convolution_branch(
+                conv_input, weight.to(scores.dtype), bias.to(scores.dtype), step.context_rows, step.causal
+            )[..., :rows, :columns]
+            grad_beta = (grad_logits * (branch - attention_in)).sum(dtype=accumulate).to(beta.dtype)
+        if not needs[1]:
+            grad_scores = None
+        if not needs[2]:
+            grad_previous = None
+        if grad_weight is not None:
+            grad_weight, grad_bias = grad_weight.to(weight.dtype), grad_bias.to(bias.dtype)
+        return None, grad_scores, grad_previous, None, grad_weight, grad_bias, grad_alpha, grad_beta
