@@ -161,7 +161,9 @@ def test_help_states_each_default_once(capsys):
     assert len(helps) > 60
     assert [key for key, text in helps.items() if text.count("default") > 1] == []
     assert helps["patch --layers"] == "indices of the layers to patch (default: all)"
-    assert helps["patch --alpha"] == "weight of the previous layer's logits, in [0, 1] (default: 0.2; 0 for echo and linear)"
+    assert helps["patch --alpha"] == (
+        "weight of the previous layer's logits, in [0, 1] (default: 0.2; 0 for echo and linear)"
+    )
     assert (
         helps["patch --beta"] == "weight of the convolution branch, in [0, 1] (default: 0.2; 0 for residual and echo)"
     )
