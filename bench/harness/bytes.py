@@ -238,9 +238,9 @@ def triton_on_meta() -> Iterator[None]:
     def tail_forward(logits, allowed, additive, value, dropout_keep=None, dropout_scale=1.0):
         return torch.ops.ea_hf.triton_attention_tail(logits, allowed, additive, value, dropout_keep, dropout_scale)
 
-    def tail_backward(logits, allowed, additive, value, keep, scale, stats, grad_output, grad_dtype):
+    def tail_backward(logits, allowed, additive, value, keep, scale, stats, grad_output, grad_dtype, addend=None):
         operator = torch.ops.ea_hf.triton_attention_tail_backward
-        grad_logits, grad_value = operator(logits, allowed, additive, value, keep, scale, stats, grad_output)
+        grad_logits, grad_value = operator(logits, allowed, additive, value, keep, scale, stats, grad_output, addend)
         return grad_logits if grad_logits.dtype == grad_dtype else grad_logits.to(grad_dtype), grad_value
 
     kernels = {

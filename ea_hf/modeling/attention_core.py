@@ -211,10 +211,13 @@ class EvolvingAttentionCore(torch.autograd.Function):
                 full, mask, inputs.value, dropout, grad_output, grad_probabilities
             )
         elif grad_output is not None:  # the softmax's and the product's gradients in the tail's one pass
+            # The next layer's gradient, through its A_prev, is added as the tail writes A_logit's gradient: one
+            # read of it, where the evolution's backward would add it in a pass of its own (read, read, write).
             grad_evolved, grad_value = ctx.tail.backward(
                 saved.logits, mask.allowed, mask.additive, inputs.value, dropout.kept, dropout.scale, saved.stats,
-                grad_output, saved.logits.dtype,
+                grad_output, saved.logits.dtype, grad_logits,
             )  # fmt: skip
+            grad_logits = None
         else:  # only A_logit's gradient flows back: none passes through the softmax
             grad_value, grad_evolved = None, torch.zeros_like(saved.logits)
         leaves = spent_scores = None  # spent_scores: S's map where it is this function's own, for the layer below
@@ -236,7 +239,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
             constants.step,
             StepMaps(scores.detach(), inputs.previous, keep),
             # G is spent here: the gradients may go over it. The next layer's gradient, through its A_prev, is
-            # added as the kernel reads.
+            # added to it where the tail has not added it already (over G, or as the CPU kernel reads).
             GradientIn(grad_evolved, grad_logits, spent=True),
             saved.gate,
             scaled_weight,

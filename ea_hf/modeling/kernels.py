@@ -162,16 +162,19 @@ class FusedAttentionTail(Protocol):
         stats: Tensor,
         grad_output: Tensor,
         grad_dtype: torch.dtype,
+        addend: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """The gradients of ``forward``, from the arguments it took and the following three.
+        """The gradients of ``forward``, from the arguments it took and the following four.
 
         Args:
             stats: the row statistics ``forward`` returned.
             grad_output: the gradient of the output.
             grad_dtype: the dtype of the logits' gradient.
+            addend: a gradient of the logits from elsewhere [B, H, Q, K] (the next layer's, through its A_prev),
+                added to theirs as it is written; only read; None: none.
 
         Returns:
-            The logits' gradient in ``grad_dtype``, and the values' gradient.
+            The logits' gradient (plus ``addend``) in ``grad_dtype``, and the values' gradient.
         """
 
     def attend(

@@ -130,6 +130,43 @@ def test_tail_meets_flash_attentions_accuracy_rule(device, dtype, mask, dropout)
         assert max_error(got[name], exact[name]) <= bound, name
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_adds_the_addend_as_it_writes_the_logits_gradient(device, dtype):
+    """With an addend (the next layer's gradient of A_logit, the attention core's), the logits' gradient is the
+    tail's own plus the addend, also where a bool mask filled (the softmax's gradient is zero there, the addend's
+    is not): float32 within 1e-5 of the largest value; half precision within one rounding of each (the sum is
+    rounded once, in float32, where adding to the rounded gradient rounds twice). The values' gradient is the
+    same bits, the addend is not written, and ``addend=None`` gives the call without one bit for bit. A
+    non-contiguous addend is read as its values."""
+    generator = torch.Generator().manual_seed(1)
+    batch, heads, rows, cols, head_dim = 2, 4, 21, 35, 24
+    logits = (3 * torch.randn(batch, heads, rows, cols, generator=generator)).to(dtype)
+    value = torch.randn(batch, 2, cols, head_dim, generator=generator).to(dtype)
+    grad_output = torch.randn(batch, heads, rows, head_dim, generator=generator).to(dtype)
+    addend = torch.randn(batch, heads, cols, rows, generator=generator).to(dtype).transpose(-1, -2)
+    allowed, additive = masks("padding", batch, rows, cols, generator)
+    on = [None if t is None else t.to(device) for t in (logits, allowed, additive, value, None, grad_output, addend)]
+    addend_before = on[6].clone()
+    _, stats = tail.forward(*on[:5], 1.0)
+    alone, grad_value = tail.backward(*on[:5], 1.0, stats, on[5], dtype)
+    summed, grad_value_summed = tail.backward(*on[:5], 1.0, stats, on[5], dtype, on[6])
+    none, grad_value_none = tail.backward(*on[:5], 1.0, stats, on[5], dtype, None)
+
+    assert torch.equal(none, alone) and torch.equal(grad_value_none, grad_value)
+    assert torch.equal(grad_value_summed, grad_value) and torch.equal(on[6], addend_before)
+    assert summed.dtype == dtype and summed.shape == logits.shape
+    want = alone.cpu().double() + addend.double()
+    filled = ~allowed.expand(logits.shape)
+    assert torch.equal(alone.cpu()[filled], torch.zeros_like(alone.cpu()[filled]))
+    assert torch.equal(summed.cpu()[filled], addend[filled])  # 0 + addend: exact in any dtype
+    if dtype == torch.float32:
+        bound = FP32_TOLERANCE * want.abs().max().item()
+    else:
+        bound = ROUNDING[dtype] * (want.abs().max().item() + alone.abs().max().item())
+    assert max_error(summed, want) <= bound
+    assert max_error(summed, alone.cpu().double()) > 10 * bound  # the addend was added
+
+
 def test_fully_masked_rows_weigh_every_key_alike(device):
     """A row whose keys are all masked (a bool mask) averages every value, as eager attention's softmax over
     float32's minimum does, forward and backward (its logits get no gradient)."""
@@ -280,7 +317,8 @@ def test_compiled_model_runs_the_tail_as_operators(monkeypatch, device, dropout)
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_the_tail_operators_pass_opcheck(device, requires_grad):
     """torch.library's checks of the tail's operators: schema, fake implementation (shapes, dtypes), autograd
-    registration, and a traced graph's results against the eager call."""
+    registration, and a traced graph's results against the eager call; the backward's with and without an
+    addend."""
     generator = torch.Generator().manual_seed(5)
     batch, heads, value_heads, rows, cols, head_dim = 2, 4, 2, 5, 7, 8
     logits = torch.randn(batch, heads, rows, cols, generator=generator)
@@ -295,6 +333,8 @@ def test_the_tail_operators_pass_opcheck(device, requires_grad):
     grad_output = torch.randn_like(output)
     arguments = (logits.detach(), allowed, additive, value.detach(), keep, 1.25, stats, grad_output)
     torch.library.opcheck(torch.ops.ea_hf.triton_attention_tail_backward.default, arguments)
+    addend = torch.randn(logits.shape, generator=generator).to(device)
+    torch.library.opcheck(torch.ops.ea_hf.triton_attention_tail_backward.default, (*arguments, addend))
 
 
 def test_gradient_checkpointing_replays_the_tail(monkeypatch, device):

@@ -246,24 +246,24 @@ def test_the_shipped_tuned_tiles_name_configurations_on_the_lists():
 @pytest.mark.usefixtures("compiling")
 def test_the_attention_tail_compiles_for_an_h100(monkeypatch, dtype, masks):
     """The fused attention tail's launches (forward; the row terms and backward) with grouped-query values at
-    BERT-Base's head size, with a padding mask and dropout, or an additive mask alone (the absent maps' pointers
-    are stand-ins, see ``attention_tail._pointers``): each compiles to a cubin whose shared memory fits an H100,
-    with its products on tensor cores; with a padding mask and dropout (every switch on), each kernel under every
-    configuration of its list."""
+    BERT-Base's head size, with a padding mask, dropout and an addend to the logits' gradient, or an additive mask
+    alone (the absent maps' pointers are stand-ins, see ``attention_tail._pointers``): each compiles to a cubin
+    whose shared memory fits an H100, with its products on tensor cores; with a padding mask, dropout and the addend
+    (every switch on), each kernel under every configuration of its list."""
     batch, heads, rows, head_dim = 2, 12, 40, 64
     logits = torch.randn(batch, heads, rows, rows).to(dtype)
     value = torch.randn(batch, 4, rows, head_dim).to(dtype)
     output = torch.empty(batch, heads, rows, head_dim, dtype=dtype)
     stats = torch.empty(2, batch, heads, rows)
     if masks == "additive":
-        allowed, additive, keep = None, torch.zeros(batch, 1, rows, rows), None
+        allowed, additive, keep, addend = None, torch.zeros(batch, 1, rows, rows), None, None
     else:
         allowed, additive = torch.ones(batch, 1, 1, rows, dtype=torch.bool), None
-        keep = torch.ones(logits.shape, dtype=torch.bool)
+        keep, addend = torch.ones(logits.shape, dtype=torch.bool), torch.zeros_like(logits)
 
     def step():
         attention_tail.forward(logits, allowed, additive, value, keep, 1.25)
-        attention_tail.backward(logits, allowed, additive, value, keep, 1.25, stats, output, dtype)
+        attention_tail.backward(logits, allowed, additive, value, keep, 1.25, stats, output, dtype, addend)
 
     names = ("forward", "row_terms", "backward")
     launches = recorded_triton_launches(monkeypatch, attention_tail, step, names)

@@ -18,7 +18,9 @@ dO @ V^T and the softmax's gradient: several map passes a layer. Here:
   which is what flash attention computes it from; but O rounded to half precision makes A_logit's gradient miss
   the tests' accuracy rule, and keeping O for it would keep [B, H, Q, D] more a layer (docs/performance.md,
   "Choices in the fused kernels"). So a first pass sums it from the tiles of P and dP (one more read of A_logit,
-  no map written), and nothing but the rows' maximum and sum is kept from the forward pass.
+  no map written), and nothing but the rows' maximum and sum is kept from the forward pass. An addend, where
+  given (the next layer's gradient of this layer's A_logit, through its A_prev), is read as each tile of
+  A_logit's gradient is written: one read of it, where adding it after the kernel would be a map pass of its own.
   Per-head partial dV are summed by torch over the query heads of a key/value head (grouped-query attention):
   deterministic, no atomics.
 
@@ -327,21 +329,23 @@ def _row_terms_kernel(
 
 def _backward_kernel(
     logits_ptr, allowed_ptr, a_b, a_h, a_q, a_k, additive_ptr, d_b, d_h, d_q, d_k, keep_ptr, dropout_scale,
-    v_ptr, grad_out_ptr, stats_ptr, delta_ptr, grad_logits_ptr, grad_v_ptr, heads, group, rows, cols, head_dim,
-    fill, rows_bucket, cols_bucket,
-    HAS_ALLOWED: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    v_ptr, grad_out_ptr, stats_ptr, delta_ptr, addend_ptr, grad_logits_ptr, grad_v_ptr, heads, group, rows, cols,
+    head_dim, fill, rows_bucket, cols_bucket,
+    HAS_ALLOWED: tl.constexpr, HAS_ADDITIVE: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_ADDEND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HALF: tl.constexpr, TENSOR_CORES: tl.constexpr, FP32_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """For the program's block of key columns j: grad_logits[b, h, :, j] = P * (dP - delta) (zero where a
-    bool mask filled), dP = dropout'(dO @ V_j^T), and grad_v[b, h, j] = dropout(P)^T @ dO, P recomputed as
-    exp(masked logits - row maximum) / row sum."""
+    bool mask filled) plus addend[b, h, :, j] (with HAS_ADDEND), dP = dropout'(dO @ V_j^T), and grad_v[b, h, j] =
+    dropout(P)^T @ dO, P recomputed as exp(masked logits - row maximum) / row sum."""
     bh = tl.program_id(0)
     logits_ptr, allowed_ptr, additive_ptr, keep_ptr, v_ptr = _map_pointers(
         bh, heads, group, rows, cols, head_dim, logits_ptr, allowed_ptr, a_b, a_h, additive_ptr, d_b, d_h,
         keep_ptr, v_ptr, HAS_ALLOWED, HAS_ADDITIVE, HAS_DROPOUT,
     )  # fmt: skip
     grad_logits_ptr += bh.to(tl.int64) * rows * cols
+    if HAS_ADDEND:
+        addend_ptr += bh.to(tl.int64) * rows * cols
     grad_out_ptr += bh.to(tl.int64) * rows * head_dim
     sum_ptr = stats_ptr + (tl.num_programs(0) + bh).to(tl.int64) * rows
     stats_ptr += bh.to(tl.int64) * rows
@@ -375,6 +379,8 @@ def _backward_kernel(
             allowed = tl.load(allowed_ptr + i[:, None] * a_q + j[None, :] * a_k, mask=inside, other=0)
             grad_x = tl.where(allowed.to(tl.int1), grad_x, 0.0)
         at = i[:, None] * cols + j[None, :]
+        if HAS_ADDEND:  # after the mask: the next layer's gradient reaches the filled entries too
+            grad_x += tl.load(addend_ptr + at, mask=inside, other=0.0).to(tl.float32)
         tl.store(grad_logits_ptr + at, grad_x.to(grad_logits_ptr.dtype.element_ty), mask=inside)
     grad_v_at = (bh.to(tl.int64) * cols + j[:, None]) * head_dim + d[None, :]
     tl.store(grad_v_ptr + grad_v_at, grad_v, mask=v_inside)
@@ -390,13 +396,16 @@ def backward(
     stats: Tensor,
     grad_output: Tensor,
     grad_dtype: torch.dtype,
+    addend: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(the gradient of ``logits`` in ``grad_dtype``, the gradient of ``value``) of :func:`forward`, from its
-    ``stats`` and the output's gradient; while torch.compile traces, through the operator
-    ``ea_hf::triton_attention_tail_backward`` (which gives the logits' gradient in their dtype)."""
+    """(the gradient of ``logits`` in ``grad_dtype``, plus ``addend`` where given (a [B, H, Q, K] map, added in
+    float32 as the kernel writes the gradient: A_logit's other gradient, through the next layer's A_prev), the
+    gradient of ``value``) of :func:`forward`, from its ``stats`` and the output's gradient; while torch.compile
+    traces, through the operator ``ea_hf::triton_attention_tail_backward`` (which gives the logits' gradient in
+    their dtype)."""
     if torch.compiler.is_compiling():
         grad_logits, grad_value = torch.ops.ea_hf.triton_attention_tail_backward(
-            logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output
+            logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output, addend
         )
         return grad_logits.to(grad_dtype), grad_value
     batch, heads, rows, cols = logits.shape
@@ -422,13 +431,19 @@ def backward(
         jitted, "row_terms", configs("row_terms", value.dtype, head_dim, value.device),
         lambda tiles: (batch * heads, triton.cdiv(rows, tiles["BLOCK_M"])), (*arguments, delta, *sizes), switches,
     )  # fmt: skip
+    # The addend is only read and the logits' gradient is a new map written whole (not written over the addend):
+    # autotune's repeated launches then all see the same inputs and need no restore_value.
+    if addend is not None and addend.shape != logits.shape:
+        raise ValueError(f"the addend's shape {tuple(addend.shape)} is not the logits' {tuple(logits.shape)}")
+    addend = None if addend is None else addend.contiguous()
     grad_logits = torch.empty(logits.shape, dtype=grad_dtype, device=logits.device)
     # dV per query head, in float32; summed over each key/value head's group below.
     grad_value = torch.empty(batch, heads, cols, head_dim, dtype=torch.float32, device=value.device)
     common.launch(
         jitted, "backward", configs("backward", value.dtype, head_dim, value.device),
         lambda tiles: (batch * heads, triton.cdiv(cols, tiles["BLOCK_N"])),
-        (*arguments, delta, grad_logits, grad_value, *sizes), switches,
+        (*arguments, delta, *_pointers(logits, addend), grad_logits, grad_value, *sizes),
+        switches | {"HAS_ADDEND": addend is not None},
     )  # fmt: skip
     group = heads // value_heads
     grad_value = grad_value.view(batch, value_heads, group, cols, head_dim).sum(2)

@@ -87,14 +87,15 @@ def _(x, weight, bias, row_shift):
 
 
 #: The fused attention tail's operators (:mod:`.attention_tail`): the output and the rows' statistics
-#: from the evolved logits and the values; and their gradients, the logits' in their own dtype.
+#: from the evolved logits and the values; and their gradients, the logits' in their own dtype (plus an optional
+#: addend: the attention core's other gradient of the logits, added as the kernel writes theirs).
 TAIL_SCHEMA = (
     "(Tensor logits, Tensor? allowed, Tensor? additive, Tensor value, Tensor? dropout_keep, float dropout_scale) "
     "-> (Tensor, Tensor)"
 )
 TAIL_BACKWARD_SCHEMA = (
     "(Tensor logits, Tensor? allowed, Tensor? additive, Tensor value, Tensor? dropout_keep, float dropout_scale, "
-    "Tensor stats, Tensor grad_output) -> (Tensor, Tensor)"
+    "Tensor stats, Tensor grad_output, Tensor? addend=None) -> (Tensor, Tensor)"
 )
 
 
@@ -115,15 +116,18 @@ def _(logits, allowed, additive, value, dropout_keep, dropout_scale):
 @torch.library.custom_op(
     "ea_hf::triton_attention_tail_backward", mutates_args=(), device_types=DEVICES, schema=TAIL_BACKWARD_SCHEMA
 )
-def tail_backward_operator(logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output):
-    """The gradients of ``ea_hf::triton_attention_tail``'s logits (in their dtype) and values."""
+def tail_backward_operator(
+    logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output, addend=None
+):
+    """The gradients of ``ea_hf::triton_attention_tail``'s logits (in their dtype, plus ``addend`` where given)
+    and values."""
     return attention_tail.backward(
-        logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output, logits.dtype
+        logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output, logits.dtype, addend
     )
 
 
 @tail_backward_operator.register_fake
-def _(logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output):
+def _(logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output, addend=None):
     return logits.new_empty(logits.shape), value.new_empty(value.shape)
 
 
@@ -215,11 +219,13 @@ def tail_bytes(logits, allowed, additive, value, dropout_keep, dropout_scale) ->
     return _held(logits, allowed, additive, dropout_keep) + values + output + 2 * batch * heads * rows * 4
 
 
-def tail_backward_bytes(logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output) -> int:
+def tail_backward_bytes(
+    logits, allowed, additive, value, dropout_keep, dropout_scale, stats, grad_output, addend=None
+) -> int:
     """``triton_attention_tail_backward``: the row-terms kernel reads the logits, masks, values (once per row block)
     and the output's gradient, and writes a float32 term a row; the backward kernel, one program per block of keys,
-    reads the logits and masks again, the output's gradient once per key block, and writes the logits' gradient
-    and the values' (float32 per query head, summed per key/value head and cast)."""
+    reads the logits and masks again, the output's gradient once per key block and the addend (if any) once, and
+    writes the logits' gradient and the values' (float32 per query head, summed per key/value head and cast)."""
     batch, heads, rows, cols = logits.shape
     groups = heads // value.shape[1]
     masks = _held(logits, allowed, additive, dropout_keep)
@@ -227,7 +233,7 @@ def tail_backward_bytes(logits, allowed, additive, value, dropout_keep, dropout_
     row_terms = masks + _held(value) * groups * _row_blocks(logits) + _held(grad_output, stats) + per_row
     grad_value_float = batch * heads * cols * value.shape[-1] * 4
     backward = masks + _held(grad_output) * _column_blocks(logits) + _held(value) * groups + _held(stats) + per_row
-    backward += _map_bytes(logits) + grad_value_float
+    backward += _held(addend) + _map_bytes(logits) + grad_value_float
     return row_terms + backward + grad_value_float + 2 * _held(value)
 
 
