@@ -67,6 +67,7 @@ def train(run_dir, *overrides):
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # CI's second stage (the fast run's two-process run: test_trainer)
 def test_fsdp2_on_two_cpu_processes_matches_one_process(tmp_path):
     single, single_metrics = train(tmp_path / "single", f"train.batch_size={GLOBAL_BATCH}")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]

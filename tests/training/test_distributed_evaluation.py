@@ -58,6 +58,7 @@ def evaluate_all(folder: Path, digits: dict[str, str], vit: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # CI's second stage (the fast run's two-process run: test_trainer)
 def test_two_processes_evaluate_as_one(tmp_path, digits_folders):
     vit = tiny_vit_checkpoint(tmp_path / "tiny-vit")
     evaluate_all(tmp_path / "one", digits_folders, vit)

@@ -161,7 +161,10 @@ def uninterrupted(tmp_path_factory, run_quickstart):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", list(KILL_POINTS))
+# The fast run kills at the first point; CI's second stage at every other.
+@pytest.mark.parametrize(
+    "point", [pytest.param(point, marks=pytest.mark.full_table if i else ()) for i, point in enumerate(KILL_POINTS)]
+)
 def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_result(point, run_quickstart, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     killed = ea_hf(run_quickstart(run_dir), kill_at=KILL_POINTS[point])
@@ -198,6 +201,7 @@ SHORT_CAUSAL_LM += ["train.save_strategy=steps", "train.save_steps=2", "train.sa
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # CI's second stage: the fast run kills a quickstart run while it saves
 def test_a_causal_lm_run_killed_while_saving_resumes_to_the_uninterrupted_result(tmp_path):
     def arguments(run_dir, *flags):
         return ["run", "causal_lm/quickstart", *SHORT_CAUSAL_LM, f"output_dir={run_dir}", *flags]

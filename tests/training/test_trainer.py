@@ -201,7 +201,10 @@ LAUNCHERS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+# The fast run launches through ea-hf; CI's second stage through accelerate too.
+@pytest.mark.parametrize(
+    "launcher", [pytest.param(name, marks=pytest.mark.full_table if i else ()) for i, name in enumerate(LAUNCHERS)]
+)
 def test_two_cpu_processes_train_the_quickstart_data_parallel(tmp_path, launcher):
     run_dir = tmp_path / "ddp"
     # One epoch of 48 samples in batches of 8: 6 steps in one process, 3 when two processes share the data.
