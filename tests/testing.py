@@ -228,6 +228,17 @@ def bench_script(script: str):
     return sys.modules[name]
 
 
+def bench_harness(module: str):
+    """A module of ``bench/harness/`` (the package the benchmark scripts share), imported as the scripts import it:
+    ``harness.<module>`` with ``bench/`` on ``sys.path``."""
+    import importlib
+
+    folder = str(Path(__file__).resolve().parents[1] / "bench")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(f"harness.{module}")
+
+
 def spy_on(monkeypatch, module, names=("correlate", "backward")) -> list[str]:
     """The names of ``module``'s functions ``names`` as they are called, in order (a fused kernel module's entry
     points by default): proof of which kernels an evolution ran on."""

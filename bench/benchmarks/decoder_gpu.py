@@ -16,30 +16,12 @@ The model, the paired timing and the tables come from bench/harness/decoder.py (
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # harness/ is in bench/, one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import ea  # noqa: E402
-from harness.children import print_result  # noqa: E402
-from harness.decoder import (  # noqa: E402
-    DEVICE_METHOD,
-    VARIANTS,
-    collect_on_device,
-    common_parser,
-    device_arguments,
-    device_output_paths,
-    exit_without_cuda,
-    finish_parsing,
-    paired_cells,
-    paired_table,
-    per_layer,
-    run_paired,
-    spawn_paired,
-)
+from harness import decoder, ea  # noqa: E402
 from harness.tables import number  # noqa: E402
 
 NO_CUDA_MESSAGE = "decoder_gpu.py: --device cuda, but no CUDA device is available (--device cpu: a CPU dry run)"
@@ -50,26 +32,16 @@ BENCHMARK = (
 )
 
 
-def spawn_paired_on_device(length: int, args: argparse.Namespace) -> dict:
-    """The paired timing of ``length`` on ``--device`` in a fresh process of this script."""
-    return spawn_paired(__file__, length, args, ["--device", args.device])
-
-
-def run_paired_in_process(length: int, args: argparse.Namespace) -> dict:
-    """:func:`spawn_paired_on_device`'s timing in this process (the child's work; tests)."""
-    return run_paired(length, args.paired_rounds, args.decode_tokens, args.dtype, args.device, args.tiny)
-
-
 def device_rows(timings: list[dict]) -> list[dict]:
     """One row per (N, variant) of a run (:func:`harness.decoder.run_paired` per N): the paired cells, the
     memory the prefill added with its ratios, what evolved the maps, and the rows EA kept on the cache."""
     rows = []
     for timing in timings:
-        for variant in VARIANTS:
+        for variant in decoder.VARIANTS:
             kept = timing["kept_rows_after_prefill"][variant]
             rows.append(
                 {
-                    **paired_cells(timing, variant),
+                    **decoder.paired_cells(timing, variant),
                     "variant": variant,
                     "n": timing["n"],
                     "evolved_layers": timing["evolved_layers"][variant],
@@ -79,7 +51,7 @@ def device_rows(timings: list[dict]) -> list[dict]:
                     "prefill_memory_over_eager": timing["prefill_memory_over_eager"][variant],
                     "kv_cache_bytes_per_layer": timing["kv_cache_bytes_per_layer"][variant][0],
                     "kept_rows_layers": len(kept),
-                    "kept_rows_bytes_per_layer": per_layer(kept, "bytes"),
+                    "kept_rows_bytes_per_layer": decoder.per_layer(kept, "bytes"),
                 }
             )
     return rows
@@ -110,67 +82,49 @@ def device_markdown_report(report: dict) -> str:
     )
 
 
-def run_device_timings(
-    args: argparse.Namespace, paired_run: Callable[[int, argparse.Namespace], dict] = spawn_paired_on_device
-) -> list[dict]:
-    """The paired timing of each N, printed as each finishes."""
-    timings = []
-    for length in args.lengths:
-        timing = paired_run(length, args)
-        timings.append(timing)
-        for variant in VARIANTS:
-            added_mib = timing["prefill_memory_added_mib"][variant]
-            print(
-                f"  {variant:<9} N={length:<5} prefill {timing['prefill_median_s'][variant] * 1e3:8.2f} ms "
-                f"({timing['prefill_over_eager'][variant]:.3f}x eager)  peak +{number(added_mib, 1)} MiB  decode "
-                f"{timing['decode_median_s'][variant] * 1e3:7.2f} ms/token "
-                f"({timing['decode_over_eager'][variant]:.3f}x eager)  {timing['evolution_path'][variant] or ''}",
-                flush=True,
-            )
-        print(f"  [N={length}: {timing.get('process_wall_s', timing['measured_wall_s']):.0f} s]", flush=True)
-    return timings
+def print_timing(timing: dict) -> None:
+    """A finished paired timing's line per variant, and its time."""
+    length = timing["n"]
+    for variant in decoder.VARIANTS:
+        added_mib = timing["prefill_memory_added_mib"][variant]
+        print(
+            f"  {variant:<9} N={length:<5} prefill {timing['prefill_median_s'][variant] * 1e3:8.2f} ms "
+            f"({timing['prefill_over_eager'][variant]:.3f}x eager)  peak +{number(added_mib, 1)} MiB  decode "
+            f"{timing['decode_median_s'][variant] * 1e3:7.2f} ms/token "
+            f"({timing['decode_over_eager'][variant]:.3f}x eager)  {timing['evolution_path'][variant] or ''}",
+            flush=True,
+        )
+    print(f"  [N={length}: {timing.get('process_wall_s', timing['measured_wall_s']):.0f} s]", flush=True)
 
 
 def device_comparison(timings: list[dict]) -> dict:
     """A report's rows and its table."""
     rows = device_rows(timings)
-    return {"comparison": rows, "markdown_table": paired_table(rows, device=True)}
+    return {"comparison": rows, "markdown_table": decoder.paired_table(rows, device=True)}
 
 
-def output_paths(args: argparse.Namespace, gpu: str | None) -> tuple[Path, Path]:
-    """(JSON, Markdown): ``bench_decoder_gpu.*`` under ``--out`` or bench/results/<gpu name slug>; on the CPU
-    (a dry run) ``bench_decoder_gpu_dry_run.*``, by default under bench/results/cpu
-    (:func:`harness.decoder.device_output_paths`)."""
-    return device_output_paths(args, gpu, "bench_decoder_gpu")
+def run_paired_in_process(length: int, args: argparse.Namespace) -> dict:
+    """The paired timing of ``length`` on ``--device`` in this process (the child's work; tests)."""
+    return decoder.run_paired(length, args.paired_rounds, args.decode_tokens, args.dtype, args.device, args.tiny)
 
 
-def collect(
-    args: argparse.Namespace, paired_run: Callable[[int, argparse.Namespace], dict] = spawn_paired_on_device
-) -> dict:
-    """The run: the paired timing of each N on ``--device`` (``paired_run``: a fresh process each by default),
-    compared, written as JSON and Markdown."""
-    timings = functools.partial(run_device_timings, paired_run=paired_run)
-    return collect_on_device(
-        args, BENCHMARK, output_paths, timings, device_comparison, device_markdown_report, DEVICE_METHOD
-    )
+RUN = decoder.DeviceRun(
+    script=__file__, benchmark=BENCHMARK, stem="bench_decoder_gpu", no_cuda_message=NO_CUDA_MESSAGE,
+    paired=run_paired_in_process, child_arguments=lambda args: [], summary=print_timing, comparison=device_comparison,
+    markdown=device_markdown_report, settings=lambda args: {},
+)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--tiny`` replaces the lengths and the rounds unless they are given explicitly."""
-    parser = common_parser(__doc__.split("\n\n")[0])
-    device_arguments(parser)
-    return finish_parsing(parser, parser.parse_args(argv))
+    parser = decoder.common_parser(__doc__.split("\n\n")[0])
+    decoder.device_arguments(parser)
+    return decoder.finish_parsing(parser, parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The run (on ``--device cuda`` exits with status 2 without a GPU); ``--paired N`` runs one paired timing and
-    prints it as a result line."""
-    args = parse_args(argv)
-    exit_without_cuda(args, NO_CUDA_MESSAGE)
-    if args.paired is not None:
-        print_result(run_paired_in_process(args.paired, args))
-    else:
-        collect(args)
+    """The run, or with ``--paired N`` one paired timing (:meth:`harness.decoder.DeviceRun.main`)."""
+    RUN.main(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -23,25 +23,7 @@ from typing import Any
 
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # harness/ is in bench/, one folder up
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import ea, memory  # noqa: E402
-from harness.children import print_result  # noqa: E402
-from harness.decoder import (  # noqa: E402
-    DEVICE_METHOD,
-    collect_on_device,
-    common_parser,
-    device_arguments,
-    device_output_paths,
-    exit_without_cuda,
-    finish_parsing,
-    kept_rows,
-    kv_cache_bytes,
-    llama,
-    paired_turns,
-    prompt,
-    spawn_paired,
-    where_it_ran,
-    with_medians,
-)
+from harness import decoder, ea, memory  # noqa: E402
 from harness.models import parameter_count  # noqa: E402
 from harness.tables import markdown_table, number, ratio  # noqa: E402
 from harness.timing import timed  # noqa: E402
@@ -59,13 +41,6 @@ BENCHMARK = (
     "Random Llama-style decoder (~125M) with a static cache: prefill and decoding per token of plain and Evolving "
     "Attention models, each as they are and compiled"
 )
-
-
-def spawn_paired_static(length: int, args: argparse.Namespace) -> dict:
-    """The paired timing of ``length`` (:func:`run_static_paired`) in a fresh process of this script."""
-    arguments = ["--device", args.device, "--attentions", *args.attentions]
-    arguments += ["--compile-mode", args.compile_mode, "--compile-backend", args.compile_backend]
-    return spawn_paired(__file__, length, args, arguments)
 
 
 def compiled_name(attention: str) -> str:
@@ -95,7 +70,7 @@ def static_turn(model: Any, step: Callable, input_ids: Any, decode_tokens: int, 
     prefill = timed(lambda: model(input_ids, past_key_values=cache, use_cache=True), device)
     added = memory.gpu_peak_added_bytes(device, allocated)
     next_token, seconds, prefill = prefill.output.logits[:, -1:].argmax(-1), prefill.seconds, None
-    kept, kv_bytes = kept_rows(cache), kv_cache_bytes(cache)
+    kept, kv_bytes = decoder.kept_rows(cache), decoder.kv_cache_bytes(cache)
     positions = torch.arange(length, length + decode_tokens, device=input_ids.device)
     times, tokens = [], []
     for index in range(decode_tokens):
@@ -125,9 +100,9 @@ def run_static_paired(length: int, args: argparse.Namespace) -> dict:
     (``--compile-mode``, ``--compile-backend``), side by side for ``--paired-rounds`` rounds after one that warms
     up and compiles. Medians, ratios to plain (sdpa) decoding as it is and compiled, and the graphs each compiled."""
     ea.import_ea_hf()
-    models = {attention: llama(attention, args.tiny, args.dtype, args.device) for attention in args.attentions}
+    models = {attention: decoder.llama(attention, args.tiny, args.dtype, args.device) for attention in args.attentions}
     config = models[PLAIN].config
-    input_ids = prompt(config.vocab_size, length, args.device)
+    input_ids = decoder.prompt(config.vocab_size, length, args.device)
     turns = {}
     for attention, model in models.items():
         forward = compiled_forward(model, args.compile_mode, args.compile_backend)
@@ -137,16 +112,16 @@ def run_static_paired(length: int, args: argparse.Namespace) -> dict:
         )
     evolving = {name for name in turns if name.removesuffix(COMPILED_SUFFIX) == "ea"}
     compiled = {name for name in turns if name.endswith(COMPILED_SUFFIX)}
-    timing = paired_turns(turns, args.paired_rounds, evolving, compiled)
+    timing = decoder.paired_turns(turns, args.paired_rounds, evolving, compiled)
     return {
         "n": length,
         "rounds": args.paired_rounds,
         "decode_tokens": args.decode_tokens,
         "tiny": args.tiny,
         "compile": {"mode": args.compile_mode, "backend": args.compile_backend, "fullgraph": True},
-        **where_it_ran(args.device, args.dtype),
+        **decoder.where_it_ran(args.device, args.dtype),
         "parameters": parameter_count(models[PLAIN]),
-        **with_medians(timing, (PLAIN, compiled_name(PLAIN))),
+        **decoder.with_medians(timing, (PLAIN, compiled_name(PLAIN))),
     }
 
 
@@ -239,21 +214,15 @@ def compile_settings_text(settings: dict) -> str:
     return f'mode="{settings["mode"]}"' if settings["backend"] == "inductor" else f'backend="{settings["backend"]}"'
 
 
-def run_static_timings(
-    args: argparse.Namespace, paired_run: Callable[[int, argparse.Namespace], dict] = spawn_paired_static
-) -> list[dict]:
-    """The paired timing of each N, printed as each finishes."""
-    timings = []
-    for length in args.lengths:
-        timings.append(paired_run(length, args))
-        for row in static_rows(timings[-1:]):
-            print(
-                f"  {row['variant']:<14} N={length:<5} prefill {row['prefill_ms']:8.2f} ms  decode "
-                f"{row['decode_ms_per_token']:7.2f} ms/token ({number(row['decode_over_plain'], 3)}x plain, "
-                f"{number(row['decode_over_as_is'], 3)}x as is)  graphs {row['graphs_compiled']}",
-                flush=True,
-            )
-    return timings
+def print_timing(timing: dict) -> None:
+    """A finished paired timing's line per variant."""
+    for row in static_rows([timing]):
+        print(
+            f"  {row['variant']:<14} N={row['n']:<5} prefill {row['prefill_ms']:8.2f} ms  decode "
+            f"{row['decode_ms_per_token']:7.2f} ms/token ({number(row['decode_over_plain'], 3)}x plain, "
+            f"{number(row['decode_over_as_is'], 3)}x as is)  graphs {row['graphs_compiled']}",
+            flush=True,
+        )
 
 
 def static_comparison(timings: list[dict]) -> dict:
@@ -262,30 +231,34 @@ def static_comparison(timings: list[dict]) -> dict:
     return {"comparison": rows, "targets": static_targets(rows), "markdown_table": static_table(rows)}
 
 
-def output_paths(args: argparse.Namespace, gpu: str | None) -> tuple[Path, Path]:
-    """(JSON, Markdown): ``bench_decoder_static.*`` under ``--out`` or bench/results/<gpu name slug>; on the CPU
-    (a dry run) ``bench_decoder_static_dry_run.*``, by default under bench/results/cpu
-    (:func:`harness.decoder.device_output_paths`)."""
-    return device_output_paths(args, gpu, "bench_decoder_static")
+def compile_arguments(args: argparse.Namespace) -> list[str]:
+    """The options a child is given beside the common ones: the attentions and how to compile."""
+    return [
+        "--attentions",
+        *args.attentions,
+        "--compile-mode",
+        args.compile_mode,
+        "--compile-backend",
+        args.compile_backend,
+    ]
 
 
-def collect(
-    args: argparse.Namespace, paired_run: Callable[[int, argparse.Namespace], dict] = spawn_paired_static
-) -> dict:
-    """The run: the paired timing of each N on ``--device`` (``paired_run``: a fresh process each by default),
-    compared against plain and the targets, written as JSON and Markdown."""
-    settings = {"attentions": args.attentions, "compile_mode": args.compile_mode}
-    settings |= {"compile_backend": args.compile_backend, **DEVICE_METHOD}
-    timings = functools.partial(run_static_timings, paired_run=paired_run)
-    return collect_on_device(
-        args, BENCHMARK, output_paths, timings, static_comparison, static_markdown_report, settings
-    )
+def compile_settings(args: argparse.Namespace) -> dict:
+    """What the report says of the attentions and how they were compiled."""
+    return {"attentions": args.attentions, "compile_mode": args.compile_mode, "compile_backend": args.compile_backend}
+
+
+RUN = decoder.DeviceRun(
+    script=__file__, benchmark=BENCHMARK, stem="bench_decoder_static", no_cuda_message=NO_CUDA_MESSAGE,
+    paired=run_static_paired, child_arguments=compile_arguments, summary=print_timing, comparison=static_comparison,
+    markdown=static_markdown_report, settings=compile_settings,
+)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--tiny`` replaces the lengths and the rounds unless they are given explicitly."""
-    parser = common_parser(__doc__.split("\n\n")[0])
-    device_arguments(parser)
+    parser = decoder.common_parser(__doc__.split("\n\n")[0])
+    decoder.device_arguments(parser)
     add = parser.add_argument
     add("--attentions", nargs="+", choices=ATTENTIONS, default=list(ATTENTIONS),
         help=f"the attentions (default all; {PLAIN} and ea at least)")  # fmt: skip
@@ -293,21 +266,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "reduce-overhead: CUDA graphs)")  # fmt: skip
     add("--compile-backend", default="inductor", help="torch.compile's backend (default inductor; the CPU's dry "
         "run: eager)")  # fmt: skip
-    args = finish_parsing(parser, parser.parse_args(argv))
+    args = decoder.finish_parsing(parser, parser.parse_args(argv))
     if not {PLAIN, "ea"} <= set(args.attentions):
         parser.error(f"--attentions must include {PLAIN} and ea")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The run (on ``--device cuda`` exits with status 2 without a GPU); ``--paired N`` runs one paired timing and
-    prints it as a result line."""
-    args = parse_args(argv)
-    exit_without_cuda(args, NO_CUDA_MESSAGE)
-    if args.paired is not None:
-        print_result(run_static_paired(args.paired, args))
-    else:
-        collect(args)
+    """The run, or with ``--paired N`` one paired timing (:meth:`harness.decoder.DeviceRun.main`)."""
+    RUN.main(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ protocol (its files, the run itself)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import ea, host, is_cuda, memory
-from harness.children import run_child
+from harness.children import print_result, run_child
 from harness.models import LLAMA_125M_CONFIG, TORCH_DTYPES, build_model, parameter_count, random_batch, torch_dtype
 from harness.tables import markdown_table, number, ratio
 from harness.timing import rotation, stopwatch, timed
@@ -439,15 +440,6 @@ def spawn_paired(script: str | Path, length: int, args: argparse.Namespace, argu
     return run_child(script, [*common, *arguments], args.threads, f"paired timing N={length}")
 
 
-def exit_without_cuda(args: argparse.Namespace, message: str) -> None:
-    """Exit with status 2 and ``message`` where ``--device cuda`` asks for a GPU that is not there."""
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(message, file=sys.stderr)
-        sys.exit(2)
-
-
 def device_output_paths(args: argparse.Namespace, gpu: str | None, stem: str) -> tuple[Path, Path]:
     """(JSON, Markdown) of a run on a device: ``<stem>.*`` under ``--out``, by default in the GPU's folder
     (bench/results/<gpu name slug>, as attention_gpu.py's). On the CPU (a dry run) ``<stem>_dry_run.*``, by default
@@ -459,43 +451,85 @@ def device_output_paths(args: argparse.Namespace, gpu: str | None, stem: str) ->
     return out / f"{stem}.json", out / f"{stem}.md"
 
 
-def collect_on_device(
-    args: argparse.Namespace,
-    benchmark: str,
-    output_paths: Callable[[argparse.Namespace, str | None], tuple[Path, Path]],
-    timings: Callable[[argparse.Namespace], list[dict]],
-    comparison: Callable[[list[dict]], dict],
-    markdown: Callable[[dict], str],
-    settings: dict[str, Any] | None = None,
-) -> dict:
-    """A run on ``--device``: the paired timing of each N (``timings(args)``), compared (``comparison``: the rows,
-    the Markdown table and the script's other keys), written as JSON and Markdown (``markdown``) to
-    ``output_paths(args, the GPU's name)`` (:func:`device_output_paths`); ``settings``: what the report says of the
-    run beyond :func:`report_settings`. No fresh process per case: their RSS says nothing of a GPU, and the
-    allocator's peak, reset before each prefill, measures memory in the paired process itself."""
-    elapsed = stopwatch()
-    info = host.machine_info(args.threads)
-    # machine_info says cuda wherever a GPU is visible; the device is what the run used.
-    info["device"], info["batch"] = args.device, 1
-    json_path, markdown_path = output_paths(args, info["gpu"])
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"machine: {host.machine_line(info)}; {args.dtype}", flush=True)
-    paired = timings(args)
-    config = model_config(args.tiny)
-    first = paired[0]
-    report = {
-        **report_head(benchmark, args, info),
-        **{key: first[key] for key in ("device_name", "torch", "ea_hf_triton")},
-        "config": config.to_diff_dict(),
-        "parameters": first["parameters"],
-        "settings": report_settings(args, config.num_hidden_layers) | {"device": args.device, **(settings or {})},
-        "paired_timing": paired,
-        **comparison(paired),
-    }
-    report["wall_time_s"] = elapsed()
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    markdown_path.write_text(markdown(report))
-    print()
-    print(report["markdown_table"])
-    print(f"wall time {report['wall_time_s']:.0f} s; wrote {json_path}, {markdown_path}")
-    return report
+@dataclasses.dataclass(frozen=True)
+class DeviceRun:
+    """A decoder benchmark run on ``--device`` (decoder_gpu.py, decoder_static.py): the paired timing of each N, one
+    fresh process of ``script`` each, compared and written as JSON and Markdown. No fresh process per case: their
+    RSS says nothing of a GPU, and the allocator's peak, reset before each prefill, measures memory in the paired
+    process itself.
+
+    ``benchmark``: what the report says it measured; ``stem``: its files' name (:func:`device_output_paths`);
+    ``no_cuda_message``: what it says, exiting with status 2, where ``--device cuda`` finds no GPU; ``paired``:
+    one paired timing in this process (the child's work); ``child_arguments``: the script's own options a child
+    is given; ``summary``: prints a finished timing; ``comparison``: the report's rows, its Markdown table and the
+    script's other keys; ``markdown``: the Markdown file; ``settings``: what the report says of the run beyond
+    :func:`report_settings`.
+    """
+
+    script: str
+    benchmark: str
+    stem: str
+    no_cuda_message: str
+    paired: Callable[[int, argparse.Namespace], dict]
+    child_arguments: Callable[[argparse.Namespace], list[str]]
+    summary: Callable[[dict], None]
+    comparison: Callable[[list[dict]], dict]
+    markdown: Callable[[dict], str]
+    settings: Callable[[argparse.Namespace], dict]
+
+    def output_paths(self, args: argparse.Namespace, gpu: str | None) -> tuple[Path, Path]:
+        """(JSON, Markdown) of this run (:func:`device_output_paths`)."""
+        return device_output_paths(args, gpu, self.stem)
+
+    def spawn(self, length: int, args: argparse.Namespace) -> dict:
+        """The paired timing of ``length`` in a fresh process of the script."""
+        return spawn_paired(self.script, length, args, ["--device", args.device, *self.child_arguments(args)])
+
+    def collect(
+        self, args: argparse.Namespace, paired_run: Callable[[int, argparse.Namespace], dict] | None = None
+    ) -> dict:
+        """The run: the paired timing of each N (``paired_run``; by default :meth:`spawn`), each summarised as it
+        finishes, compared, written."""
+        elapsed = stopwatch()
+        info = host.machine_info(args.threads)
+        # machine_info says cuda wherever a GPU is visible; the device is what the run used.
+        info["device"], info["batch"] = args.device, 1
+        json_path, markdown_path = self.output_paths(args, info["gpu"])
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"machine: {host.machine_line(info)}; {args.dtype}", flush=True)
+        timings = []
+        for length in args.lengths:
+            timings.append((paired_run or self.spawn)(length, args))
+            self.summary(timings[-1])
+        config = model_config(args.tiny)
+        first = timings[0]
+        report = {
+            **report_head(self.benchmark, args, info),
+            **{key: first[key] for key in ("device_name", "torch", "ea_hf_triton")},
+            "config": config.to_diff_dict(),
+            "parameters": first["parameters"],
+            "settings": report_settings(args, config.num_hidden_layers) | {"device": args.device},
+            "paired_timing": timings,
+            **self.comparison(timings),
+        }
+        report["settings"] |= self.settings(args) | DEVICE_METHOD
+        report["wall_time_s"] = elapsed()
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        markdown_path.write_text(self.markdown(report))
+        print()
+        print(report["markdown_table"])
+        print(f"wall time {report['wall_time_s']:.0f} s; wrote {json_path}, {markdown_path}")
+        return report
+
+    def main(self, args: argparse.Namespace) -> None:
+        """:meth:`collect`, or with ``--paired N`` one paired timing printed as a result line; with ``--device
+        cuda`` and no GPU, ``no_cuda_message`` and exit status 2."""
+        import torch
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            print(self.no_cuda_message, file=sys.stderr)
+            sys.exit(2)
+        if args.paired is not None:
+            print_result(self.paired(args.paired, args))
+        else:
+            self.collect(args)

@@ -6,24 +6,19 @@ import os
 from pathlib import Path
 
 import pytest
-from testing import bench_script
+from testing import bench_harness, bench_script
 
 LENGTHS = [16, 24]
 DECODE_TOKENS = 3
 RESULTS = Path(__file__).resolve().parents[3] / "bench" / "results"
 
+#: The tiny config of bench/harness/decoder.py.
+TINY = bench_harness("decoder").TINY_CONFIG
+
 
 @pytest.fixture(scope="module")
 def bench():
     return bench_script("benchmarks/decoder_gpu")
-
-
-@pytest.fixture(scope="module")
-def tiny(bench):
-    """The tiny config of bench/harness/decoder.py, which the script imports (loading it put bench/ on the path)."""
-    from harness.decoder import TINY_CONFIG
-
-    return TINY_CONFIG
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +30,23 @@ def device_report(bench, tmp_path_factory):
         ["--device", "cpu", "--tiny", "--out", str(out), "--lengths", *map(str, LENGTHS), "--threads", "1"]
         + ["--decode-tokens", str(DECODE_TOKENS), "--paired-rounds", "2"]
     )
-    return bench.collect(args, paired_run=bench.run_paired_in_process), out
+    return bench.RUN.collect(args, paired_run=bench.run_paired_in_process), out
 
 
-def test_the_gpu_protocol_times_and_compares_every_variant_on_any_device(bench, device_report, tiny):
+def test_the_gpu_protocol_times_and_compares_every_variant_on_any_device(bench, device_report):
     """The paired timing on the CPU: real times for every variant, ratios that are the medians' quotients, no
     memory figures (the CPU's allocator keeps none), and EA variants that evolved (their rows on the cache)."""
     import torch
 
     result, _ = device_report
-    layers, heads = tiny["num_hidden_layers"], tiny["num_attention_heads"]
+    layers, heads = TINY["num_hidden_layers"], TINY["num_attention_heads"]
     assert [t["n"] for t in result["paired_timing"]] == LENGTHS
     assert result["device_name"] == "cpu" and result["torch"] == torch.__version__
     assert result["ea_hf_triton"] == os.environ.get("EA_HF_TRITON") and result["settings"]["dtype"] == "float32"
     for timing in result["paired_timing"]:
         n = timing["n"]
         assert (timing["device"], timing["dtype"], timing["rounds"]) == ("cpu", "fp32", 2)
-        for variant in bench.VARIANTS:
+        for variant in bench.decoder.VARIANTS:
             prefills, steps = timing["prefill_times_s"][variant], timing["decode_times_s"][variant]
             assert len(prefills) == 2 and len(steps) == 2 * DECODE_TOKENS and min(prefills + steps) > 0
             assert timing["cache_length_after_decode"][variant] == n + DECODE_TOKENS
@@ -86,10 +81,10 @@ def test_the_gpu_protocol_writes_its_files(bench, device_report):
     assert "| ea | 16 | " in markdown and "| - | - | - |" in markdown and "| 256 B |" in markdown
 
 
-def test_the_gpu_protocol_builds_the_models_in_the_dtype_asked_for(bench, tiny):
+def test_the_gpu_protocol_builds_the_models_in_the_dtype_asked_for(bench):
     """bf16 reaches the models: the KV cache holds 2 bytes an element (the dtype a GPU run defaults to)."""
-    timing = bench.run_paired(16, 1, 1, "bf16", "cpu", tiny=True)
-    config = tiny
+    timing = bench.decoder.run_paired(16, 1, 1, "bf16", "cpu", tiny=True)
+    config = TINY
     kv_heads, head_dim = config["num_key_value_heads"], config["hidden_size"] // config["num_attention_heads"]
     assert timing["dtype"] == "bf16" and min(timing["prefill_median_s"].values()) > 0
     assert timing["kv_cache_bytes_per_layer"]["ea"] == [2 * kv_heads * 16 * head_dim * 2] * 4
@@ -110,13 +105,13 @@ def test_gpu_defaults_and_output_paths(bench):
     assert (args.device, args.dtype, args.lengths, args.decode_tokens, args.paired_rounds) == (
         "cuda", "bf16", [512, 2048], 16, 5
     )  # fmt: skip
-    json_path, markdown_path = bench.output_paths(args, "NVIDIA H100 80GB HBM3")
+    json_path, markdown_path = bench.RUN.output_paths(args, "NVIDIA H100 80GB HBM3")
     assert json_path == RESULTS / "nvidia-h100-80gb-hbm3" / "bench_decoder_gpu.json"
     assert markdown_path.name == "bench_decoder_gpu.md"
     args = bench.parse_args(["--dtype", "fp32", "--out", "elsewhere"])
-    assert bench.output_paths(args, "NVIDIA H200")[0].as_posix() == "elsewhere/bench_decoder_gpu_fp32.json"
+    assert bench.RUN.output_paths(args, "NVIDIA H200")[0].as_posix() == "elsewhere/bench_decoder_gpu_fp32.json"
     dry = bench.parse_args(["--device", "cpu", "--tiny"])
-    assert bench.output_paths(dry, None)[0] == RESULTS / "cpu" / "bench_decoder_gpu_dry_run_tiny.json"
+    assert bench.RUN.output_paths(dry, None)[0] == RESULTS / "cpu" / "bench_decoder_gpu_dry_run_tiny.json"
     for bad in (["--paired-rounds", "0"], ["--device", "tpu"], ["--lengths", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)

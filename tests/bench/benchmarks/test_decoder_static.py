@@ -9,21 +9,11 @@ from testing import bench_script
 DECODE_TOKENS = 3
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return bench_script("benchmarks/decoder_static")
+bench = bench_script("benchmarks/decoder_static")
 
 
 @pytest.fixture(scope="module")
-def tiny(bench):
-    """The tiny config of bench/harness/decoder.py, which the script imports (loading it put bench/ on the path)."""
-    from harness.decoder import TINY_CONFIG
-
-    return TINY_CONFIG
-
-
-@pytest.fixture(scope="module")
-def static_report(bench, tmp_path_factory):
+def static_report(tmp_path_factory):
     """A tiny run on the CPU, dynamo's graphs run as they are (the eager backend: inductor would take
     minutes here), each N's paired timing in this process."""
     out = tmp_path_factory.mktemp("bench_decoder_static")
@@ -31,10 +21,10 @@ def static_report(bench, tmp_path_factory):
         ["--device", "cpu", "--tiny", "--compile-backend", "eager", "--out", str(out), "--lengths", "16"]
         + ["--threads", "1", "--decode-tokens", str(DECODE_TOKENS), "--paired-rounds", "2"]
     )
-    return bench.collect(args, paired_run=bench.run_static_paired), out
+    return bench.RUN.collect(args, paired_run=bench.run_static_paired), out
 
 
-def test_static_decoding_compiles_one_graph_and_decodes_the_same_tokens(bench, static_report, tiny):
+def test_static_decoding_compiles_one_graph_and_decodes_the_same_tokens(static_report):
     """Every attention as it is and compiled, over three new caches (a warm-up round and two timed): one graph
     each, no recompilation between steps or caches, and the same greedy tokens as uncompiled."""
     result, _ = static_report
@@ -50,13 +40,13 @@ def test_static_decoding_compiles_one_graph_and_decodes_the_same_tokens(bench, s
     for attention in bench.ATTENTIONS:
         assert tokens[f"{attention}-compile"] == tokens[attention] and len(tokens[attention]) == DECODE_TOKENS
     # The static cache's kept rows: one row per head over the whole cache plus the convolution's k // 2 columns.
-    heads, layers = tiny["num_attention_heads"], tiny["num_hidden_layers"]
+    heads, layers = result["config"]["num_attention_heads"], result["config"]["num_hidden_layers"]
     kept = timing["kept_rows_after_prefill"]["ea-compile"]
     assert len(kept) == layers and {tuple(r["shape"]) for r in kept.values()} == {(1, heads, 1, 16 + DECODE_TOKENS + 1)}
     assert timing["evolution_path"]["sdpa-compile"] is None and timing["evolution_path"]["ea"] is not None
 
 
-def test_static_decoding_is_held_against_plain_run_alike_and_the_targets(bench, static_report):
+def test_static_decoding_is_held_against_plain_run_alike_and_the_targets(static_report):
     result, out = static_report
     (timing,) = result["paired_timing"]
     decode, prefill = timing["decode_median_s"], timing["prefill_median_s"]
@@ -77,11 +67,11 @@ def test_static_decoding_is_held_against_plain_run_alike_and_the_targets(bench, 
     assert sum(line.startswith("| ea-compile | 16 | ") for line in markdown.splitlines()) == 1
 
 
-def test_static_arguments(bench):
+def test_static_arguments():
     args = bench.parse_args(["--lengths", "512"])
     assert (args.device, args.compile_mode, args.compile_backend, args.dtype, args.attentions) == (
         "cuda", "reduce-overhead", "inductor", "bf16", ["eager", "sdpa", "ea"]
     )  # fmt: skip
-    assert bench.output_paths(args, "NVIDIA H200")[0].name == "bench_decoder_static.json"
+    assert bench.RUN.output_paths(args, "NVIDIA H200")[0].name == "bench_decoder_static.json"
     with pytest.raises(SystemExit):
         bench.parse_args(["--attentions", "eager", "ea"])  # no plain model to hold EA against
