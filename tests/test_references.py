@@ -1,5 +1,5 @@
 """Every dotted name the package's text cites exists: the ``ea_hf.x.y`` names in ea_hf's source (docstrings,
-comments, messages), the docs pages, README.md and bench/README.md, and the Sphinx roles of the docstrings
+comments, messages), the docs pages, README.md and the READMEs of bench/, and the Sphinx roles of the docstrings
 (``:func:`~.step.packed_gate```, ``:class:`Recipe```), resolved as Sphinx and the API reference's griffe extension
 (docs/hooks/api_reference.py) resolve them. A name resolves when importing its longest module prefix and taking
 the attributes after it succeeds; a dataclass's or NamedTuple's fields count as its attributes.
@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ea_hf"
 MODELING = PACKAGE / "modeling"
-PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", ROOT / "bench" / "README.md"]
+PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", *sorted((ROOT / "bench").glob("**/README.md"))]
 
 _spec = importlib.util.spec_from_file_location("api_reference", ROOT / "docs" / "hooks" / "api_reference.py")
 api_reference = importlib.util.module_from_spec(_spec)

@@ -214,16 +214,29 @@ def run_without_ea_hf(script: str, *arguments: str, folder) -> object:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def bench_script(name: str):
-    """A benchmark script of ``bench/`` (not a package) as a module, loaded from its file."""
+def bench_script(script: str):
+    """A script of ``bench/`` (not a package: ``"benchmarks/decoder_cpu"``, ``"analyses/roofline"``) as a module,
+    loaded from its file under the name ``bench_<its stem>``."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{script}.py"
+    name = f"bench_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(name, module)  # where its dataclasses look their module up
     spec.loader.exec_module(sys.modules[name])
     return sys.modules[name]
+
+
+def bench_harness(module: str):
+    """A module of ``bench/harness/`` (the package the benchmark scripts share), imported as the scripts import it:
+    ``harness.<module>`` with ``bench/`` on ``sys.path``."""
+    import importlib
+
+    folder = str(Path(__file__).resolve().parents[1] / "bench")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(f"harness.{module}")
 
 
 def spy_on(monkeypatch, module, names=("correlate", "backward")) -> list[str]:

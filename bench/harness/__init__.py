@@ -12,10 +12,12 @@
 - :mod:`harness.tables`: cells, ratios, targets and Markdown tables;
 - :mod:`harness.cli`: command-line pieces more than one script parses;
 - :mod:`harness.traffic`: the least bytes and FLOPs of one layer's evolution step (roofline and achieved bandwidth).
-- :mod:`harness.bytes`: the bytes one step moves, counted op by op on the meta device (the byte table).
+- :mod:`harness.bytes`: the bytes one step moves, counted op by op on the meta device (the byte table);
+- :mod:`harness.decoder`: the decoder benchmarks' model, decoding timed step by step, the rows EA keeps, the paired
+  timing, their options and a run on a device.
 
-The scripts are not a package: each puts ``bench/`` on ``sys.path`` and imports ``harness`` from there, and no
-script imports another.
+The scripts (``bench/benchmarks/``, ``bench/analyses/``) are not a package: each puts ``bench/`` on ``sys.path``
+and imports ``harness`` from there, and no script imports another.
 """
 
 from pathlib import Path

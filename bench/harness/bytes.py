@@ -17,7 +17,7 @@ that reads each input once and writes each output once moves them:
 
 The meta device takes the choices ea_hf makes for CUDA tensors: every branch on ``device.type == "cpu"`` (the CPU
 kernel, the fused masked passes, the weight gradient by taps) goes the GPU way, and for autocast ``meta`` stands for
-``cuda`` (:func:`meta_autocast`). The EA candidates are the variants of ``bench_gpu.py``: ``ea-torch`` (torch
+``cuda`` (:func:`meta_autocast`). The EA candidates are the variants of ``attention_gpu.py``: ``ea-torch`` (torch
 operations, the default on CUDA), ``ea-triton`` (the Triton kernels and fused attention tail, counted through
 their operators on meta: :func:`triton_on_meta`) and ``ea-torch-nhwc`` (torch operations with the convolutions on
 channels-last maps whose heads are padded to a multiple of 8, ``EA_HF_CHANNELS_LAST=1``: the padding and the
@@ -43,7 +43,7 @@ from harness.ea import EA_ALPHA, EA_BETA, attributes, environment, import_ea_hf
 from harness.models import BERT_BASE_CONFIG, LLAMA_125M_CONFIG
 from harness.tables import markdown_table
 
-#: The variants counted: eager attention and the EA candidates of bench_gpu.py's decision table that run uncompiled.
+#: The variants counted: eager attention and the EA candidates of attention_gpu.py's decision table that run uncompiled.
 VARIANTS = ("eager", "ea-torch", "ea-triton", "ea-torch-nhwc")
 #: What a step does: BERT's training step and forward; a decoder's prefill and one decoding step with the cache.
 MODES = ("training", "inference", "prefill", "decode")
@@ -315,7 +315,7 @@ def count_step_bytes(build_model: Callable[[], Any], inputs: dict[str, Any], mod
 
 @dataclasses.dataclass(frozen=True)
 class ByteCase:
-    """One counted case: ``model`` (``bert``: BERT-Base; ``llama``: bench_decoder.py's ~125M Llama), ``mode``
+    """One counted case: ``model`` (``bert``: BERT-Base; ``llama``: the decoder benchmarks' ~125M Llama), ``mode``
     (:data:`MODES`), sequence ``length``, ``batch``, ``dtype`` (torch's name) and ``dropout`` (BERT's dropout
     probabilities; 0 as in the benchmarks)."""
 
@@ -343,7 +343,7 @@ CASES = (
     ByteCase("llama", "decode", 2048, 1),
 )
 
-#: BERT-Base as bench_gpu.py builds it, and bench_decoder.py's ~125M Llama (12 query and 4 key/value heads).
+#: BERT-Base as attention_gpu.py builds it, and the decoder benchmarks' ~125M Llama (12 query and 4 key/value heads).
 BERT_CONFIG, LLAMA_CONFIG = BERT_BASE_CONFIG, LLAMA_125M_CONFIG
 
 

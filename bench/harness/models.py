@@ -12,7 +12,7 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: Bytes an element of each dtype name.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: BERT-Base (transformers.BertConfig defaults) except for the position table, which must reach N = 2048
-#: (bench_gpu.py's model, and the byte table's).
+#: (attention_gpu.py's model, and the byte table's).
 BERT_BASE_CONFIG = {
     "hidden_size": 768,
     "num_hidden_layers": 12,
@@ -22,7 +22,7 @@ BERT_BASE_CONFIG = {
     "max_position_embeddings": 2048,
 }
 #: ~125M parameters (124,668,672): SmolLM/Llama-style proportions with grouped-query attention (4 key/value heads)
-#: (bench_decoder.py's model, and the byte table's).
+#: (the decoder benchmarks' model, harness/decoder.py, and the byte table's).
 LLAMA_125M_CONFIG = {
     "hidden_size": 768,
     "num_hidden_layers": 12,

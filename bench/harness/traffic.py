@@ -1,5 +1,5 @@
-"""What one layer's evolution step must move and compute: the roofline's bytes and FLOPs (``roofline.py``), and
-the bandwidth a measured step achieved on them (``bench_triton_kernels.py``)."""
+"""What one layer's evolution step must move and compute: the roofline's bytes and FLOPs (``analyses/roofline.py``), and
+the bandwidth a measured step achieved on them (``benchmarks/triton_kernels.py``)."""
 
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def test_the_winograd_form_matches_the_direct_form(heads, cols, kernel_rows, row
 
 @needs_compiler
 def test_a_build_requesting_lines_into_l1_gives_the_same_bits(l1_prefetch_library):
-    """Where the kernel requests its cache lines (``EA_HF_PREFETCH_LOCALITY``, for bench_attention.py
+    """Where the kernel requests its cache lines (``EA_HF_PREFETCH_LOCALITY``, for bench/benchmarks/attention_cpu.py
     --kernel-build) changes no value: forward, gate and gradients bit for bit, on a map large enough that every
     row requests its next one. ``using_library`` runs the calls on the other build and restores the default."""
     torch.manual_seed(0)

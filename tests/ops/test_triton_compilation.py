@@ -163,7 +163,7 @@ def test_compiled_under_the_triton_asked_for():
 
 
 def test_a_tuned_entry_narrows_the_list_on_its_capability_dtype_and_bucket_only(monkeypatch, tmp_path):
-    """An entry of the tuned-tile table (bench_triton_kernels.py --tune) narrows a kernel's list to the
+    """An entry of the tuned-tile table (bench/benchmarks/triton_kernels.py --tune) narrows a kernel's list to the
     configurations it names, on a GPU of its capability, for maps of its dtype and heads (values' head size) of
     its bucket; nowhere else. An entry that names none of the list's configurations leaves the whole list."""
     correlate, weight_grad = kernels.CONFIGS["half"]["correlate"], kernels.CONFIGS["half"]["weight_grad"]

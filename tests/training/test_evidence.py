@@ -208,7 +208,7 @@ EVIDENCE = ROOT / "bench" / "results" / "evidence"
 
 def test_the_docs_tables_of_the_text_evidence_are_the_committed_runs():
     """docs/does-ea-help.md shows what ``ea-hf compare --seeds`` computes from the committed run records
-    (bench/results/evidence, written by bench/collect_evidence.py from real runs), for MiniLM, the quickstart's
+    (bench/results/evidence, written by bench/analyses/collect_evidence.py from real runs), for MiniLM, the quickstart's
     settings and SmolLM2, and every search run."""
     page = (ROOT / "docs" / "does-ea-help.md").read_text()
     runs = sorted((EVIDENCE / "minilm-rotten-tomatoes").glob("*/seed=*"), key=str)  # as the shell sorts them

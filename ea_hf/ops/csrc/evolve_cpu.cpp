@@ -158,7 +158,7 @@ struct Input {  // where rows of `a` come from
 // output row for the next come to about 100 KB in backward (S, A_prev, the gradient and the addend of 12 heads), twice
 // an L1 data cache: requested into L1 they would evict the rings the blocks compute from before their own use, and
 // backward's requests can then cost more than they save (docs/performance.md, "Choices in the fused kernels").
-// -DEA_HF_PREFETCH_LOCALITY=3 builds the requests into L1, for bench_attention.py --kernel-build to compare.
+// -DEA_HF_PREFETCH_LOCALITY=3 builds the requests into L1, for bench/benchmarks/attention_cpu.py --kernel-build to compare.
 #ifndef EA_HF_PREFETCH_LOCALITY
 #define EA_HF_PREFETCH_LOCALITY 2
 #endif

@@ -72,7 +72,7 @@ if triton is not None and release(triton.__version__) < release(MIN_TRITON):
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-#: The configurations chosen on GPUs (``bench/bench_triton_kernels.py --tune``), read by :func:`tuned_configs`.
+#: The configurations chosen on GPUs (``bench/benchmarks/triton_kernels.py --tune``), read by :func:`tuned_configs`.
 TUNED_TILES_FILE = Path(__file__).with_name("tuned_tiles.json")
 #: A configuration's launch options; its other entries are the kernel's constexpr tiles.
 LAUNCH_OPTIONS = ("num_warps", "num_stages")

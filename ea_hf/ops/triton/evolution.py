@@ -48,7 +48,7 @@ def _config(rows: int, cols: int, taps: int, warps: int, stages: int = 3) -> dic
 #: The correlation kernels compute all heads of a tile per program; the weight-gradient kernel reduces over the
 #: tiles of a run. A tile's pixels and the tap blocks are sides of tl.dot, so each is at least 16, and a tile's
 #: columns are whole bytes of the packed gate (a multiple of 8). The first of each list is the best known
-#: (``bench/bench_triton_kernels.py --sweep`` on BERT-Base maps, N = 512, batch 8: the half-precision tiles on an
+#: (``bench/benchmarks/triton_kernels.py --sweep`` on BERT-Base maps, N = 512, batch 8: the half-precision tiles on an
 #: H100, the float32 ones on an H200 in TF32; docs/performance.md, "Choices in the fused kernels"): it is what runs
 #: in the interpreter and under torch's deterministic algorithms. The rest are the sweep's other settings and
 #: their neighbours. Half-precision maps take half the bytes a value, so larger weight-gradient tap blocks fit in a

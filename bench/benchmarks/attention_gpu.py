@@ -9,11 +9,11 @@ check runs ``ea-torch`` and ``ea-triton`` on one model and the same inputs and r
 gradients differ. The JSON and the Markdown table are rewritten after every case, and ``--resume`` skips the cases
 that a previous, interrupted run with the same settings finished, so a run can be split over several commands.
 
-    python bench/bench_gpu.py                    # on a CUDA GPU: N=512 batch 8 and N=2048 batch 2, bf16 and fp32
-    python bench/bench_gpu.py --dtypes bf16      # a subset (also --variants, --modes, --cases N:BATCH ...)
-    python bench/bench_gpu.py --resume           # finish an interrupted run (same settings, same --out)
-    python bench/bench_gpu.py --isolate          # every case in a fresh process (slower; survives CUDA faults)
-    python bench/bench_gpu.py --dry-run          # no GPU needed: tiny BERT on CPU
+    python bench/benchmarks/attention_gpu.py             # on a CUDA GPU: N=512 batch 8 and N=2048 batch 2, bf16, fp32
+    python bench/benchmarks/attention_gpu.py --dtypes bf16  # a subset (also --variants, --modes, --cases N:BATCH ...)
+    python bench/benchmarks/attention_gpu.py --resume    # finish an interrupted run (same settings, same --out)
+    python bench/benchmarks/attention_gpu.py --isolate   # every case in a fresh process (slower; survives CUDA faults)
+    python bench/benchmarks/attention_gpu.py --dry-run   # no GPU needed: tiny BERT on CPU
 
 The dry run (``--tiny`` is the same) uses a 2-layer BERT (hidden 32, 2 heads), N = 16 and 24 with batch 2, fp32,
 1 warm-up and 2 timed steps, ``time.perf_counter`` times and no memory figures (null); ``ea-triton`` runs the Triton
@@ -38,8 +38,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside the scripts
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # harness/ is in bench/, one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import ea, is_cuda, memory  # noqa: E402
 from harness.children import print_result, run_child  # noqa: E402
 from harness.cli import parse_case  # noqa: E402
@@ -99,7 +99,7 @@ AGREEMENT_HEADER = (
     "N", "batch", "dtype", "candidate", "no_grad output max abs diff", "training output max abs diff",
     "gradient max rel diff", "path calls (candidate / ea-torch)", "agree",
 )  # fmt: skip
-NO_CUDA_MESSAGE = "bench_gpu.py: no CUDA device available; run it on a GPU, or use --dry-run for the CPU dry run"
+NO_CUDA_MESSAGE = "attention_gpu.py: no CUDA device available; run it on a GPU, or use --dry-run for the CPU dry run"
 #: A case's GPU memory figures on the CPU, where none are measured.
 CPU_MEMORY = {
     "memory_source": "not measured on CPU: the GPU memory figures are null",
@@ -136,7 +136,7 @@ def bert_classifier(variant: str, config: dict, dtype: Any, device: Any) -> Any:
     """A BertForSequenceClassification (2 labels) with the same random weights for every variant (and the same EA
     kernels for every EA one), dropout off, in ``dtype`` on ``device``.
 
-    A classification head rather than bench_attention.py's bare BertModel: its training loss,
+    A classification head rather than attention_cpu.py's bare BertModel: its training loss,
     ``last_hidden_state.pow(2).mean()``, is 1 for any input at initialisation (LayerNorm with unit weight and zero
     bias), so its gradients are rounding noise; the cross-entropy of the head gives real ones for the agreement
     check at the cost of a 768 x 2 layer.

@@ -1,4 +1,4 @@
-"""bench/roofline.py: one layer's evolution step against its roofline, from the shapes and the recorded GPU
+"""bench/analyses/roofline.py: one layer's evolution step against its roofline, from the shapes and the recorded GPU
 measurements."""
 
 from pathlib import Path
@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 from testing import bench_script
 
-roofline = bench_script("roofline")
+roofline = bench_script("analyses/roofline")
 
 
 def test_the_performance_page_shows_the_current_roofline():
     """The page's roofline is the script's, computed from the shapes and the recorded H200 measurements; the
     bf16 step's least bytes are ten maps and three bit-packed gates (with the padding mask), as the docstring counts."""
-    page = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    page = (Path(__file__).resolve().parents[3] / "docs" / "performance.md").read_text()
     assert roofline.roofline_table() in page
     traffic = roofline.evolution_traffic(8, 12, 512, "bf16")
     elements, mask = 8 * 12 * 512 * 512, 8 * 512 * 512 * 2

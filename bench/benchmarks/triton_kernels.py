@@ -1,6 +1,6 @@
 """One evolution step on a GPU: the Triton kernels against the torch operations, and a sweep of the kernels' tiles.
 
-Where ``bench_gpu.py`` times whole models, this times the step alone (mix, mask, the H x H x k x k convolution,
+Where ``attention_gpu.py`` times whole models, this times the step alone (mix, mask, the H x H x k x k convolution,
 ReLU, blend; and its backward), on the maps of one BERT-Base layer: what a tile or a kernel change buys, in a
 minute of GPU time. Per case (dtype, N, batch, centred or causal kernel) it records the median time (CUDA events)
 of the forward step out of place (as in training), in place (as in inference) and of forward plus backward, on
@@ -11,12 +11,12 @@ others on their first. ``--liger`` also times, per centred case, Liger-Kernel's 
 Attention (``LigerMultiTokenAttention``: a convolution over attention maps, the nearest published peer of the step)
 forward plus backward on the same maps, in turns with the step's forward plus backward on both paths, and records
 the ratios EA / Liger and what each computes (``LIGER_COMPUTES``, ``EA_COMPUTES``); where liger_kernel cannot be
-imported the report says why and the run goes on without it (``bench/fetch_wheels.sh`` brings its wheel).
+imported the report says why and the run goes on without it (``bench/sessions/fetch_wheels.sh`` brings its wheel).
 
-    python bench/bench_triton_kernels.py                  # on a CUDA GPU: fp32 and bf16, N=512 batch 8, N=2048 batch 2
-    python bench/bench_triton_kernels.py --sweep --dtypes fp32
-    python bench/bench_triton_kernels.py --liger --dtypes bf16 --cases 512:8
-    python bench/bench_triton_kernels.py --dry-run        # no GPU: tiny maps on CPU in Triton's interpreter
+    python bench/benchmarks/triton_kernels.py            # on a CUDA GPU: fp32 and bf16, N=512 batch 8, N=2048 batch 2
+    python bench/benchmarks/triton_kernels.py --sweep --dtypes fp32
+    python bench/benchmarks/triton_kernels.py --liger --dtypes bf16 --cases 512:8
+    python bench/benchmarks/triton_kernels.py --dry-run  # no GPU: tiny maps on CPU in Triton's interpreter
 
 Writes ``bench/results/<gpu name slug>/triton_kernels.json`` (``--out DIR`` elsewhere; the dry run writes
 ``bench/results/cpu/triton_kernels_dry_run.json``). Why maps are float32 in whole models: the attention core
@@ -34,8 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside the scripts
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # harness/ is in bench/, one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import ea  # noqa: E402
 from harness.cli import parse_case  # noqa: E402
 from harness.host import gpu_results_folder, utc_now, versions  # noqa: E402
@@ -76,9 +76,7 @@ EA_COMPUTES = (
     "the bias. It reads two maps (S, A_prev) where Liger reads one, and writes two map gradients where Liger "
     "writes one"
 )
-NO_CUDA_MESSAGE = (
-    "bench_triton_kernels.py: no CUDA device available; run it on a GPU, or use --dry-run for the CPU dry run"
-)
+NO_CUDA_MESSAGE = "triton_kernels.py: no CUDA device available; run it on a GPU, or use --dry-run for the CPU dry run"
 
 
 def step_inputs(dtype_name: str, length: int, batch: int, causal: bool, device: str) -> dict[str, Any]:
@@ -369,7 +367,7 @@ def collect(args: argparse.Namespace) -> dict:
     with ea.evolution_on("triton", "cpu" if args.dry_run else "cuda"):
         cases, sweeps = run_cases(args, liger_class, lists)
     return {
-        "benchmark": "one evolution step: Triton kernels vs torch operations (bench/bench_triton_kernels.py)",
+        "benchmark": "one evolution step: Triton kernels vs torch operations (bench/benchmarks/triton_kernels.py)",
         "created": utc_now(),
         "gpu": None if args.dry_run else torch.cuda.get_device_name(),
         "versions": versions(),

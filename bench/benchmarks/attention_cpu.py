@@ -4,8 +4,8 @@ Every (variant, N, mode) case runs in a fresh subprocess of this script (``--cas
 builds the model, times the case and reports its own peak memory as one JSON line on stdout; the parent
 collects the cases, computes the ratios against eager, writes a JSON file, a PNG plot and a Markdown table.
 
-    python bench/bench_attention.py                     # full run: N in {128, 512}, 5 repeats, 2 warm-ups
-    python bench/bench_attention.py --quick             # smoke test: N = 64, 2 repeats, 1 warm-up
+    python bench/benchmarks/attention_cpu.py                     # full run: N in {128, 512}, 5 repeats, 2 warm-ups
+    python bench/benchmarks/attention_cpu.py --quick             # smoke test: N = 64, 2 repeats, 1 warm-up
 
 See bench/README.md for what each figure means. Timing, memory, the result lines and the machine's description
 come from bench/harness.
@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside the scripts
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # harness/ is in bench/, one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import BENCH_DIR, is_cuda  # noqa: E402
 from harness.children import print_result, run_child  # noqa: E402
 from harness.ea import EA_ALPHA, EA_BETA, counted_kernel_calls, evolution_path, import_ea_hf  # noqa: E402

@@ -1,11 +1,11 @@
 """The bytes a step moves, per variant, counted op by op on the meta device (no GPU, no compute): the table of
 docs/performance.md, "Bytes per step".
 
-    python bench/bench_bytes.py --out /tmp/bytes        # every case and variant, ~30 s on 2 cores
-    python bench/bench_bytes.py --cases "bert training 512 8" --variants eager ea-torch --top 15
+    python bench/benchmarks/bytes_per_step.py --out /tmp/bytes        # every case and variant, ~30 s on 2 cores
+    python bench/benchmarks/bytes_per_step.py --cases "bert training 512 8" --variants eager ea-torch --top 15
 
 Cases (``harness/bytes.py``, ``CASES``): BERT-Base in bf16, training and inference at N = 512 batch 8, training at
-N = 2048 batch 2; the ~125M Llama of bench_decoder.py in bf16, prefill at N = 512 and 2048, and one decoding step on
+N = 2048 batch 2; the decoder benchmarks' ~125M Llama in bf16, prefill at N = 512 and 2048, and one decoding step on
 the cache of a 2048-token prefill. Variants: eager, ``ea-torch`` (EA on torch operations, the default on CUDA),
 ``ea-triton`` (the Triton kernels and the fused attention tail, counted by their operators' declared bytes) and
 ``ea-torch-nhwc`` (torch operations, the convolutions channels-last on heads padded to a multiple of 8). The
@@ -19,8 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside the scripts
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # harness/ is in bench/, one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import bytes as counted  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def markdown_report(rows: list[dict], variants: tuple[str, ...], top: int) -> st
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line's options (what gpu_session.sh's parsing test calls)."""
+    """The command line's options (what sessions/gpu.sh's parsing test calls)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="folder for bench_bytes.{json,md} (default: print only)")
     parser.add_argument("--cases", nargs="+", type=parse_case, default=list(counted.CASES))

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One call of a lent machine (the device tool) spent on its host CPU alone, the GPU left idle: the CPU
 # measurements of issue 18 on the lent machines' host CPUs, with nothing else running, so that memory bandwidth
-# and caches belong to the measured pair of cores (gpu_session.sh measures the CPU beside GPU work, which shares
+# and caches belong to the measured pair of cores (sessions/gpu.sh measures the CPU beside GPU work, which shares
 # them):
 #   1. the machine (CPU model and flags, C library, versions) -> $OUT/machine.txt
 #   2. the fused kernel alone (forward and backward of a training step, maps out of cache) at N = 512, batch 2
 #      and N = 128, batch 8, and the memory bandwidth of the pair of cores (--kernel) -> $OUT/cpu_kernel.log:
 #      the kernel's own time on this host, and how fast the maps can stream (a kernel change is timed against
 #      the default build by adding --kernel-build=FLAGS, calls alternating)
-#   3. the paired timing of bench_attention.py (eager, sdpa and EA alternating, 2 threads pinned to two physical
+#   3. the paired timing of attention_cpu.py (eager, sdpa and EA alternating, 2 threads pinned to two physical
 #      cores): N = 512 training in three processes, as the full benchmark's three rounds, then (after step 5)
 #      N = 128 training -> $OUT/cpu_paired.log (one BENCH_RESULT line a process). N = 512 inference is left out
 #      for time.
@@ -18,14 +18,14 @@
 # Each step has its own time limit; the paired processes time 40 s (N = 512) and 30 s (N = 128) after 2 warm-up
 # rounds, and the profile runs before the held heap, so that the whole script fits the call's limit. The device
 # machine has torch and transformers but not ea_hf: it runs from the working tree.
-#     device run: bash bench/cpu_host_session.sh   (timeout_s 570)
-# `bash bench/cpu_host_session.sh quick` runs steps 1, 2 at N = 512 only (the kernel's own time is what a kernel
+#     device run: bash bench/sessions/cpu_host.sh   (timeout_s 570)
+# `bash bench/sessions/cpu_host.sh quick` runs steps 1, 2 at N = 512 only (the kernel's own time is what a kernel
 # change moves first) and 3's three N = 512 training processes (30 s of timed steps each): for a session with
 # less device time left.
-#     device run: bash bench/cpu_host_session.sh quick   (timeout_s 360)
-# `bash bench/cpu_host_session.sh dropout` runs the same three processes with BERT's own dropout (0.1, attention
+#     device run: bash bench/sessions/cpu_host.sh quick   (timeout_s 360)
+# `bash bench/sessions/cpu_host.sh dropout` runs the same three processes with BERT's own dropout (0.1, attention
 # and hidden; the targets are measured without), into cpu_paired_dropout.log: what EA costs users who fine-tune.
-#     device run: bash bench/cpu_host_session.sh dropout   (timeout_s 300)
+#     device run: bash bench/sessions/cpu_host.sh dropout   (timeout_s 300)
 set -u
 MODE=${1:-full}
 DROPOUT=0
@@ -60,13 +60,13 @@ KERNEL_CASES=("512 2" "128 8")
 [ "$MODE" = dropout ] && KERNEL_CASES=()
 for case in ${KERNEL_CASES[@]+"${KERNEL_CASES[@]}"}; do
     set -- $case
-    timeout 90 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --kernel "$1" --batch "$2" --threads 2 \
+    timeout 90 taskset -c "$PAIR" $PYTHON bench/benchmarks/attention_cpu.py --kernel "$1" --batch "$2" --threads 2 \
         --repeats 9 >> "$OUT/cpu_kernel.log" 2>&1
     echo "kernel N=$1: exit $?"
 done
 
 paired() {  # N MODE BATCH SECONDS LOG
-    timeout $(($4 + 120)) taskset -c "$PAIR" $PYTHON bench/bench_attention.py --paired "$1" "$2" --batch "$3" \
+    timeout $(($4 + 120)) taskset -c "$PAIR" $PYTHON bench/benchmarks/attention_cpu.py --paired "$1" "$2" --batch "$3" \
         --threads 2 --rounds 1 --paired-seconds "$4" --warmup 2 --dropout "$DROPOUT" >> "$OUT/$5" 2>&1
     echo "paired N=$1 $2 ($5): exit $?"
 }
@@ -77,7 +77,7 @@ if [ "$SHORT" = yes ]; then
     grep -c '^BENCH_RESULT' "$OUT/$PAIRED_LOG"
     exit 0
 fi
-timeout 90 taskset -c "$PAIR" $PYTHON bench/bench_attention.py --profile 512 training --batch 2 --threads 2 \
+timeout 90 taskset -c "$PAIR" $PYTHON bench/benchmarks/attention_cpu.py --profile 512 training --batch 2 --threads 2 \
     --warmup 2 --repeats 2 > "$OUT/cpu_profile.log" 2>&1
 echo "profile: exit $?"
 paired 128 training 8 30 cpu_paired.log

@@ -8,8 +8,8 @@
 #      ea-torch-nhwc) on bf16 and fp32 training and inference at N = 512 (batch 8), bf16 training at N = 2048
 #      (batch 2); then eager, ea-compile and ea-triton-compile on bf16 training at N = 512. Each case's bytes are
 #      counted (bench/harness/bytes.py, on the meta device) beside its time, and their quotient is its achieved
-#      bandwidth; the report names the default by the rule (bench_gpu.default_choice: the fastest correct
-#      candidate). The byte table of every case of issue 72 (bench_bytes.py) is counted meanwhile on the CPU, in
+#      bandwidth; the report names the default by the rule (attention_gpu.default_choice: the fastest correct
+#      candidate). The byte table of every case of issue 72 (bytes_per_step.py) is counted meanwhile on the CPU, in
 #      the background                                                                                  -> b_table/
 #   c. the Triton tiles tuned on this GPU: every setting of the sweep timed and checked against torch operations,
 #      the fastest correct ones written into the tuned-tile table (commit c_tune/tuned_tiles.json as
@@ -20,14 +20,14 @@
 #      are and compiled with mode="reduce-overhead", against the targets), then the prefill, its memory and
 #      decoding of eager, sdpa and EA with the dynamic cache                                         -> e_decoder/
 #   f. the evolution step beside Liger-Kernel's Multi-Token Attention (where bench/wheels holds its wheel) -> f_liger/
-# Meanwhile, on four cores of their own with CUDA hidden, the paired CPU timing and step memory of bench_attention.py
+# Meanwhile, on four cores of their own with CUDA hidden, the paired CPU timing and step memory of attention_cpu.py
 # (cpu/), and on the GPU steps' cores the byte table (b_table/bytes/). Everything comes back as one file, $OUT/gpu_session.tgz, beside this script's log (session.log). The steps'
 # limits add up to 580 s, more than the lease's 510: a run cut short leaves the folders of the steps it finished
 # under $OUT, untarred, and the last steps (f, then e's dynamic cache) are the ones cut. The device machine has torch, transformers and triton but not ea_hf (it runs from the working
-# tree) and no network: run bench/fetch_wheels.sh here first and carry bench/wheels.
-#     device run: bash bench/gpu_session.sh   (timeout_s 510, carry ["bench/wheels"])
+# tree) and no network: run bench/sessions/fetch_wheels.sh here first and carry bench/wheels.
+#     device run: bash bench/sessions/gpu.sh   (timeout_s 510, carry ["bench/wheels"])
 # DRY_RUN=1 runs every step's CPU dry run instead (Triton's interpreter, tiny models): what CI runs
-# (tests/test_bench.py), so that a lease is never spent on a step that cannot start.
+# (tests/bench/sessions/test_sessions.py), so that a lease is never spent on a step that cannot start.
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 DRY_RUN=${DRY_RUN:-0}
@@ -75,7 +75,7 @@ if [ "$DRY_RUN" != 1 ]; then
     (
         for case in "512 training 2 60" "512 inference 2 45" "128 training 8 45"; do
             set -- $case
-            CUDA_VISIBLE_DEVICES= timeout 130 taskset -c "$CPU_PAIR" $PYTHON bench/bench_attention.py --paired "$1" \
+            CUDA_VISIBLE_DEVICES= timeout 130 taskset -c "$CPU_PAIR" $PYTHON bench/benchmarks/attention_cpu.py --paired "$1" \
                 "$2" --batch "$3" --threads 2 --rounds 1 --paired-seconds "$4" --warmup 2
         done
     ) > "$OUT/cpu/paired.log" 2>&1 &
@@ -83,7 +83,7 @@ if [ "$DRY_RUN" != 1 ]; then
     (
         for case in "eager 512 2" "ea 512 2" "eager 128 8" "ea 128 8"; do
             set -- $case
-            CUDA_VISIBLE_DEVICES= timeout 90 taskset -c "$MEMORY_PAIR" $PYTHON bench/bench_attention.py --case "$1" \
+            CUDA_VISIBLE_DEVICES= timeout 90 taskset -c "$MEMORY_PAIR" $PYTHON bench/benchmarks/attention_cpu.py --case "$1" \
                 "$2" training --batch "$3" --threads 2 --repeats 2 --warmup 1
         done
     ) > "$OUT/cpu/memory.log" 2>&1 &
@@ -92,7 +92,7 @@ fi
 ON_GPU_CPUS=(taskset -c "$OTHER_CPUS")  # the prefix of the GPU steps' commands
 [ "$DRY_RUN" = 1 ] && ON_GPU_CPUS=()
 # The byte table (no GPU: the meta device): in the background on a GPU run; a step of its own on a dry run, below.
-BYTES=(bench/bench_bytes.py --out "$OUT/b_table/bytes")
+BYTES=(bench/benchmarks/bytes_per_step.py --out "$OUT/b_table/bytes")
 if [ "$DRY_RUN" != 1 ]; then
     (
         CUDA_VISIBLE_DEVICES= timeout 150 taskset -c "$OTHER_CPUS" $PYTHON "${BYTES[@]}"
@@ -109,40 +109,40 @@ step a_smoke 50 "${ON_GPU_CPUS[@]}" $PYTHON -m pytest -q -p no:cacheprovider -rs
 # b. the decision table
 DRY=$(gpu_or_dry "" "--dry-run --repeats 1 --warmup 1")
 # (The dry run's variants: one of each kind, on the CPU's budget; the channels-last candidate's check, not Triton's.)
-step b_table 175 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
+step b_table 175 "${ON_GPU_CPUS[@]}" $PYTHON bench/benchmarks/attention_gpu.py $DRY $(gpu_or_dry \
     "--cases 512:8 --dtypes bf16 fp32 --variants eager sdpa ea-torch ea-triton ea-torch-nhwc" \
     "--cases 16:2 --variants eager ea-torch ea-torch-nhwc") --out "$OUT/b_table/512"
-step b_table 55 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
+step b_table 55 "${ON_GPU_CPUS[@]}" $PYTHON bench/benchmarks/attention_gpu.py $DRY $(gpu_or_dry \
     "--cases 2048:2 --dtypes bf16 --variants eager sdpa ea-torch ea-triton ea-torch-nhwc" \
     "--cases 24:2 --variants eager ea-triton") --modes training --no-check --out "$OUT/b_table/2048"
-step b_table 70 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_gpu.py $DRY $(gpu_or_dry \
+step b_table 70 "${ON_GPU_CPUS[@]}" $PYTHON bench/benchmarks/attention_gpu.py $DRY $(gpu_or_dry \
     "--cases 512:8 --dtypes bf16 --variants eager ea-compile ea-triton-compile" "--cases 16:2 --variants ea-compile") \
     --modes training --no-check --out "$OUT/b_table/compiled"
 [ "$DRY_RUN" = 1 ] && step b_table 60 $PYTHON "${BYTES[@]}" --cases "bert training 64 1" --variants eager ea-torch \
     ea-torch-nhwc
 
 # c. tiles tuned on this GPU, and the bandwidth each case achieved
-step c_tune 50 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_triton_kernels.py --tune "$OUT/c_tune/tuned_tiles.json" \
+step c_tune 50 "${ON_GPU_CPUS[@]}" $PYTHON bench/benchmarks/triton_kernels.py --tune "$OUT/c_tune/tuned_tiles.json" \
     $(gpu_or_dry "--dtypes bf16 fp32 --cases 512:8 --repeats 10" "--dry-run --repeats 1") --out "$OUT/c_tune"
 
 # d. bandwidth by Nsight Compute, where the machine has it
 if [ "$DRY_RUN" != 1 ] && command -v ncu > /dev/null; then
     step d_bandwidth 25 "${ON_GPU_CPUS[@]}" ncu --clock-control none --target-processes all --kernel-name regex:_kernel \
         --launch-skip 6 --launch-count 6 --metrics dram__bytes.sum,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-        $PYTHON bench/bench_triton_kernels.py --dtypes bf16 --cases 512:8 --repeats 1 --warmup 1 \
+        $PYTHON bench/benchmarks/triton_kernels.py --dtypes bf16 --cases 512:8 --repeats 1 --warmup 1 \
         --out "$OUT/d_bandwidth"
 else
     echo "no ncu here (or a dry run): the achieved bandwidth is step c's bytes over time" | tee "$OUT/d_bandwidth/log.txt"
 fi
 
 # e. the decoder: compiled static-cache decoding (two inductor compiles), then the dynamic cache's paired timing
-step e_decoder 90 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_decoder.py --static --static-attentions sdpa ea $(gpu_or_dry \
+step e_decoder 90 "${ON_GPU_CPUS[@]}" $PYTHON bench/benchmarks/decoder_static.py --attentions sdpa ea $(gpu_or_dry \
     "--device cuda --lengths 512 --paired-rounds 3 --decode-tokens 32 --threads 4" \
-    "--tiny --compile-backend eager --lengths 16 --paired-rounds 1 --decode-tokens 2") \
+    "--device cpu --tiny --compile-backend eager --lengths 16 --paired-rounds 1 --decode-tokens 2") \
     --out "$OUT/e_decoder"
-step e_decoder 40 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_decoder.py $(gpu_or_dry \
+step e_decoder 40 "${ON_GPU_CPUS[@]}" $PYTHON bench/benchmarks/decoder_gpu.py $(gpu_or_dry \
     "--device cuda --paired-rounds 3 --decode-tokens 16 --threads 4" \
-    "--tiny --gpu-protocol --quiet-wait 0 --lengths 16 --paired-rounds 1 --decode-tokens 2") \
+    "--device cpu --tiny --lengths 16 --paired-rounds 1 --decode-tokens 2") \
     --out "$OUT/e_decoder"
 
 # f. Liger-Kernel
@@ -150,10 +150,10 @@ LIGER_WHEEL=$(ls bench/wheels/liger_kernel-*.whl 2>/dev/null | head -1)
 if [ -n "$LIGER_WHEEL" ] && [ "$DRY_RUN" != 1 ]; then
     $PYTHON -m pip install --no-deps --no-index --quiet --target /tmp/liger "$LIGER_WHEEL" \
         || $PYTHON -m zipfile -e "$LIGER_WHEEL" /tmp/liger
-    PYTHONPATH=$PWD:/tmp/liger step f_liger 25 "${ON_GPU_CPUS[@]}" $PYTHON bench/bench_triton_kernels.py --liger \
+    PYTHONPATH=$PWD:/tmp/liger step f_liger 25 "${ON_GPU_CPUS[@]}" $PYTHON bench/benchmarks/triton_kernels.py --liger \
         --dtypes bf16 --cases 512:8 --out "$OUT/f_liger"
 else
-    echo "Liger skipped: no liger-kernel wheel in bench/wheels (run bench/fetch_wheels.sh here, carry bench/wheels)," \
+    echo "Liger skipped: no liger-kernel wheel in bench/wheels (run bench/sessions/fetch_wheels.sh here, carry bench/wheels)," \
         "or a dry run" | tee "$OUT/f_liger/log.txt"
 fi
 

@@ -1,9 +1,9 @@
 """The memory a training step with evolving attention adds, from the shapes: a model of what EA keeps for
 backward, checked against torch's ``MemTracker`` on real steps, and the longest context that fits one GPU.
 
-    python bench/memory_model.py --check    # tiny BERT and Llama steps measured on CPU against the model (and on
-                                            # the Triton path, interpreted, which is slow)
-    python bench/memory_model.py --size     # the long-context table of docs/performance.md (8B shapes)
+    python bench/analyses/memory_model.py --check  # tiny BERT and Llama steps measured on CPU against the model
+                                                   # (and on the Triton path, interpreted, which is slow)
+    python bench/analyses/memory_model.py --size   # the long-context table of docs/performance.md (8B shapes)
 
 The model counts maps of E = batch x heads x queries x keys elements, in bytes. A training step on the
 torch-operation path (GPUs' default; the CPU's with ``EA_HF_KERNELS=0``) keeps, per evolving layer:
@@ -32,8 +32,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside the scripts
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # harness/ is in bench/, one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness.ea import PATHS, evolution_on  # noqa: E402
 from harness.models import DTYPE_BYTES, build_model, random_batch, torch_dtype  # noqa: E402
 

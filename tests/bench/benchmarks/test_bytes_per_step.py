@@ -1,4 +1,4 @@
-"""bench/bench_bytes.py and bench/harness/bytes.py: the bytes a step moves, counted op by op on the meta device.
+"""bench/benchmarks/bytes_per_step.py, bench/harness/bytes.py: the bytes a step moves, counted op by op on meta.
 
 The ratios to eager are pinned: one more pass over a bf16 [B, H, N, N] map per layer (0.60 GB in BERT-Base's
 training step at N = 512, batch 8, 3% of eager's 20.4 GB) moves a ratio by more than the tolerance."""
@@ -6,7 +6,7 @@ training step at N = 512, batch 8, 3% of eager's 20.4 GB) moves a ratio by more 
 import pytest
 from testing import bench_script
 
-bench_bytes = bench_script("bench_bytes")
+bench_bytes = bench_script("benchmarks/bytes_per_step")
 counted = bench_bytes.counted
 
 #: One bf16 map pass per layer over eager's bytes, in BERT-Base's training step at N = 512, batch 8.

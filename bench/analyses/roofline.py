@@ -1,8 +1,8 @@
 """The roofline of one layer's evolution step on a GPU: the bytes it must move and the FLOPs it must do, from the
-shapes, against what the kernels measured (``bench_triton_kernels.py``) and what the targets allow
-(``bench_gpu.py``'s eager step).
+shapes, against what the kernels measured (``triton_kernels.py``) and what the targets allow
+(``attention_gpu.py``'s eager step).
 
-    python bench/roofline.py    # the table of docs/performance.md, from bench/results/nvidia-h200/
+    python bench/analyses/roofline.py    # the table of docs/performance.md, from bench/results/nvidia-h200/
 
 A fused evolution step reads S and A_prev and writes A_logit and the ReLU gate (bit-packed: an eighth of a byte
 an element, as the fused kernels keep it) in its forward pass; its backward reads the incoming gradient (and the
@@ -19,8 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # harness/ sits beside the scripts
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # harness/ is in bench/, one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import RESULTS_DIR  # noqa: E402
 from harness.models import DTYPE_BYTES  # noqa: E402
 from harness.traffic import Gpu, Traffic, evolution_traffic  # noqa: E402

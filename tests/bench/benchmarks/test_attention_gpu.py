@@ -1,7 +1,7 @@
-"""The GPU benchmark (bench/bench_gpu.py) in its CPU dry run: every case runs, the Triton variant really runs on the
-Triton kernels (Triton's interpreter) and the channels-last variant on its candidate, both agree with the torch
-operations, the ratios, targets, counted bytes and achieved bandwidths follow from the recorded medians, the rule
-names the default, the files are written, and without CUDA the full run refuses to start."""
+"""The GPU benchmark (bench/benchmarks/attention_gpu.py) in its CPU dry run: every case runs, the Triton variant
+really runs on the Triton kernels (Triton's interpreter) and the channels-last variant on its candidate, both agree
+with the torch operations, the ratios, targets, counted bytes and achieved bandwidths follow from the recorded
+medians, the rule names the default, the files are written, and without CUDA the full run refuses to start."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from testing import INTERPRETER_TRITON, bench_script
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[3] / "bench"
 LENGTHS = (16, 24)
 LAYERS = 2
 #: Environment variables the cases set for their duration.
@@ -24,7 +24,7 @@ TRITON_ENVIRONMENT = {"EA_HF_TRITON": "1", "EA_HF_CHANNELS_LAST": "0", "EA_HF_KE
 
 @pytest.fixture(scope="module")
 def bench():
-    return bench_script("bench_gpu")
+    return bench_script("benchmarks/attention_gpu")
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,10 @@ def test_files_are_written(bench, report):
 def test_without_cuda_and_without_dry_run_it_exits_with_status_2(bench):
     environment = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "bench_gpu.py")], capture_output=True, text=True, env=environment
+        [sys.executable, str(BENCH_DIR / "benchmarks" / "attention_gpu.py")],
+        capture_output=True,
+        text=True,
+        env=environment,
     )
     assert done.returncode == 2
     assert done.stderr.strip() == bench.NO_CUDA_MESSAGE and done.stdout == ""

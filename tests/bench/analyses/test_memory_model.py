@@ -1,4 +1,4 @@
-"""bench/memory_model.py: the model of what a training step with evolving attention adds over sdpa, against
+"""bench/analyses/memory_model.py: the model of what a training step with evolving attention adds over sdpa, against
 torch's MemTracker on real steps of tiny BERT and Llama models (CPU, the torch-operation path that GPUs take),
 and gradient checkpointing keeping one map per evolving layer."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from testing import bench_script
 
-memory_model = bench_script("memory_model")
+memory_model = bench_script("analyses/memory_model")
 
 #: (family, layers, evolving layers, N, dtype, gradient checkpointing): depths and lengths other than the N = 512
 #: steps the working set was measured on.
@@ -59,5 +59,5 @@ def test_gradient_checkpointing_keeps_one_map_per_evolving_layer():
 
 
 def test_the_performance_page_shows_the_current_sizing_table():
-    page = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    page = (Path(__file__).resolve().parents[3] / "docs" / "performance.md").read_text()
     assert memory_model.sizing_table() in page

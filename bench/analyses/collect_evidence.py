@@ -1,7 +1,7 @@
 """Copy the records of finished evidence runs (recipe.yaml and eval/, not the weights) into the repository, so
 that ``ea-hf compare --seeds`` and the docs' tables can be recomputed from committed files.
 
-    python bench/collect_evidence.py                       # runs/evidence -> bench/results/evidence
+    python bench/analyses/collect_evidence.py                       # runs/evidence -> bench/results/evidence
     ea-hf compare --seeds --reference ea bench/results/evidence/minilm-rotten-tomatoes/*/*
 
 A run counts once it has been evaluated (eval/<split>/metrics.json); runs still going are left for the next

@@ -1,4 +1,4 @@
-"""The one-step Triton benchmark (bench/bench_triton_kernels.py) in its CPU dry run: both paths run every mode,
+"""The one-step Triton benchmark (bench/benchmarks/triton_kernels.py) in its CPU dry run: both paths run every mode,
 the Triton one on the Triton kernels (in the interpreter), it agrees with the torch operations in float64, the
 sweep times every tile setting, and settings and environment are put back."""
 
@@ -22,7 +22,7 @@ pytest.importorskip(
 
 @pytest.fixture(scope="module")
 def bench():
-    return bench_script("bench_triton_kernels")
+    return bench_script("benchmarks/triton_kernels")
 
 
 @pytest.fixture(scope="module")
