@@ -54,7 +54,7 @@ def markdown_report(rows: list[dict], variants: tuple[str, ...], top: int) -> st
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line's options (what sessions/gpu.sh's parsing test calls)."""
+    """The command line's options (what sessions/gpu_session.sh's parsing test calls)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="folder for bench_bytes.{json,md} (default: print only)")
     parser.add_argument("--cases", nargs="+", type=parse_case, default=list(counted.CASES))

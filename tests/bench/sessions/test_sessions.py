@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-#: The benchmarks gpu.sh runs (the parsing test's expectation).
+#: The benchmarks gpu_session.sh runs (the parsing test's expectation).
 GPU_SESSION_SCRIPTS = {
     "attention_cpu",
     "attention_gpu",
@@ -43,8 +43,8 @@ if args and args[0].startswith("bench/") and args[0].endswith(".py"):
 @pytest.mark.parametrize(
     ("session", "scripts"),
     [
-        ("gpu.sh", GPU_SESSION_SCRIPTS),
-        ("cpu_host.sh", {"attention_cpu"}),
+        ("gpu_session.sh", GPU_SESSION_SCRIPTS),
+        ("cpu_host_session.sh", {"attention_cpu"}),
     ],
 )
 def test_every_command_of_a_session_script_parses(tmp_path, session, scripts):
@@ -65,12 +65,14 @@ def test_every_command_of_a_session_script_parses(tmp_path, session, scripts):
 @pytest.mark.slow
 @pytest.mark.full_table  # (CI's second stage: test_every_command_of_a_session_script_parses covers its arguments)
 def test_the_gpu_session_dry_run_runs_every_step(tmp_path):
-    """``DRY_RUN=1 bash bench/sessions/gpu.sh``: every step's CPU dry run (Triton's interpreter, tiny models) ends
-    well within its limit and leaves its results in the one tarball that comes back, the tuned-tile table
+    """``DRY_RUN=1 bash bench/sessions/gpu_session.sh``: every step's CPU dry run (Triton's interpreter, tiny
+    models) ends within its limit and leaves its results in the one tarball that comes back, the tuned-tile table
     included."""
     environment = {**os.environ, "OUT": str(tmp_path), "DRY_RUN": "1", "PYTHON": sys.executable}
-    completed = subprocess.run(["bash", "bench/sessions/gpu.sh"], cwd=REPO, env=environment, capture_output=True,
-                               text=True, timeout=600)  # fmt: skip
+    completed = subprocess.run(
+        ["bash", "bench/sessions/gpu_session.sh"], cwd=REPO, env=environment, capture_output=True, text=True,
+        timeout=1800,  # the dry run's step limits added up
+    )  # fmt: skip
     assert completed.returncode == 0, completed.stdout[-3000:]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["gpu_session.tgz", "session.log"]
     with tarfile.open(tmp_path / "gpu_session.tgz") as archive:

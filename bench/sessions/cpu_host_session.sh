@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call of a lent machine (the device tool) spent on its host CPU alone, the GPU left idle: the CPU
 # measurements of issue 18 on the lent machines' host CPUs, with nothing else running, so that memory bandwidth
-# and caches belong to the measured pair of cores (sessions/gpu.sh measures the CPU beside GPU work, which shares
+# and caches belong to the measured pair of cores (sessions/gpu_session.sh measures the CPU beside GPU work, which shares
 # them):
 #   1. the machine (CPU model and flags, C library, versions) -> $OUT/machine.txt
 #   2. the fused kernel alone (forward and backward of a training step, maps out of cache) at N = 512, batch 2
@@ -18,14 +18,14 @@
 # Each step has its own time limit; the paired processes time 40 s (N = 512) and 30 s (N = 128) after 2 warm-up
 # rounds, and the profile runs before the held heap, so that the whole script fits the call's limit. The device
 # machine has torch and transformers but not ea_hf: it runs from the working tree.
-#     device run: bash bench/sessions/cpu_host.sh   (timeout_s 570)
-# `bash bench/sessions/cpu_host.sh quick` runs steps 1, 2 at N = 512 only (the kernel's own time is what a kernel
+#     device run: bash bench/sessions/cpu_host_session.sh   (timeout_s 570)
+# `bash bench/sessions/cpu_host_session.sh quick` runs steps 1, 2 at N = 512 only (the kernel's own time is what a kernel
 # change moves first) and 3's three N = 512 training processes (30 s of timed steps each): for a session with
 # less device time left.
-#     device run: bash bench/sessions/cpu_host.sh quick   (timeout_s 360)
-# `bash bench/sessions/cpu_host.sh dropout` runs the same three processes with BERT's own dropout (0.1, attention
+#     device run: bash bench/sessions/cpu_host_session.sh quick   (timeout_s 360)
+# `bash bench/sessions/cpu_host_session.sh dropout` runs the same three processes with BERT's own dropout (0.1, attention
 # and hidden; the targets are measured without), into cpu_paired_dropout.log: what EA costs users who fine-tune.
-#     device run: bash bench/sessions/cpu_host.sh dropout   (timeout_s 300)
+#     device run: bash bench/sessions/cpu_host_session.sh dropout   (timeout_s 300)
 set -u
 MODE=${1:-full}
 DROPOUT=0
