@@ -37,6 +37,7 @@ def test_the_model_predicts_the_measured_peak(case):
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # the interpreted kernels (a minute): CI's second stage
 def test_the_model_predicts_the_measured_peak_on_the_triton_path():
     """The Triton kernels and the fused attention tail (interpreted; MemTracker sees the torch allocations a GPU
     would make): A_logit, the bool gate and two floats a row kept per layer, and a backward that forms no fp32

@@ -363,6 +363,7 @@ def test_defaults_output_paths_and_argument_checks(bench):
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # a dry run: CI's second stage
 def test_a_case_runs_in_its_own_process(bench):
     """The --isolate protocol: ``--case`` in a fresh interpreter, which sets TRITON_INTERPRET before importing
     torch, prints one result line the parent reads."""

@@ -183,6 +183,7 @@ def test_a_disturbed_case_is_run_again_and_the_quietest_attempt_kept(bench):
 
 
 @pytest.mark.slow
+@pytest.mark.full_table  # a dry run: CI's second stage
 def test_a_case_runs_in_its_own_process(bench, tmp_path):
     """The child protocol: ``--case`` in a fresh interpreter prints one result line the parent reads."""
     args = bench.parse_args(["--tiny", "--repeats", "1", "--warmup", "0", "--decode-tokens", "2"])

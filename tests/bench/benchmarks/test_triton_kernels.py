@@ -31,6 +31,7 @@ def triton_kernels(bench):
     return bench.ea.triton_kernels()
 
 
+@pytest.mark.full_table  # a dry run: CI's second stage
 def test_dry_run_times_both_paths_and_tunes_the_tiles(bench, triton_kernels, tmp_path, monkeypatch):
     calls = spy_on(monkeypatch, triton_kernels)
     configs = triton_kernels.CONFIGS
@@ -118,6 +119,7 @@ class StandInMultiTokenAttention(torch.nn.Module):
         return torch.nn.functional.conv2d(probabilities, self.weight, self.bias, **self.settings).masked_fill(future, 0)
 
 
+@pytest.mark.full_table  # a dry run: CI's second stage
 def test_liger_is_timed_in_turns_with_both_paths_on_the_centred_case(bench, triton_kernels, tmp_path, monkeypatch):
     package, transformers = types.ModuleType("liger_kernel"), types.ModuleType("liger_kernel.transformers")
     transformers.LigerMultiTokenAttention = StandInMultiTokenAttention
