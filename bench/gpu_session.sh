@@ -103,8 +103,8 @@ fi
 
 # a. smoke
 step a_smoke 50 "${ON_GPU_CPUS[@]}" $PYTHON -m pytest -q -p no:cacheprovider -rs -x --junitxml="$OUT/a_smoke/tests.xml" \
-    $(gpu_or_dry "tests/ops/test_triton_kernel.py tests/ops/test_triton_attention.py -k cuda" \
-        "tests/ops/test_triton_compilation.py -k configuration_lists")
+    $(gpu_or_dry "tests/ops/triton/test_evolution.py tests/ops/triton/test_attention_tail.py -k cuda" \
+        "tests/ops/triton/test_compilation.py -k configuration_lists")
 
 # b. the decision table
 DRY=$(gpu_or_dry "" "--dry-run --repeats 1 --warmup 1")
