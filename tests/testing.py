@@ -782,6 +782,7 @@ SAVED_MODELING_FILES = {
     "attach.py",
     "attention.py",
     "attention_core.py",
+    "attention_tail.py",
     "call_state.py",
     "compiled.py",
     "convolution.py",
@@ -797,7 +798,6 @@ SAVED_MODELING_FILES = {
     "scores.py",
     "settings.py",
     "sinks.py",
-    "attention_tail.py",
     "step.py",
     "versions.py",
 }
