@@ -36,7 +36,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 import ea_hf  # noqa: E402,F401  (registers the EA Auto classes)
 from ea_hf.modeling import kernels  # noqa: E402
 from ea_hf.modeling.architectures import ARCHITECTURES, installed_release_supports  # noqa: E402
-from ea_hf.ops import cpu, cpu_binding  # noqa: E402
+from ea_hf.ops.cpu import binding as cpu_binding  # noqa: E402
 
 _real_connect = socket.socket.connect
 
@@ -156,7 +156,7 @@ def hub(monkeypatch, tmp_path):
 @pytest.fixture(params=["kernel", "torch"])
 def evolution_path(request, monkeypatch):
     """Run a test on the CPU kernel path and on the torch-operations path."""
-    if request.param == "kernel" and cpu.cpu_kernel() is None:
+    if request.param == "kernel" and cpu_binding.cpu_kernel() is None:
         pytest.skip("no C++ compiler on this machine: the kernel path cannot be built")
     if request.param == "torch":
         monkeypatch.setattr(kernels, "FUSED_KERNELS", [])

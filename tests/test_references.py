@@ -2,7 +2,9 @@
 comments, messages), the docs pages, README.md and the READMEs of bench/, and the Sphinx roles of the docstrings
 (``:func:`~.step.packed_gate```, ``:class:`Recipe```), resolved as Sphinx and the API reference's griffe extension
 (docs/hooks/api_reference.py) resolve them. A name resolves when importing its longest module prefix and taking
-the attributes after it succeeds; a dataclass's or NamedTuple's fields count as its attributes.
+the attributes after it succeeds; a dataclass's or NamedTuple's fields count as its attributes. So does every
+file of the repository that the same text cites by its path (``ea_hf/ops/cpu/binding.py``,
+``tests/ops/triton/test_evolution.py``).
 
 Remote code: the files of ``ea_hf/modeling/`` are copied beside saved checkpoints, where the package is not
 ``ea_hf``; their relative roles (``.step``) must therefore name a sibling file, which a checkpoint's copy has too.
@@ -129,6 +131,40 @@ def _references() -> list[tuple[str, str, str]]:
 
 REFERENCES = _references()
 
+#: A repository path as text cites it (``ea_hf/ops/cpu/csrc/evolve_cpu.cpp``, ``bench/results/x/y.{json,md}``):
+#: a top-level folder of the repository, then folders and a file name, with at most one brace alternative.
+CITED_PATH = re.compile(
+    r"(?<![\w./-])((?:ea_hf|tests|bench|docs|recipes|model_cards)/[\w./*-]*(?:\{[\w.,]+\})?[\w.*/]*)"
+)
+#: What a cited path must end with to be checked: a file's suffix, or a folder's slash.
+CHECKED = re.compile(r"(\.(py|cpp|md|json|yaml|toml|sh|safetensors|tar\.gz)|/)$")
+
+
+#: Folders that runs write and the repository does not hold: the wheels of bench/fetch_wheels.sh and the results
+#: of the benchmarks' CPU dry runs.
+WRITTEN_BY_RUNS = ("bench/wheels/", "bench/results/cpu/")
+
+
+def cited_paths(text: str) -> list[str]:
+    """The repository paths ``text`` cites, a brace alternative (``x.{json,md}``) expanded to each path."""
+    found = []
+    for match in CITED_PATH.finditer(text):
+        head, *brace = re.split(r"\{([\w.,]+)\}", match[1].rstrip("."), maxsplit=1)
+        found += [f"{head}{choice}{brace[1]}" for choice in brace[0].split(",")] if brace else [head]
+    return [path for path in found if CHECKED.search(path) and not path.startswith(WRITTEN_BY_RUNS)]
+
+
+def _path_references() -> list[tuple[str, str]]:
+    """(where, path) of every repository path that ea_hf's source, the docs pages and .ci/run cite."""
+    found = []
+    for path in [*sorted(PACKAGE.rglob("*.py")), *sorted(PACKAGE.rglob("*.cpp")), *PAGES, ROOT / ".ci" / "run"]:
+        for line, row in enumerate(path.read_text().splitlines(), start=1):
+            found += [(f"{path.relative_to(ROOT).as_posix()}:{line}", cited) for cited in cited_paths(row)]
+    return found
+
+
+PATH_REFERENCES = _path_references()
+
 
 def test_the_references_are_found():
     """The scan finds what it looks for: names in the docs and the source, and roles of each form."""
@@ -142,6 +178,38 @@ def test_the_references_are_found():
     written = [f"{where} | {reference}" for where, reference, _ in REFERENCES]
     for form, pattern in forms.items():
         assert sum(bool(re.search(pattern, line)) for line in written) >= 3, form
+
+
+def test_references_in_double_backticks_are_found_in_docstrings_and_docs():
+    """``ea_hf.x.y`` in a docstring's double backticks and `ea_hf.x.y` in a docs page's backticks are scanned."""
+    assert DOTTED.findall("the same in ``ea_hf.ops.cpu.binding.backward_pass``.") == [
+        "ea_hf.ops.cpu.binding.backward_pass"
+    ]
+    assert DOTTED.findall("(`ea_hf.ops.triton`, not `torch.ops.ea_hf.convolve`)") == ["ea_hf.ops.triton"]
+    written = {(where.split(":")[0], reference) for where, reference, _ in REFERENCES}
+    assert ("ea_hf/modeling/convolution.py", "ea_hf.ops.cpu.binding.backward_pass") in written  # a docstring's
+    assert any(where.startswith("docs/") and ref.startswith("ea_hf.ops") for where, ref in written)
+
+
+def test_cited_paths_are_read_as_written():
+    assert cited_paths("built by ``ea_hf/ops/cpu/build.py`` from ea_hf/ops/cpu/csrc/, see docs/performance.md.") == [
+        "ea_hf/ops/cpu/build.py",
+        "ea_hf/ops/cpu/csrc/",
+        "docs/performance.md",
+    ]
+    assert cited_paths("`bench/results/x/bench_cpu.{json,md}` and tests/ops/triton/test_{evolution,tail}.py") == [
+        "bench/results/x/bench_cpu.json",
+        "bench/results/x/bench_cpu.md",
+        "tests/ops/triton/test_evolution.py",
+        "tests/ops/triton/test_tail.py",
+    ]
+    assert cited_paths("recipes/data, torch/ops/x.py, https://host/docs/x.md, bench/wheels/") == []
+
+
+def test_every_cited_path_exists():
+    assert len(PATH_REFERENCES) >= 50
+    missing = [f"{where}: {path}" for where, path in PATH_REFERENCES if not any(ROOT.glob(path.rstrip("/")))]
+    assert not missing, "\n".join(missing)
 
 
 def test_every_reference_names_an_object():

@@ -370,7 +370,7 @@ def run_kernel(
     import torch
 
     import_ea_hf()
-    from ea_hf.ops import cpu
+    from ea_hf.ops.cpu import evolution as cpu
 
     torch.set_num_threads(threads)
     if not cpu.kernel_available():
@@ -404,7 +404,7 @@ def kernel_passes(maps: dict[str, Any], weight: Any, bias: Any) -> tuple[float, 
     """(forward seconds, backward seconds) of one training step's kernel calls on ``maps``, with the library in
     use: the forward in place with its gate, the backward written over the incoming gradient."""
     from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps
-    from ea_hf.ops import cpu
+    from ea_hf.ops.cpu import evolution as cpu
 
     step = EvolutionStep(EA_ALPHA, EA_BETA, context_rows=1)
     inputs = StepMaps(maps["scores"], maps["previous"], None)

@@ -171,7 +171,7 @@ def run_case(
     own."""
     import torch
 
-    from ea_hf.ops import cpu as kernels
+    from ea_hf.ops.cpu import evolution as kernels
 
     model, input_ids = build_case(variant, length, threads, tiny, dtype)
     gc.collect()

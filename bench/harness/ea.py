@@ -142,7 +142,8 @@ def counted_kernel_calls() -> Iterator[dict[str, int]]:
     put back afterwards."""
     import_ea_hf()
     from ea_hf.modeling import convolution
-    from ea_hf.ops import cpu, cpu_binding
+    from ea_hf.ops.cpu import binding as cpu_binding
+    from ea_hf.ops.cpu import evolution as cpu
 
     kernels = triton_kernels()
     points = {

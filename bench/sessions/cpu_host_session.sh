@@ -53,7 +53,7 @@ PAIR=$(lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | cut -d, -f1 | tai
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 # The kernel is built (about half a minute) before any timing starts.
-taskset -c "$PAIR" $PYTHON -c "from ea_hf.ops import cpu; print('CPU kernel built:', cpu.kernel_available())"
+taskset -c "$PAIR" $PYTHON -c "from ea_hf.ops.cpu import binding; print('CPU kernel built:', binding.kernel_available())"
 # The kernel alone first: short, and what the paired steps cannot separate.
 KERNEL_CASES=("512 2" "128 8")
 [ "$SHORT" = yes ] && KERNEL_CASES=("512 2")

@@ -3,7 +3,7 @@
 # steps, in order of priority, each with its own time limit and its own folder of partial results, so that a slow or
 # failing step leaves the others their time:
 #   a. smoke: every Triton kernel compiled on the GPU and checked against torch (the CUDA half of
-#      tests/ops/test_triton_{kernel,attention}.py)                                                   -> a_smoke/
+#      tests/ops/triton/test_{evolution,attention_tail}.py)                                            -> a_smoke/
 #   b. the decision table, BERT-Base: eager, sdpa and the candidates for the default on CUDA (ea-torch, ea-triton,
 #      ea-torch-nhwc) on bf16 and fp32 training and inference at N = 512 (batch 8), bf16 training at N = 2048
 #      (batch 2); then eager, ea-compile and ea-triton-compile on bf16 training at N = 512. Each case's bytes are
@@ -105,8 +105,8 @@ fi
 
 # a. smoke
 step a_smoke 50 "${ON_GPU_CPUS[@]}" $PYTHON -m pytest -q -p no:cacheprovider -rs -x --junitxml="$OUT/a_smoke/tests.xml" \
-    $(gpu_or_dry "tests/ops/test_triton_kernel.py tests/ops/test_triton_attention.py -k cuda" \
-        "tests/ops/test_triton_compilation.py -k configuration_lists")
+    $(gpu_or_dry "tests/ops/triton/test_evolution.py tests/ops/triton/test_attention_tail.py -k cuda" \
+        "tests/ops/triton/test_compilation.py -k configuration_lists")
 
 # b. the decision table
 DRY=$(gpu_or_dry "" "--dry-run --repeats 1 --warmup 1")

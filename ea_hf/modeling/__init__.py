@@ -5,11 +5,12 @@ otherwise only torch, transformers and huggingface_hub: transformers copies them
 checkpoint, so ``trust_remote_code=True`` loads it where ea_hf is not installed. This ``__init__`` is not
 copied; it only gathers the public names.
 
-Bottom to top: ``settings`` (the one definition of every setting), ``versions`` (release numbers), ``chain``
+Bottom to top: ``settings`` (the one definition of every setting), ``versions`` (release numbers), ``call_state``
 (the per-call state), ``history`` (decoding), ``masks`` (the convolution's masks and the attention mask pair),
 ``step`` (the evolution step's settings and maps and the kernels' gate format), ``kernels`` (the fused kernels'
 protocols and registries: they plug in here), ``convolution`` (the evolution step and its autograd node),
-``products`` (S and the grouped-query products), ``softmax`` (mask, softmax, dropout and their gradients),
+``scores`` (S and the grouped-query products), ``attention_tail`` (mask, softmax, dropout, the product with the
+values and their gradients),
 ``map_reuse`` (spent maps taken for new ones), ``attention_core`` (a layer's core as one autograd node),
 ``compiled`` (the core while torch.compile traces), ``evolution`` and ``echo`` (the per-layer modules) with the
 ``methods`` registry, ``sinks`` (attention sinks), ``attention`` (the transformers attention function),

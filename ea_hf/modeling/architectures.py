@@ -214,7 +214,7 @@ _DECODER_ONLY: dict[str, ArchitectureSpec] = {
             "ernie4_5_moe": "Ernie4_5_Moe",
             "granitemoeshared": "GraniteMoeShared",
             # Full layers have heads of their own size; a KV-sharing layer (E2B, E4B) would run on the last
-            # prompt row alone in generate's first step, so a patched stack runs on every row (chain.start_chain).
+            # prompt row alone in generate's first step, so a patched stack runs on every row (call_state.start_chain).
             "gemma4_text": "Gemma4Text",
             # Hybrids: only the full-attention layers have this class, so the linear-attention ones (gated delta
             # nets, no map) stay as they are, and the chain passes from one attention layer to the next.

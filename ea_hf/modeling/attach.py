@@ -16,7 +16,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from .architectures import architecture_of
 from .attention import ATTENTION_IMPLEMENTATION, MODULE_ATTRIBUTE, pass_cache
-from .chain import start_chain
+from .call_state import start_chain
 from .methods import EVOLUTION_METHODS
 from .settings import ATTENTION_ROLES, EvolvingAttentionSettings, RoleSettings, resolve_role_settings
 

@@ -4,8 +4,9 @@
 :class:`~.evolution.AttentionMapEvolution` evolve it, masks, and applies softmax and dropout. Attention
 modules without one (layers or attention roles left out of the patch) get plain eager attention. With autograd
 a layer runs as one node, the attention core (:mod:`.attention_core`); the other pieces are siblings: S and its
-products (:mod:`.products`), the mask, softmax and dropout (:mod:`.softmax`), the reuse of spent maps
-(:mod:`.map_reuse`), attention sinks (:mod:`.sinks`) and the fused kernels' registries (:mod:`.kernels`).
+products (:mod:`.scores`), the mask, softmax, dropout and the product with the values (:mod:`.attention_tail`),
+the reuse of spent maps (:mod:`.map_reuse`), attention sinks (:mod:`.sinks`) and the fused kernels' registries
+(:mod:`.kernels`).
 
 This file is copied beside the weights of saved EA checkpoints (``trust_remote_code``): it imports only torch,
 transformers and sibling files (single-dot relative imports).
@@ -25,7 +26,8 @@ try:  # where transformers' output recording says which outputs the running forw
 except ImportError:  # pragma: no cover - a transformers without it (see attention_weights_read)
     _active_collector = None
 
-from .chain import CHAIN_KWARG, WEIGHTS_READ_KEY
+from .attention_tail import attend_values
+from .call_state import CHAIN_KWARG, WEIGHTS_READ_KEY
 from .evolution import AttentionMapEvolution
 from .history import (
     ConvolutionHistory,
@@ -38,9 +40,8 @@ from .kernels import FusedAttentionTail, fused_attention_tail
 from .map_reuse import leave_spent_weights, spare_map, spent_weights, writes_into_weights
 from .masks import AttentionMask, convolution_mask, evolving_attention_mask, split_attention_mask
 from .packing import find_packing
-from .products import attention_scores, evolution_maps
+from .scores import attention_scores, evolution_maps
 from .sinks import join_sinks
-from .softmax import attend_values
 
 ATTENTION_IMPLEMENTATION = "evolving_attention"
 """Name under which the attention function and its mask function are registered in transformers: a patched
@@ -70,7 +71,7 @@ def evolving_attention_forward(
     position bias) is part of the logits S that evolve. Grouped-query attention (fewer key/value heads than
     query heads) gives each query head its own map, and so the convolution its channels, as eager attention
     does, but the keys and values are not copied per query head: each key/value head serves its group of query
-    heads in one product (see :func:`~.products.grouped_product`), forward and backward.
+    heads in one product (see :func:`~.scores.grouped_product`), forward and backward.
 
     ``softcap`` (Gemma 2's logit soft-capping, ``tanh(S / cap) * cap``) applies to S before the evolution:
     S is then exactly the pretrained layer's logits, the maps passed between layers stay in the capped range,

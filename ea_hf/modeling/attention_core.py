@@ -12,15 +12,15 @@ A_logit and the mask (a softmax, bit-identical to the forward one). Backward the
 autograd would (the shared :func:`~.convolution.evolve_backward` for the evolution). The recomputation costs about
 one QK^T matmul and one softmax per layer and step.
 
-Where the maps are small, S and P are kept instead (:func:`~.products.keeps_small_maps`), and backward saves the
+Where the maps are small, S and P are kept instead (:func:`~.scores.keeps_small_maps`), and backward saves the
 matmul and the softmax (see docs/performance.md, "Choices in the hot path").
 
 Where nobody reads the attention weights, a fused attention tail (``ea_hf.ops.triton.attention_tail``, on GPUs with
 the Triton kernels) takes the masked softmax, dropout and the product with V flash-style, without forming P.
 
-Where S is the plain product (:func:`~.products.plain_scores`), the queries are kept contiguous and pre-scaled
-(:func:`~.products.contiguous_query`: one pass where the product would copy them anyway), S is recomputed from
-them without autograd, and the gradients of Q and K come from :func:`~.products.scores_backward`; a positional
+Where S is the plain product (:func:`~.scores.plain_scores`), the queries are kept contiguous and pre-scaled
+(:func:`~.scores.contiguous_query`: one pass where the product would copy them anyway), S is recomputed from
+them without autograd, and the gradients of Q and K come from :func:`~.scores.scores_backward`; a positional
 bias or soft-capping goes through autograd again.
 
 While ``torch.compile`` traces, :func:`~.compiled.compiled_core` runs the layer's operators instead.
@@ -36,25 +36,25 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .convolution import evolve_backward, evolve_step, scale_kernel
-from .kernels import fused_attention_tail
-from .map_reuse import leave_spare_map, take_spare_map
-from .masks import AttentionMask
-from .products import (
-    attention_scores,
-    contiguous_query,
-    evolution_maps,
-    keeps_small_maps,
-    plain_scores,
-    scores_backward,
-)
-from .softmax import (
+from .attention_tail import (
     Dropout,
     attend_values,
     attend_values_backward,
     dropout_scale,
     kept_by_dropout,
     softmax_probabilities,
+)
+from .convolution import evolve_backward, evolve_step, scale_kernel
+from .kernels import fused_attention_tail
+from .map_reuse import leave_spare_map, take_spare_map
+from .masks import AttentionMask
+from .scores import (
+    attention_scores,
+    contiguous_query,
+    evolution_maps,
+    keeps_small_maps,
+    plain_scores,
+    scores_backward,
 )
 from .step import EvolutionStep, GradientIn, ScaledMap, StepMaps
 
@@ -63,7 +63,7 @@ class CoreInputs(NamedTuple):
     """The layer's tensors that autograd differentiates, each a direct argument of the core (after
     :class:`CoreConstants` and :class:`CoreMasks`, in this order): ``query`` [B, H, Q, D], ``key`` and ``value``
     [B, H_kv, K, D] (grouped-query attention: each of the H_kv key/value heads serves H / H_kv query heads, see
-    :func:`~.products.grouped_product`), ``previous`` (A_prev or None), ``position_bias`` (or None), and the
+    :func:`~.scores.grouped_product`), ``previous`` (A_prev or None), ``position_bias`` (or None), and the
     convolution's ``weight`` and ``bias``. Backward names its gradients, and which of them are needed, the same
     way."""
 
@@ -136,8 +136,8 @@ class EvolvingAttentionCore(torch.autograd.Function):
 
     ``apply(constants, masks, *inputs)``: :class:`CoreConstants`, :class:`CoreMasks`, then the seven tensors of
     :class:`CoreInputs`, direct arguments so that autograd differentiates them. Half-precision queries give maps in
-    :func:`~.products.evolution_dtype`, as the unfused path does; P has the maps' dtype (see
-    :func:`~.softmax.softmax_probabilities`).
+    :func:`~.scores.evolution_dtype`, as the unfused path does; P has the maps' dtype (see
+    :func:`~.attention_tail.softmax_probabilities`).
     """
 
     @staticmethod
@@ -275,7 +275,7 @@ def _scores_input_gradients(
     ctx, inputs: CoreInputs, needs: CoreInputs, scores: Tensor, leaves: list | None, grad_scores: ScaledMap | None
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The gradients of Q, K and the positional bias from S's (``grad_scores``): directly where S is the plain
-    product (:func:`~.products.scores_backward`), else through autograd from ``scores`` to its ``leaves``."""
+    product (:func:`~.scores.scores_backward`), else through autograd from ``scores`` to its ``leaves``."""
     if ctx.plain:
         if grad_scores is None:
             return None, None, None

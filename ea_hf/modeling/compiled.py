@@ -18,10 +18,10 @@ from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .attention_core import CoreConstants, CoreInputs, CoreMasks, EvolvingAttentionCore
+from .attention_tail import attend_values, dropout_scale, kept_by_dropout
 from .convolution import evolve_convolution
 from .kernels import fused_attention_tail, fused_kernel
-from .products import attention_scores, evolution_dtype, evolution_maps, keeps_small_maps, scores_stand_in
-from .softmax import attend_values, dropout_scale, kept_by_dropout
+from .scores import attention_scores, evolution_dtype, evolution_maps, keeps_small_maps, scores_stand_in
 from .step import EvolutionStep, StepMaps
 
 #: Operators whose outputs :func:`compiled_core` keeps for backward: the fused kernels' A_logit and gate (the CPU
@@ -72,7 +72,7 @@ def compiled_core(
     buffers): the layer's operators inside a selective activation checkpoint that keeps A_logit and the gate of the
     fused kernel (and dropout's mask) and recomputes S and P in backward, as the core does. Without the checkpoint,
     a compiled training step would keep S, A_logit and P per layer. Where the maps are small
-    (:func:`~.products.keeps_small_maps`), S is kept (computed before the checkpoint) and only P is recomputed.
+    (:func:`~.scores.keeps_small_maps`), S is kept (computed before the checkpoint) and only P is recomputed.
     Where no fused kernel applies (the torch-operation path: recomputing would repeat its convolution), the
     operators run without a checkpoint. Where nobody reads the weights (``constants.weights_read`` False), a fused
     attention tail takes the softmax and the product as its operator, which keeps its rows' statistics, not P

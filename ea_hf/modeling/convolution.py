@@ -171,7 +171,7 @@ def scale_kernel(
     weight: torch.Tensor, bias: torch.Tensor, beta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """beta * weight and beta * bias in the map's dtype: ReLU(beta * x) = beta * ReLU(x) for beta > 0, so
-    the weights are scaled instead of the map (see ``products.evolution_dtype`` for the maps' dtype)."""
+    the weights are scaled instead of the map (see ``scores.evolution_dtype`` for the maps' dtype)."""
     return weight.to(dtype) * beta, bias.to(dtype) * beta
 
 
@@ -276,7 +276,7 @@ def convolution_input_grad(
     ``grad_convolved``, masked like the forward input, plus (1 - beta) times the incoming gradient; returned
     times each of ``scales`` (the second ``None``: not needed). ``factor`` multiplies the gradient as it is
     computed (folded into the transposed kernel and the blend's term: no pass of its own). The CPU kernel computes
-    the same in ``ea_hf.ops.cpu_binding.backward_pass``.
+    the same in ``ea_hf.ops.cpu.binding.backward_pass``.
 
     The transposed convolution is :func:`transposed_convolution`.
     """

@@ -39,7 +39,7 @@ from transformers.modeling_outputs import BaseModelOutput, SequenceClassifierOut
 from transformers.utils import ModelOutput
 
 from .attention import evolving_attention_forward
-from .chain import CHAIN_KWARG
+from .call_state import CHAIN_KWARG
 from .evolution import AttentionMapEvolution
 
 MODEL_TYPE = "ea-dc-transformer"

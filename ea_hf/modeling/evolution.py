@@ -31,13 +31,13 @@ from torch import nn
 from transformers import initialization as hf_init
 
 from .attention_core import CoreConstants, CoreInputs, CoreMasks
-from .chain import BACKWARD_SPARES_KEY, REPLAYS_KEY, SHARED_LAYERS, SPARE_KEY
+from .call_state import BACKWARD_SPARES_KEY, REPLAYS_KEY, SHARED_LAYERS, SPARE_KEY
 from .compiled import evolving_attention_core
 from .convolution import begin_history, evolve_convolution
 from .gates import GatedEvolveConvolution, convolution_branch, evolve_with_autograd, gate_value
 from .history import ConvolutionHistory
 from .masks import AttentionMask
-from .products import attention_scores, evolution_maps
+from .scores import attention_scores, evolution_maps
 from .settings import ATTENTION_ROLES, CAUSAL_ROLES, CONVOLUTION_METHODS, EvolvingAttentionSettings
 from .step import EvolutionStep, StepMaps
 

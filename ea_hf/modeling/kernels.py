@@ -21,7 +21,8 @@ from .step import EvolutionStep, GradientIn, ScaledMap, StepMaps
 
 
 class FusedKernel(Protocol):
-    """What a fused implementation of the evolution step provides (``ea_hf.ops.cpu``, ``ea_hf.ops.triton.evolution``).
+    """What a fused implementation of the evolution step provides (``ea_hf.ops.cpu.evolution``,
+    ``ea_hf.ops.triton.evolution``).
 
     A module with these five functions is one (``ea_hf.ops`` registers its modules with
     :func:`register_fused_kernel`). The step is the one :mod:`.step` defines: A_in = lerp(S, A_prev, alpha),
@@ -113,8 +114,8 @@ class FusedAttentionTail(Protocol):
     A module with these four functions is one (``ea_hf.ops`` registers it with
     :func:`register_fused_attention_tail`). The attention mask comes as its two tensors, ``allowed`` and
     ``additive`` (an :class:`~.masks.AttentionMask` unpacked), as the tail's torch operators take them; the tail
-    masks as :func:`~.softmax.masked_logits` does. Both ``forward`` and ``backward`` also run while torch.compile
-    traces (as operators).
+    masks as :func:`~.attention_tail.masked_logits` does. Both ``forward`` and ``backward`` also run while
+    torch.compile traces (as operators).
     """
 
     def applicable(self, logits: Tensor, allowed: Tensor | None, additive: Tensor | None, value: Tensor) -> bool:

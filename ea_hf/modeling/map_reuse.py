@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from .chain import SPARE_KEY, SPENT_WEIGHTS_KEY
-from .products import plain_scores, scores_stand_in
+from .call_state import SPARE_KEY, SPENT_WEIGHTS_KEY
+from .scores import plain_scores, scores_stand_in
 
 #: Smallest attention weights (bytes) that the next layer's product QK^T is written into: glibc's default mmap
 #: threshold, from which malloc may serve a new map with fresh pages (page faults on first touch). Smaller maps
@@ -108,7 +108,7 @@ def writes_into_weights(
 ) -> bool:
     """Whether a layer's product QK^T may go into the previous layer's attention weights, and its own weights be
     left in ``chain`` for the next layer (:func:`spent_weights`, :func:`leave_spent_weights`): without autograd,
-    where S is the plain product (:func:`~.products.plain_scores`). Elsewhere (a positional bias, soft-capping,
+    where S is the plain product (:func:`~.scores.plain_scores`). Elsewhere (a positional bias, soft-capping,
     half precision) the chain holds no weights: no layer would take them, and holding them would keep one more
     map alive through the next layer.
 

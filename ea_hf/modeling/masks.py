@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers.masking_utils import sdpa_mask
 
-from .chain import DECODER_ROWS_KEY
+from .call_state import DECODER_ROWS_KEY
 
 #: Additive float masks at or below this value count as "masked" when deciding what the convolution sees.
 MASKED_LOGIT_THRESHOLD = -1e4

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers.masking_utils import find_packed_sequence_indices
 
-from .chain import PACKING_KEY, POSITIONS_KEY
+from .call_state import PACKING_KEY, POSITIONS_KEY
 from .masks import MASKED_LOGIT_THRESHOLD
 
 #: The keyword arguments with the documents' boundaries (cumulative lengths over the flattened batch) that

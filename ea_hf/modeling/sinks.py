@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention_tail import full_precision, masked_logits, softmax_probabilities
 from .masks import AttentionMask
-from .softmax import full_precision, masked_logits, softmax_probabilities
 
 
 def join_sinks(

@@ -31,7 +31,7 @@ class EvolutionStep:
     rows above the centre, also for a causal kernel, whose rows stop at its centre), whether the kernel is
     ``causal``, and ``skip_masked_tails``: the caller's softmax masks, in every layer of the chain, the entries
     right of each row's last kept column, so a kernel may leave them out (the CPU kernel does, see
-    ``ea_hf.ops.cpu_binding.forward_correlation``).
+    ``ea_hf.ops.cpu.binding.forward_correlation``).
 
     Example:
         >>> step = EvolutionStep(alpha=0.2, beta=0.3, context_rows=1)

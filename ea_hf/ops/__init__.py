@@ -9,9 +9,10 @@ none applies, the core runs the same steps as torch operations.
 - :mod:`ea_hf.ops.cpu`: a C++/OpenMP kernel compiled on first use (``EA_HF_KERNELS=0`` turns it off), called as
   the torch operators ``torch.ops.ea_hf.evolve_with_gate_bits`` (differentiable), ``evolve_``, ``convolve`` and
   ``evolve_backward_one_map``, so that ``torch.compile`` and ``torch.export`` keep it in their graphs (outside
-  them, inference calls the operators' bodies directly). By concern: :mod:`~ea_hf.ops.native_build` builds and
-  caches the library, :mod:`~ea_hf.ops.cpu_binding` calls it through ctypes, :mod:`~ea_hf.ops.cpu_operators`
-  declares the torch operators, and :mod:`~ea_hf.ops.cpu` dispatches between them.
+  them, inference calls the operators' bodies directly). By concern: :mod:`~ea_hf.ops.cpu.build` builds and
+  caches the library, :mod:`~ea_hf.ops.cpu.binding` calls it through ctypes, :mod:`~ea_hf.ops.cpu.operators`
+  declares the torch operators, and :mod:`~ea_hf.ops.cpu.evolution` dispatches between them (the
+  ``FusedKernel`` protocol).
 - :mod:`ea_hf.ops.triton`: Triton kernels for GPUs (the ``gpu`` extra), opt-in with ``EA_HF_TRITON=1``, since
   whole EA models are not yet faster on them than on torch operations (docs/performance.md):
   :mod:`~ea_hf.ops.triton.evolution` (the evolution step) and :mod:`~ea_hf.ops.triton.attention_tail` (the masked
@@ -27,7 +28,7 @@ from ..modeling import register_fused_attention_tail, register_fused_kernel
 from . import cpu, triton
 
 # The CPU kernel first: it takes CPU float32 maps, also under Triton's interpreter.
-register_fused_kernel(cpu)
+register_fused_kernel(cpu.evolution)
 register_fused_kernel(triton.evolution)
 register_fused_attention_tail(triton.attention_tail)
 

@@ -18,7 +18,7 @@ from ..modeling.step import EvolutionStep, StepMaps, packed_gate
 
 @dataclass(frozen=True)
 class CorrelationOptions:
-    """What a kernel's general fused correlation (``correlate`` of :mod:`ea_hf.ops.cpu_binding` and of
+    """What a kernel's general fused correlation (``correlate`` of :mod:`ea_hf.ops.cpu.binding` and of
     :mod:`ea_hf.ops.triton.evolution`, which take these as keyword arguments) does around the correlation itself.
 
     Output row i of ``correlate(x, weight, bias, row_shift=...)`` reads rows ``i + row_shift .. i + row_shift +
@@ -53,7 +53,7 @@ def evolve_by_correlation(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, the gate where the ReLU output is positive) with
     A_in = lerp(S, A_prev, alpha) and the beta-scaled ``weight`` and ``bias``, in one pass of ``correlate``
-    (``ea_hf.ops.cpu_binding.correlate`` or the Triton one); ``in_place`` writes the result over ``maps.scores``.
+    (``ea_hf.ops.cpu.binding.correlate`` or the Triton one); ``in_place`` writes the result over ``maps.scores``.
     The gate is kept if ``gate`` (default: unless in place, i.e. inference), bit-packed
     (:func:`~ea_hf.modeling.step.packed_gate`, the form both kernels' ``correlate`` writes). Row i reads input
     rows ``i - step.context_rows ..``."""

@@ -1,6 +1,6 @@
 """The largest evolution step the fused kernels take, defined once for the CPU kernel and the Triton kernels.
 
-They are the C++ kernel's bounds (``csrc/evolve_cpu.cpp``: ``kMaxHeads``, ``kMaxKernelRows``, and ``kLead``, half
+They are the C++ kernel's bounds (``cpu/csrc/evolve_cpu.cpp``: ``kMaxHeads``, ``kMaxKernelRows``, and ``kLead``, half
 the widest kernel): its per-row tables have room for that many heads and kernel rows. The Triton kernels take the
 same maps, so that a model evolves on either kernel or on neither (they would take more heads and taps, at the cost
 of larger padded products). A larger step runs as torch operations.

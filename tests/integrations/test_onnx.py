@@ -14,7 +14,8 @@ from testing import SENTENCES, causal_lm, left_padded_inputs, patched_model, tin
 import ea_hf
 from ea_hf.cli import main
 from ea_hf.integrations.onnx import CHECK_SHAPE, TRACE_SHAPE, export_model, head_of
-from ea_hf.ops import cpu
+from ea_hf.ops.cpu import binding as cpu_binding
+from ea_hf.ops.cpu import evolution as cpu_evolution
 from ea_hf.ops.fused_step import tracing_without_kernels
 from ea_hf.ops.triton import common as triton_common
 
@@ -37,15 +38,15 @@ def torch_logits(model, inputs: dict[str, torch.Tensor], **options) -> np.ndarra
 def test_the_kernels_step_aside_while_a_trace_runs_and_only_then(monkeypatch):
     maps, weight = torch.randn(1, 4, 5, 5), torch.randn(4, 4, 3, 3)
     monkeypatch.setenv("EA_HF_TRITON", "1")
-    outside = (tracing_without_kernels(), cpu.applicable(maps, weight=weight), triton_common.enabled())
+    outside = (tracing_without_kernels(), cpu_evolution.applicable(maps, weight=weight), triton_common.enabled())
     inside = []
 
     def probe(x):
-        inside.append((tracing_without_kernels(), cpu.applicable(x, weight=weight), triton_common.enabled()))
+        inside.append((tracing_without_kernels(), cpu_evolution.applicable(x, weight=weight), triton_common.enabled()))
         return x * 2
 
     torch.jit.trace(probe, maps, check_trace=False)
-    assert outside == (False, cpu.kernel_available(), triton_common.triton is not None)
+    assert outside == (False, cpu_binding.kernel_available(), triton_common.triton is not None)
     assert inside == [(True, False, False)]
 
 

@@ -12,13 +12,13 @@ import ea_hf.modeling.attention as attention_module
 import ea_hf.modeling.attention_core as attention_core
 import ea_hf.modeling.map_reuse as map_reuse
 from ea_hf.modeling.attention import CACHE_KWARG, evolving_attention_forward
-from ea_hf.modeling.chain import CHAIN_KWARG
+from ea_hf.modeling.attention_tail import attend_values
+from ea_hf.modeling.call_state import CHAIN_KWARG
 from ea_hf.modeling.convolution import EvolveConvolution, weight_grad_by_convolution, weight_grad_by_taps
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.history import CACHE_ATTRIBUTE, reorder_convolution_histories
 from ea_hf.modeling.masks import AttentionMask, evolving_attention_mask, self_attention_conv_mask
-from ea_hf.modeling.products import attention_scores
-from ea_hf.modeling.softmax import attend_values
+from ea_hf.modeling.scores import attention_scores
 
 B, H, N, D = 2, 3, 7, 5
 TINY_BERT = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37)

@@ -11,21 +11,21 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import ea_hf
-from ea_hf.modeling import attention_core, kernels, softmax
+from ea_hf.modeling import attention_core, attention_tail, kernels
 from ea_hf.modeling import compiled as compiled_module
 from ea_hf.modeling.attention_core import CoreConstants, CoreMasks, EvolvingAttentionCore
+from ea_hf.modeling.attention_tail import attend_values, masked_logits
 from ea_hf.modeling.compiled import compiled_core
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.masks import AttentionMask
-from ea_hf.modeling.products import (
+from ea_hf.modeling.scores import (
     attention_scores,
     contiguous_query,
     exact_scaling,
     keeps_small_maps,
     scores_backward,
 )
-from ea_hf.modeling.softmax import attend_values, masked_logits
-from ea_hf.ops import cpu, cpu_binding
+from ea_hf.ops.cpu import binding as cpu_binding
 
 B, H, D = 2, 3, 5
 
@@ -229,7 +229,7 @@ def test_dropout_outside_autograd_is_native_dropout_bit_for_bit(threads, kernel,
     try:
         weights = torch.rand(2, 3, 33, 70)
         torch.manual_seed(11)
-        dropped, mask = softmax.dropout_with_mask(weights, DROPOUT)
+        dropped, mask = attention_tail.dropout_with_mask(weights, DROPOUT)
         torch.manual_seed(11)
         expected, expected_mask = torch.native_dropout(weights, DROPOUT, True)
     finally:
@@ -264,9 +264,9 @@ def test_masked_probabilities_written_in_place_are_the_masked_softmax_bit_for_bi
                 raise AssertionError("masked_logits without out: a map of masked logits was allocated")
             return masked_logits(*arguments, out=out)
 
-        monkeypatch.setattr(softmax, "masked_logits", into_probabilities_only)
+        monkeypatch.setattr(attention_tail, "masked_logits", into_probabilities_only)
     with torch.no_grad():
-        got = softmax.softmax_probabilities(logits, mask, out=out)
+        got = attention_tail.softmax_probabilities(logits, mask, out=out)
     assert got.shape == expected.shape and torch.equal(got, expected)
     assert got is out if into else got.data_ptr() != logits.data_ptr()
     assert torch.equal(logits, before)  # the logits are read, never written
@@ -278,7 +278,7 @@ def test_masked_probabilities_keep_their_autograd_graph():
     logits = torch.randn(B, H, 5, 5, requires_grad=True)
     allowed = torch.rand(B, 1, 5, 5) > 0.3
     allowed[..., 0] = True
-    probabilities = softmax.softmax_probabilities(logits, AttentionMask(allowed))
+    probabilities = attention_tail.softmax_probabilities(logits, AttentionMask(allowed))
     (grad,) = torch.autograd.grad(probabilities, logits, torch.randn_like(probabilities))
     expected = torch.softmax(logits.detach().masked_fill(~allowed, torch.finfo(logits.dtype).min), -1)
     assert torch.equal(probabilities.detach(), expected)
@@ -315,7 +315,9 @@ def compile_core(evolution, allowed, conv_mask, dropout=0.0):
     return torch.compile(layer, fullgraph=True, backend=backend), kept
 
 
-@pytest.mark.skipif(cpu.cpu_kernel() is None, reason="no C++ compiler: compiled_core checkpoints the CPU kernel only")
+@pytest.mark.skipif(
+    cpu_binding.cpu_kernel() is None, reason="no C++ compiler: compiled_core checkpoints the CPU kernel only"
+)
 @pytest.mark.parametrize("role", ["encoder", "decoder", "cross"])
 def test_compiled_core_keeps_one_map_and_matches_the_core(role):
     """Compiled, a layer whose maps are larger than its keys and values keeps A_logit (and the bit-packed gate)
@@ -349,7 +351,9 @@ def test_compiled_core_keeps_one_map_and_matches_the_core(role):
     assert_close(small[1], expected[1], 1e-5)
 
 
-@pytest.mark.skipif(cpu.cpu_kernel() is None, reason="no C++ compiler: compiled_core checkpoints the CPU kernel only")
+@pytest.mark.skipif(
+    cpu_binding.cpu_kernel() is None, reason="no C++ compiler: compiled_core checkpoints the CPU kernel only"
+)
 @pytest.mark.parametrize("small_maps", [False, True], ids=["large-maps", "small-maps"])
 def test_compiled_core_recomputes_around_one_dropout_mask(small_maps, monkeypatch):
     """Dropout inside the compiled checkpoint draws its mask once: backward uses the mask the returned weights

@@ -18,7 +18,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import ea_hf
 from ea_hf.modeling.architectures import release
-from ea_hf.ops import cpu
+from ea_hf.ops.cpu import binding as cpu_binding
 
 #: One family of each kind: encoder, vision, encoder-decoder (T5 and BART, forward), decoder-only.
 FAMILIES = {
@@ -87,7 +87,9 @@ def test_fullgraph_compile_matches_eager_in_inference_and_training(model_type):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(cpu.cpu_kernel() is None, reason="no C++ compiler: compiled_core checkpoints the CPU kernel only")
+@pytest.mark.skipif(
+    cpu_binding.cpu_kernel() is None, reason="no C++ compiler: compiled_core checkpoints the CPU kernel only"
+)
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
 def test_fullgraph_compile_of_large_maps_recomputes_them_like_eager(model_type):
     """Sequences longer than twice the heads' width (8 here): a compiled training step runs each layer inside a
@@ -111,7 +113,7 @@ def test_a_loaded_ea_checkpoint_compiles_like_eager(model_type, tmp_path):
     assert_compiles_like_eager(loaded, model_type)
 
 
-@pytest.mark.skipif(cpu.cpu_kernel() is None, reason="no C++ compiler on this machine: no CPU kernel to call")
+@pytest.mark.skipif(cpu_binding.cpu_kernel() is None, reason="no C++ compiler on this machine: no CPU kernel to call")
 def test_compiled_graphs_call_the_kernel_operators():
     """The forward graph of inference and the forward and backward graphs of a training step call the kernel
     (one operator per layer each), not a torch-operations copy of it."""
@@ -146,4 +148,4 @@ def test_torch_export_of_an_ea_encoder(tmp_path, strict):
         for exported in (program, loaded):
             assert (exported.module()(**inputs).last_hidden_state - expected).abs().max() <= TOLERANCE
     operators = [str(node.target) for node in program.graph.nodes if str(node.target).startswith("ea_hf.")]
-    assert operators == (["ea_hf.evolve_with_gate_bits.default"] * 3 if cpu.cpu_kernel() is not None else [])
+    assert operators == (["ea_hf.evolve_with_gate_bits.default"] * 3 if cpu_binding.cpu_kernel() is not None else [])

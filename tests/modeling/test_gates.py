@@ -24,7 +24,8 @@ from ea_hf.modeling import kernels
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.gates import GatedEvolveConvolution, evolve_with_autograd
 from ea_hf.modeling.step import EvolutionStep, StepMaps
-from ea_hf.ops import cpu
+from ea_hf.ops.cpu import binding as cpu_binding
+from ea_hf.ops.cpu import evolution as cpu_evolution
 
 #: One family per kind: encoder, vision encoder, seq2seq, decoder-only.
 KINDS = {
@@ -161,7 +162,9 @@ def test_learned_gates_save_and_load_with_and_without_ea_hf(tmp_path, method):
     assert (torch.tensor(result["output"]) - expected).abs().max() <= 1e-5
 
 
-@pytest.mark.skipif(cpu.cpu_kernel() is None, reason="no C++ compiler on this machine: no CPU kernel to compare")
+@pytest.mark.skipif(
+    cpu_binding.cpu_kernel() is None, reason="no C++ compiler on this machine: no CPU kernel to compare"
+)
 @pytest.mark.parametrize("gates", [[(0.0, 0.0), (0.0, 0.0)], [(0.3, 0.4), (0.6, 0.8)]], ids=["start", "interior"])
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
 def test_learned_gates_on_the_cpu_kernel_equal_the_torch_path(monkeypatch, model_type, gates):
@@ -178,7 +181,7 @@ def test_learned_gates_on_the_cpu_kernel_equal_the_torch_path(monkeypatch, model
         return output[mask].detach(), named
 
     with monkeypatch.context() as patched:
-        calls = spy_on(patched, cpu, ("evolve", "backward"))
+        calls = spy_on(patched, cpu_evolution, ("evolve", "backward"))
         on_kernel, kernel_gradients = outputs_and_gradients()
     assert "evolve" in calls and "backward" in calls  # the kernel ran the step, forward and backward
     monkeypatch.setattr(kernels, "FUSED_KERNELS", [])

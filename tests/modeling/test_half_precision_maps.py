@@ -7,8 +7,8 @@ import torch
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaModel
 
 import ea_hf
+from ea_hf.modeling.attention_tail import Dropout, attend_values_backward, softmax_probabilities
 from ea_hf.modeling.masks import AttentionMask
-from ea_hf.modeling.softmax import Dropout, attend_values_backward, softmax_probabilities
 
 TINY_BERT = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37)
 TINY_LLAMA = dict(

@@ -36,7 +36,7 @@ from ea_hf.modeling.architectures import (
     supported_model_types,
 )
 from ea_hf.modeling.attach import attention_roles
-from ea_hf.modeling.chain import REPLAYS_KEY
+from ea_hf.modeling.call_state import REPLAYS_KEY
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.masks import convolution_mask
 from ea_hf.modeling.settings import EvolvingAttentionSettings

@@ -257,7 +257,8 @@ def test_an_installed_wheel_ships_the_recipes(tmp_path):
     shipped = {f"ea_hf/recipes/{path.relative_to(RECIPES_DIR).as_posix()}" for path in needed}
     assert shipped <= names and len(shipped) >= 4 * 9 + 4 + 2
     assert "ea_hf/model_cards/model_card.md" in names  # the model card template ships too
-    assert "ea_hf/ops/csrc/evolve_cpu.cpp" in names  # and the CPU kernel's source, compiled on first use
+    assert "ea_hf/ops/cpu/csrc/evolve_cpu.cpp" in names  # and the CPU kernel's source, compiled on first use
+    assert {"ea_hf/ops/cpu/__init__.py", "ea_hf/ops/cpu/binding.py", "ea_hf/ops/triton/evolution.py"} <= names
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     script = "from ea_hf.training.recipe import RECIPES_DIR, list_recipes, load_recipe\n"
     script += "print(RECIPES_DIR, len(list_recipes()), load_recipe('quickstart').data.source)"

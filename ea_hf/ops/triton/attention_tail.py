@@ -55,7 +55,7 @@ def _config(queries: int, keys: int, warps: int, stages: int = 3) -> dict[str, i
 #: and pipeline stages. The first of each is what runs in the interpreter and under torch's deterministic
 #: algorithms: 64 x 64 tiles on 4 warps, flash attention's usual start. The forward and row-term kernels loop over
 #: key blocks for a block of query rows; the backward kernel over query blocks for a block of key columns.
-#: ``tests/ops/test_triton_compilation.py`` compiles every one for sm_90 at BERT's head size.
+#: ``tests/ops/triton/test_compilation.py`` compiles every one for sm_90 at BERT's head size.
 CONFIGS: dict[str, dict[str, tuple[dict, ...]]] = {
     "float32": {
         "forward": (_config(64, 64, 4), _config(128, 64, 8), _config(64, 32, 4)),

@@ -1,6 +1,6 @@
 """Triton kernels of the evolution step: the ``FusedKernel`` protocol of ``ea_hf.modeling`` (:func:`applicable`,
 :func:`evolve`, :func:`convolve`, :func:`backward`, :func:`select_kept`) for GPUs, with the semantics of
-:mod:`ea_hf.ops.cpu` (see ``csrc/evolve_cpu.cpp`` for the reference definition of every option).
+:mod:`ea_hf.ops.cpu` (see ``cpu/csrc/evolve_cpu.cpp`` for the reference definition of every option).
 
 - :func:`correlate`: one Triton program per (batch element, tile of pixels) computes every output head of its
   tile as one matrix product (``tl.dot``): the [H, H*kh*kw] weights times the input's taps, gathered as they
@@ -20,8 +20,8 @@ Each kernel stands beside its launcher, and launches over a few configurations o
 (:data:`CONFIGS`), which autotune searches on a GPU. The opt-in (``EA_HF_TRITON=1``), how products are multiplied,
 how a launch's configuration is chosen and why the kernels are jitted on first use (:data:`jitted`) are
 :mod:`.common`'s. Whole models in half precision evolve maps in their own dtype.
-``tests/ops/test_triton_kernel.py`` runs every kernel in Triton's CPU interpreter (and compiled where a GPU is),
-``tests/ops/test_triton_compilation.py`` compiles every launch and every configuration for sm_90 where no GPU is.
+``tests/ops/triton/test_evolution.py`` runs every kernel in Triton's CPU interpreter (and compiled where a GPU is),
+``tests/ops/triton/test_compilation.py`` compiles every launch and every configuration for sm_90 where no GPU is.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _config(rows: int, cols: int, taps: int, warps: int, stages: int = 3) -> dic
 #: in the interpreter and under torch's deterministic algorithms. The rest are the sweep's other settings and
 #: their neighbours. Half-precision maps take half the bytes a value, so larger weight-gradient tap blocks fit in a
 #: program's shared memory (float32 maps with 128 need more than the 227 KiB of sm_90);
-#: ``tests/ops/test_triton_compilation.py`` compiles every one for sm_90.
+#: ``tests/ops/triton/test_compilation.py`` compiles every one for sm_90.
 CONFIGS: dict[str, dict[str, tuple[dict, ...]]] = {
     "float32": {
         "correlate": (_config(8, 32, 16, 4), _config(4, 32, 32, 4), _config(16, 32, 16, 8), _config(8, 32, 16, 4, 2)),
@@ -307,7 +307,7 @@ def correlate(
     row_shift: int,
     **options,
 ) -> torch.Tensor:
-    """One fused correlation pass, as :func:`ea_hf.ops.cpu_binding.correlate`; callers check :func:`applicable` first.
+    """One fused correlation pass, as :func:`ea_hf.ops.cpu.binding.correlate`; callers check :func:`applicable` first.
     ``options`` are :class:`~ea_hf.ops.fused_step.CorrelationOptions`' fields (masks are read where they lie,
     broadcast dimensions with stride 0).
 
@@ -657,7 +657,7 @@ def convolve(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, row_s
 def backward(
     step: EvolutionStep, maps: StepMaps, grad: GradientIn, gate: Tensor, weight: Tensor, *, shared_map: bool = False
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    """The evolution step's backward, as :func:`ea_hf.ops.cpu.backward`; callers check :func:`applicable`. The
+    """The evolution step's backward, as :func:`ea_hf.ops.cpu.evolution.backward`; callers check :func:`applicable`. The
     kernels write S's and A_prev's gradients as two maps (``shared_map`` is not used: callers take S's as a
     ScaledMap of scale 1). While torch.compile traces, the operator ``ea_hf::triton_evolve_backward``.
 

@@ -164,9 +164,9 @@ def test_a_profile_gives_each_operator_its_mean_time_and_calls_per_step(bench):
 
 
 def test_the_kernel_alone_and_the_memory_bandwidth(bench):
-    from ea_hf.ops import cpu
+    from ea_hf.ops.cpu import binding as cpu_binding
 
-    if not cpu.kernel_available():
+    if not cpu_binding.kernel_available():
         pytest.skip("no C++ compiler here: the fused CPU kernel cannot be built")
     import torch
 
@@ -186,19 +186,19 @@ def test_the_kernel_alone_and_the_memory_bandwidth(bench):
 def test_the_kernel_alone_against_another_build(bench, tmp_path, monkeypatch):
     """``--kernel-build``: another build of the kernel (here its lines requested into L1) timed beside the
     default one, their calls alternating; the default build is restored afterwards."""
-    from ea_hf.ops import cpu
+    from ea_hf.ops.cpu import binding as cpu_binding
 
-    if not cpu.kernel_available():
+    if not cpu_binding.kernel_available():
         pytest.skip("no C++ compiler here: the fused CPU kernel cannot be built")
     import torch
 
     monkeypatch.setenv("EA_HF_CACHE", str(tmp_path))
-    default, threads = cpu.cpu_kernel(), torch.get_num_threads()
+    default, threads = cpu_binding.cpu_kernel(), torch.get_num_threads()
     try:
         result = bench.run_kernel(64, batch=1, repeats=2, threads=1, heads=4, builds=["-DEA_HF_PREFETCH_LOCALITY=3"])
     finally:
         torch.set_num_threads(threads)
-    assert cpu.cpu_kernel() is default
+    assert cpu_binding.cpu_kernel() is default
     assert 0 < result["forward_ms"] < 1e3 and 0 < result["backward_ms"] < 1e3
     ((flags, build),) = result["builds"].items()
     assert flags == "-DEA_HF_PREFETCH_LOCALITY=3"

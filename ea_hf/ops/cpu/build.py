@@ -3,7 +3,7 @@
 ``csrc/evolve_cpu.cpp`` is a plain C++ shared library (no torch headers, about a second to compile). It is built
 with the system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``) for the machine it runs on
 (``-march=native``) into ``$EA_HF_CACHE`` (default ``~/.cache/ea_hf``), keyed by source, compiler, flags and CPU.
-:mod:`ea_hf.ops.cpu_binding` loads what this builds.
+:mod:`ea_hf.ops.cpu.binding` loads what this builds.
 """
 
 from __future__ import annotations

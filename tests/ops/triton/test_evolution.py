@@ -22,7 +22,8 @@ from ea_hf.modeling import convolution  # noqa: E402
 from ea_hf.modeling import kernels as registry  # noqa: E402
 from ea_hf.modeling.history import ConvolutionHistory  # noqa: E402
 from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps, pack_gate, packed_gate  # noqa: E402
-from ea_hf.ops import cpu, cpu_binding  # noqa: E402
+from ea_hf.ops.cpu import binding as cpu_binding  # noqa: E402
+from ea_hf.ops.cpu import evolution as cpu_evolution  # noqa: E402
 from ea_hf.ops.triton import common  # noqa: E402
 from ea_hf.ops.triton import evolution as kernels  # noqa: E402
 
@@ -213,8 +214,10 @@ def test_evolution_step_matches_torch_and_cpu(
         if want_grad is not None:
             assert got_grad.dtype == torch.float32
             assert relative_error(got_grad, want_grad) <= FP32_TOLERANCE
-    if cpu.applicable(scores, previous, keep=keep, weight=weight):
-        on_cpu, cpu_grads = evolution(monkeypatch, [cpu], scores, previous, keep, weight, bias, upstream, **options)
+    if cpu_evolution.applicable(scores, previous, keep=keep, weight=weight):
+        on_cpu, cpu_grads = evolution(
+            monkeypatch, [cpu_evolution], scores, previous, keep, weight, bias, upstream, **options
+        )
         assert relative_error(got, on_cpu) <= FP32_TOLERANCE
         for got_grad, cpu_grad in zip(got_grads, cpu_grads, strict=True):
             if cpu_grad is not None:
@@ -358,7 +361,7 @@ def test_correlate_options_match_torch(device, options, kernel_rows, kernel_cols
     assert relative_error(out, want) <= FP32_TOLERANCE
     saved = saved_on_device.cpu()
     assert torch.equal(saved, pack_gate(want_saved))  # bit for bit, zeros past the last column included
-    if cpu.applicable(x, keep=keep, weight=weight):
+    if cpu_evolution.applicable(x, keep=keep, weight=weight):
         cpu_saved = packed_gate(x)
         on_cpu = cpu_binding.correlate(x, weight, with_bias, row_shift=row_shift, saved=cpu_saved, **choices)
         assert relative_error(out, on_cpu) <= FP32_TOLERANCE
@@ -394,8 +397,8 @@ def test_backward_over_small_tiles_matches_cpu(device, kernel_size, causal, with
         assert (got_grad is None) == (want_grad is None)
         if want_grad is not None:
             assert relative_error(got_grad, want_grad) <= FP32_TOLERANCE
-    if cpu.applicable(scores, previous, upstream, keep=keep, weight=weight):
-        for got_grad, cpu_grad in zip(grads, cpu.backward(step, *arguments), strict=True):
+    if cpu_evolution.applicable(scores, previous, upstream, keep=keep, weight=weight):
+        for got_grad, cpu_grad in zip(grads, cpu_evolution.backward(step, *arguments), strict=True):
             if cpu_grad is not None:
                 assert relative_error(got_grad, cpu_grad) <= FP32_TOLERANCE
 

@@ -1,5 +1,5 @@
-// Fused CPU kernels of Evolving Attention's convolution step (ea_hf/ops/native_build.py compiles them,
-// ea_hf/ops/cpu_binding.py loads them).
+// Fused CPU kernels of Evolving Attention's convolution step (ea_hf/ops/cpu/build.py compiles them,
+// ea_hf/ops/cpu/binding.py loads them).
 //
 // Maps are float32, contiguous [B, H, Q, K]; masks are [B, 1, Q, K] (shared by the heads); outside the map
 // the convolution reads zeros. The input a map's rows are read from is

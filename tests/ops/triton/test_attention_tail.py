@@ -4,7 +4,7 @@ interpreter on CPU tensors and compiled on a CUDA GPU where there is one (the ``
 
 import os
 
-# As in test_triton_kernel.py: set before this module imports triton, restored after it.
+# As in test_evolution.py: set before this module imports triton, restored after it.
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
@@ -13,9 +13,9 @@ import transformers  # noqa: E402
 from testing import METHODS, patched_model, spy_on, tiny_inputs  # noqa: E402
 
 from ea_hf.modeling import kernels as registry  # noqa: E402
+from ea_hf.modeling.attention_tail import attend_values, softmax_probabilities  # noqa: E402
 from ea_hf.modeling.masks import AttentionMask  # noqa: E402
-from ea_hf.modeling.products import grouped_product  # noqa: E402
-from ea_hf.modeling.softmax import attend_values, softmax_probabilities  # noqa: E402
+from ea_hf.modeling.scores import grouped_product  # noqa: E402
 from ea_hf.ops.triton import attention_tail as tail  # noqa: E402
 from ea_hf.ops.triton import common, evolution  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Fixtures of the Triton kernels' tests (``test_triton_kernel.py``, ``test_triton_attention.py``)."""
+"""Fixtures of the Triton kernels' tests (``test_evolution.py``, ``test_attention_tail.py``)."""
 
 import os
 
@@ -14,7 +14,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 #: TRITON_INTERPRET as the session had it: the kernels' test modules set it to 1 when they are imported (before
-#: they import triton, where they do so first; see test_triton_kernel.py) and it is restored after each module.
+#: they import triton, where they do so first; see test_evolution.py) and it is restored after each module.
 _INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
 
 

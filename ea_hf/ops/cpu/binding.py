@@ -1,4 +1,4 @@
-"""The CPU kernel's library through ctypes: loading it (built by :mod:`ea_hf.ops.native_build`), and one Python
+"""The CPU kernel's library through ctypes: loading it (built by :mod:`ea_hf.ops.cpu.build`), and one Python
 function per entry point that checks and lays out its tensors and calls it.
 
 ``csrc/evolve_cpu.cpp`` computes one correlation over [B, H, Q, K] maps with its input mask, ReLU, output mask and
@@ -6,8 +6,9 @@ blend in a single pass (:func:`correlate`, ``ea_correlate``): the forward step `
 (1 - beta) * A_in``, and plain correlations; the step's whole backward in one pass over the rows
 (:func:`backward_pass`, ``ea_backward``); and the attention core's masked passes (:func:`select_kept`). On CPU it
 is faster than torch's convolution for H-channel maps, which reorders NCHW maps to a blocked layout and back around
-every call, and it allocates nothing but its output. The evolution calls these through :mod:`ea_hf.ops.cpu` (and
-the torch operators of :mod:`ea_hf.ops.cpu_operators`); callers check :func:`ea_hf.ops.cpu.applicable` first.
+every call, and it allocates nothing but its output. The evolution calls these through
+:mod:`ea_hf.ops.cpu.evolution` (and the torch operators of :mod:`ea_hf.ops.cpu.operators`); callers check
+:func:`ea_hf.ops.cpu.evolution.applicable` first.
 
 :func:`correlate` mirrors ``ea_correlate``'s arguments: a general correlation whose input may be mixed with
 another map (``lerp_end``, ``lerp_weight``) and whose output may be blended with one (``blend``, ``blend_coef``).
@@ -31,9 +32,9 @@ from collections.abc import Iterator
 
 import torch
 
-from ..modeling.step import EvolutionStep, GradientIn, ScaledMap, StepMaps, checked_packed_gate, pack_gate
-from . import native_build
-from .fused_step import CorrelationOptions, tracing_without_kernels
+from ...modeling.step import EvolutionStep, GradientIn, ScaledMap, StepMaps, checked_packed_gate, pack_gate
+from ..fused_step import CorrelationOptions, tracing_without_kernels
+from . import build
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,9 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
-def _load(compiler: str, flags: tuple[str, ...] = native_build.FLAGS) -> ctypes.CDLL:
+def _load(compiler: str, flags: tuple[str, ...] = build.FLAGS) -> ctypes.CDLL:
     """The kernel built with ``flags`` (cached), loaded and its entry points declared."""
-    return _declare(ctypes.CDLL(str(native_build.build(compiler, flags))))
+    return _declare(ctypes.CDLL(str(build.build(compiler, flags))))
 
 
 def cpu_kernel() -> ctypes.CDLL | None:
@@ -71,7 +72,7 @@ def cpu_kernel() -> ctypes.CDLL | None:
     with _lock:
         if "cpu" not in _loaded:
             library = None
-            compiler = native_build.find_compiler()
+            compiler = build.find_compiler()
             if compiler is None:
                 logger.info("ea_hf: no C++ compiler found; evolving attention uses torch operations on CPU")
             else:
@@ -97,10 +98,10 @@ def build_library(*extra_flags: str) -> ctypes.CDLL:
         ...     kernel_available() == (library is not None)
         True
     """
-    compiler = native_build.find_compiler()
+    compiler = build.find_compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler: the fused CPU kernel cannot be built on this machine")
-    return _load(compiler, (*native_build.FLAGS, *extra_flags))
+    return _load(compiler, (*build.FLAGS, *extra_flags))
 
 
 @contextlib.contextmanager
@@ -162,7 +163,7 @@ def select_kept(
     be ``x``), or ``None`` where the kernel does not take these tensors: ``x`` (and ``out``) a contiguous float32
     [B, H, Q, K] map on CPU of at least :data:`SELECT_KEPT_MIN_ENTRIES` entries, ``keep`` a bool mask that
     broadcasts to it and is contiguous along the keys, and no jit trace running
-    (:func:`~.fused_step.tracing_without_kernels`). Called directly, outside autograd and compilation (see
+    (:func:`~ea_hf.ops.fused_step.tracing_without_kernels`). Called directly, outside autograd and compilation (see
     ``ea_hf.modeling.convolution.select_kept``).
 
     Example:
@@ -214,9 +215,9 @@ def correlate(
     **options,
 ) -> torch.Tensor:
     """One fused pass of the kernel (see ``csrc/evolve_cpu.cpp``), called directly (the operators of
-    :mod:`~ea_hf.ops.cpu_operators` wrap it); callers check :func:`ea_hf.ops.cpu.applicable` first. ``options``
-    are :class:`~ea_hf.ops.fused_step.CorrelationOptions`' fields (masks are read as float32 maps; in place, one
-    map less is allocated).
+    :mod:`~ea_hf.ops.cpu.operators` wrap it); callers check :func:`ea_hf.ops.cpu.evolution.applicable` first.
+    ``options`` are :class:`~ea_hf.ops.fused_step.CorrelationOptions`' fields (masks are read as float32 maps; in
+    place, one map less is allocated).
 
     ``skip_masked_tails`` (with ``in_keep``): each row's correlation stops after its last kept column, rounded up
     to 64 columns; from there on the gate is 0 and the output 0, or in place ``x`` left as it is (no pass over
@@ -318,7 +319,7 @@ def backward_pass(
     ``ScaledMap(G_in, 1.0)``, and A_prev's is ``None`` (none flows): a second map would cost time and a map of memory
     (docs/performance.md, "Choices in the fused kernels").
     ``scores_map``: G_in is written once too, as S's gradient (see
-    :func:`~ea_hf.ops.cpu_operators.split_map_gradient`), and A_prev's is returned as ``None``.
+    :func:`~ea_hf.ops.cpu.operators.split_map_gradient`), and A_prev's is returned as ``None``.
     ``step.skip_masked_tails`` (with ``keep``): each row stops at its masked tail, as :func:`forward_correlation`'s
     does forward; the gradients there are 0, as they are where every layer's softmax masks those entries (the
     incoming gradient is 0 there).

@@ -20,7 +20,7 @@ import torch
 
 from .convolution import select_kept
 from .masks import AttentionMask
-from .products import HALF_PRECISION, grouped_product, grouped_transposed_product
+from .scores import HALF_PRECISION, grouped_product, grouped_transposed_product
 
 
 class Dropout(NamedTuple):
@@ -136,7 +136,7 @@ def attend_values(
     """The tail every attention path shares: P = softmax over the keys of the masked ``logits`` (into ``out``
     where given), dropout and the product with ``value``. Returns (dropout(P) @ V, dropout(P) in the values'
     dtype, P in the logits' dtype (see :func:`softmax_probabilities`), dropout's bool mask or None). ``value``
-    may have fewer heads than the logits (see :func:`~.products.grouped_product`).
+    may have fewer heads than the logits (see :func:`~.scores.grouped_product`).
 
     Dropout is ``torch.native_dropout``: the random numbers of ``torch.nn.functional.dropout`` (which runs it on
     GPUs) and a bool mask for backward instead of a float one.

@@ -3,17 +3,16 @@ implementations and a registered autograd formula), so that ``torch.compile`` an
 node of the graph instead of stopping at a ctypes call.
 
 The schemas take primitive arguments: an :class:`~ea_hf.modeling.step.EvolutionStep` is unpacked into them by
-:func:`~.fused_step.schema_arguments`, and the operators' bodies pack them into one again with
-:func:`~.fused_step.schema_step` (shared with the Triton operators).
+:func:`~ea_hf.ops.fused_step.schema_arguments`, and the operators' bodies pack them into one again with
+:func:`~ea_hf.ops.fused_step.schema_step` (shared with the Triton operators).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..modeling.step import EvolutionStep, GradientIn, StepMaps, packed_gate
-from . import cpu_binding
-from .fused_step import (
+from ...modeling.step import EvolutionStep, GradientIn, StepMaps, packed_gate
+from ..fused_step import (
     CONVOLVE_SCHEMA,
     EVOLVE_SCHEMA,
     evolve_by_correlation,
@@ -21,6 +20,7 @@ from .fused_step import (
     schema_arguments,
     schema_step,
 )
+from . import binding
 
 
 def split_map_gradient(
@@ -60,7 +60,8 @@ def one_map_backward(
 
 
 #: The CPU operators' own schemas (maps float32 [B, H, Q, K] on CPU; the arguments as in
-#: :data:`~.fused_step.EVOLVE_SCHEMA`): the forward written over S, and the backward's one map and kernel gradients.
+#: :data:`~ea_hf.ops.fused_step.EVOLVE_SCHEMA`): the forward written over S, and the backward's one map and kernel
+#: gradients.
 EVOLVE_IN_PLACE_SCHEMA = (
     "(Tensor(a!) scores, Tensor? previous, Tensor? keep, Tensor weight, Tensor bias, float alpha, float blend, "
     "int context_rows) -> ()"
@@ -79,7 +80,7 @@ def evolve_operator(scores, previous, keep, weight, bias, alpha, blend, context_
     """(ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, its bit-packed ReLU gate), A_in = lerp(S, A_prev, alpha): the
     evolution step's forward pass, differentiable (its backward is ``ea_hf::evolve_backward_one_map``)."""
     step, maps = schema_step(alpha, blend, context_rows), StepMaps(scores, previous, keep)
-    return evolve_by_correlation(cpu_binding.correlate, step, maps, weight, bias, in_place=False)
+    return evolve_by_correlation(binding.correlate, step, maps, weight, bias, in_place=False)
 
 
 @evolve_operator.register_fake
@@ -92,9 +93,9 @@ register_step_autograd(evolve_operator, one_map_backward)
 
 def evolve_in_place(step: EvolutionStep, maps: StepMaps, weight: torch.Tensor, bias: torch.Tensor) -> None:
     """``ea_hf::evolve_with_gate_bits`` written over ``maps.scores``, without the gate (inference: one map less):
-    the body of ``ea_hf::evolve_``, which ``ea_hf.ops.cpu.evolve`` also calls directly outside torch.compile
-    (there also with ``step.skip_masked_tails``, see :func:`~ea_hf.ops.cpu_binding.forward_correlation`)."""
-    correlation = cpu_binding.forward_correlation(step.skip_masked_tails)
+    the body of ``ea_hf::evolve_``, which ``ea_hf.ops.cpu.evolution.evolve`` also calls directly outside torch.compile
+    (there also with ``step.skip_masked_tails``, see :func:`~ea_hf.ops.cpu.binding.forward_correlation`)."""
+    correlation = binding.forward_correlation(step.skip_masked_tails)
     if maps.scores.is_contiguous():
         evolve_by_correlation(correlation, step, maps, weight, bias, in_place=True)
     else:
@@ -115,7 +116,7 @@ def _(scores, previous, keep, weight, bias, alpha, blend, context_rows):
 @torch.library.custom_op("ea_hf::convolve", mutates_args=(), device_types="cpu", schema=CONVOLVE_SCHEMA)
 def convolve_operator(x, weight, bias, row_shift):
     """A plain correlation plus bias whose output row i reads rows ``i + row_shift ..`` of ``x``."""
-    return cpu_binding.correlate(x, weight, bias, row_shift=row_shift)
+    return binding.correlate(x, weight, bias, row_shift=row_shift)
 
 
 @convolve_operator.register_fake
@@ -133,7 +134,7 @@ def evolve_backward_operator(scores, previous, keep, grad, gate, weight, alpha, 
     """The gradient map of ``ea_hf::evolve_with_gate_bits`` (see :func:`split_map_gradient`) and the gradients
     of its weight and bias."""
     step, maps = schema_step(alpha, blend, context_rows), StepMaps(scores, previous, keep)
-    grad_map, _, grad_weight, grad_bias = cpu_binding.backward_pass(
+    grad_map, _, grad_weight, grad_bias = binding.backward_pass(
         step, maps, GradientIn(grad), gate, weight, scores_map=True
     )
     return grad_map, grad_weight, grad_bias

@@ -226,7 +226,7 @@ def evolution_dtype(scores: torch.Tensor, weight: torch.Tensor | None) -> torch.
     """The dtype the evolution of maps like ``scores`` runs in: the maps' own (a bf16 or fp16 model evolves bf16
     or fp16 maps, half the memory and traffic of fp32 ones; the kernels accumulate in fp32), except where the
     only fused kernel for them takes fp32 maps (the CPU kernel): half-precision maps are then upcast to fp32 for
-    it. The masks and the softmax keep the evolved logits' dtype (:func:`~.softmax.softmax_probabilities`).
+    it. The masks and the softmax keep the evolved logits' dtype (:func:`~.attention_tail.softmax_probabilities`).
     ``weight``: the layer's convolution weight (None: no convolution, the maps' own dtype).
 
     Example:

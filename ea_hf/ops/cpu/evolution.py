@@ -1,8 +1,8 @@
 """The fused CPU kernel of the evolution step, as the fused-kernel protocol of the evolution
 (``ea_hf.modeling.kernels.FusedKernel``): which calls it takes (:func:`applicable`), and how each runs.
 
-The kernel is C++ compiled on first use (:mod:`ea_hf.ops.native_build`), called through ctypes
-(:mod:`ea_hf.ops.cpu_binding`) and declared as torch operators (:mod:`ea_hf.ops.cpu_operators`), so that
+The kernel is C++ compiled on first use (:mod:`ea_hf.ops.cpu.build`), called through ctypes
+(:mod:`ea_hf.ops.cpu.binding`) and declared as torch operators (:mod:`ea_hf.ops.cpu.operators`), so that
 ``torch.compile`` and ``torch.export`` see it as one node of the graph instead of stopping at a ctypes call (ONNX
 has no translation of them: while ``torch.onnx.export`` traces, :func:`applicable` is False). This module
 dispatches: while torch.compile traces, and where autograd differentiates the result, the evolution calls
@@ -18,17 +18,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..modeling.step import EvolutionStep, GradientIn, ScaledMap, StepMaps
-from . import cpu_binding, cpu_operators
-from .cpu_binding import (
+from ...modeling.step import EvolutionStep, GradientIn, ScaledMap, StepMaps
+from ..fused_step import evolve_by_correlation, schema_arguments, tracing_without_kernels
+from ..limits import MAX_HEADS, MAX_KERNEL_COLUMNS, MAX_KERNEL_ROWS
+from . import binding, operators
+from .binding import (
     build_library,
     cpu_kernel,
     kernel_available,
     select_kept,
     using_library,
 )
-from .fused_step import evolve_by_correlation, schema_arguments, tracing_without_kernels
-from .limits import MAX_HEADS, MAX_KERNEL_COLUMNS, MAX_KERNEL_ROWS
 
 __all__ = [  # the kernel's protocol, and the library's controls that benchmarks and tests use
     "applicable",
@@ -45,7 +45,7 @@ __all__ = [  # the kernel's protocol, and the library's controls that benchmarks
 
 def applicable(*tensors: Tensor | None, keep: Tensor | None = None, weight: Tensor) -> bool:
     """Whether the CPU kernel can take these maps and this kernel: float32 on CPU, a mask shared by the heads, and
-    no ONNX export or jit trace running (:func:`~.fused_step.tracing_without_kernels`)."""
+    no ONNX export or jit trace running (:func:`~ea_hf.ops.fused_step.tracing_without_kernels`)."""
     if weight.shape[-2] > MAX_KERNEL_ROWS or weight.shape[-1] // 2 > MAX_KERNEL_COLUMNS // 2:
         return False
     maps = [t for t in tensors if t is not None]
@@ -64,7 +64,7 @@ def evolve(
     """The evolution step's forward (see ``ea_hf.modeling.kernels.FusedKernel``): through the operators while
     torch.compile traces (never in place: a compiled graph plans its own buffers) and where autograd differentiates
     the result; elsewhere, in place, the operators' bodies directly, which skip masked tails with
-    ``step.skip_masked_tails`` (see :func:`~ea_hf.ops.cpu_binding.forward_correlation`; the operators correlate
+    ``step.skip_masked_tails`` (see :func:`~ea_hf.ops.cpu.binding.forward_correlation`; the operators correlate
     the masked tails too)."""
     gate = not in_place if gate is None else gate
     # Outside torch.compile the operators' bodies run directly where the result is not differentiated: the dispatch of a
@@ -72,9 +72,9 @@ def evolve(
     # (docs/performance.md, "Choices in the fused kernels").
     if in_place and not torch.compiler.is_compiling():
         if gate:  # the attention core's forward (never compiled): S is spent, A_logit and the gate are kept
-            correlation = cpu_binding.forward_correlation(step.skip_masked_tails)
+            correlation = binding.forward_correlation(step.skip_masked_tails)
             return evolve_by_correlation(correlation, step, maps, weight, bias, in_place=True, gate=True)
-        cpu_operators.evolve_in_place(step, maps, weight, bias)
+        operators.evolve_in_place(step, maps, weight, bias)
         return maps.scores, None
     logits, saved = torch.ops.ea_hf.evolve_with_gate_bits(*maps, weight, bias, *schema_arguments(step))
     return logits, saved if gate else None
@@ -84,14 +84,14 @@ def convolve(x: Tensor, weight: Tensor, bias: Tensor, *, row_shift: int) -> Tens
     """A plain correlation plus bias (the kept rows of a decoding step): ``ea_hf::convolve``, whose body runs
     directly outside torch.compile (see :func:`evolve`)."""
     if not torch.compiler.is_compiling():
-        return cpu_binding.correlate(x, weight, bias, row_shift=row_shift)
+        return binding.correlate(x, weight, bias, row_shift=row_shift)
     return torch.ops.ea_hf.convolve(x, weight, bias, row_shift)
 
 
 def backward(
     step: EvolutionStep, maps: StepMaps, grad: GradientIn, gate: Tensor, weight: Tensor, *, shared_map: bool = False
 ) -> tuple[Tensor | ScaledMap, Tensor | None, Tensor, Tensor]:
-    """The evolution step's whole backward (see :func:`~ea_hf.ops.cpu_binding.backward_pass`; while torch.compile
+    """The evolution step's whole backward (see :func:`~ea_hf.ops.cpu.binding.backward_pass`; while torch.compile
     traces, the operator ``ea_hf::evolve_backward_one_map``, which correlates the masked tails too).
 
     The incoming gradient is ``grad.grad`` plus ``grad.addend`` (where given). Outside torch.compile (a compiled
@@ -99,6 +99,6 @@ def backward(
     ``grad.grad`` where it fits instead of a new map; with ``shared_map`` it writes one map, A_prev's gradient,
     and returns S's as a :class:`~ea_hf.modeling.step.ScaledMap` of it."""
     if not torch.compiler.is_compiling():
-        return cpu_binding.backward_pass(step, maps, grad, gate, weight, shared_map=shared_map)
+        return binding.backward_pass(step, maps, grad, gate, weight, shared_map=shared_map)
     incoming = grad.grad if grad.addend is None else grad.grad + grad.addend
-    return cpu_operators.one_map_backward(step, maps, incoming, gate, weight)
+    return operators.one_map_backward(step, maps, incoming, gate, weight)

@@ -13,16 +13,16 @@ from ea_hf.modeling import convolution
 from ea_hf.modeling import kernels as registry
 from ea_hf.modeling.evolution import AttentionMapEvolution
 from ea_hf.modeling.step import EvolutionStep, GradientIn, StepMaps, pack_gate, packed_gate, unpacked_gate
-from ea_hf.ops import cpu as kernels
-from ea_hf.ops import cpu_binding, native_build
+from ea_hf.ops.cpu import binding, build
+from ea_hf.ops.cpu import evolution as kernels
 
-needs_compiler = pytest.mark.skipif(native_build.find_compiler() is None, reason="no C++ compiler on this machine")
+needs_compiler = pytest.mark.skipif(build.find_compiler() is None, reason="no C++ compiler on this machine")
 
 
 def correlate_with_torch(
     x, weight, bias, row_shift, *, lerp_end=None, lerp_weight=0.0, in_keep=None, relu=False, blend=None, blend_coef=0.0
 ):
-    """What `cpu_binding.correlate` computes, step by step: output row i reads rows i + row_shift + dy."""
+    """What `binding.correlate` computes, step by step: output row i reads rows i + row_shift + dy."""
     a = x if lerp_end is None else torch.lerp(x, lerp_end, lerp_weight)
     if in_keep is not None:
         a = a * in_keep
@@ -41,12 +41,12 @@ def correlate_with_torch(
 @needs_compiler
 def test_the_kernel_builds_and_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("EA_HF_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_binding, "_loaded", {})
+    monkeypatch.setattr(binding, "_loaded", {})
     assert kernels.cpu_kernel() is not None
     built = list((tmp_path / "kernels").glob("evolve_cpu-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(cpu_binding, "_loaded", {})
+    monkeypatch.setattr(binding, "_loaded", {})
     assert kernels.cpu_kernel() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded again, not rebuilt
 
@@ -67,7 +67,7 @@ def test_correlate_matches_torch(heads, kernel_rows, kernel_cols, row_shift, ble
     blend = x if blend_is_input else other
     options = dict(lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend=blend, blend_coef=0.6)
     saved = packed_gate(x)
-    out = cpu_binding.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
+    out = binding.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
     expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)
     assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert torch.equal(saved, pack_gate(expected_saved))  # one bit a value, zeros past the last column
@@ -106,7 +106,7 @@ def every_row_library(tmp_path_factory):
 
 
 def has_avx512() -> bool:
-    return "avx512f" in native_build.cpu_signature()
+    return "avx512f" in build.cpu_signature()
 
 
 @needs_compiler
@@ -126,10 +126,10 @@ def test_the_winograd_form_matches_the_direct_form(heads, cols, kernel_rows, row
     step = EvolutionStep(0.3, 0.4, -row_shift)
     backward = (StepMaps(x, end, keep), GradientIn(grad), torch.rand(2, heads, 6, cols) > 0.4, weight)
     saved = packed_gate(x)
-    winograd = cpu_binding.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
+    winograd = binding.correlate(x, weight, bias, row_shift=row_shift, saved=saved, **options)
     winograd_grads = kernels.backward(step, *backward)
     with kernels.using_library(direct_form_library):
-        direct = cpu_binding.correlate(x, weight, bias, row_shift=row_shift, **options)
+        direct = binding.correlate(x, weight, bias, row_shift=row_shift, **options)
         direct_grads = kernels.backward(step, *backward)
     expected, expected_saved = correlate_with_torch(x, weight, bias, row_shift, **options)
     for form in (winograd, direct):
@@ -156,7 +156,7 @@ def test_a_build_requesting_lines_into_l1_gives_the_same_bits(l1_prefetch_librar
     def step():
         saved = packed_gate(x)
         options = dict(row_shift=-1, saved=saved, lerp_end=end, lerp_weight=0.3, relu=True)
-        out = cpu_binding.correlate(x, weight, bias, **options)
+        out = binding.correlate(x, weight, bias, **options)
         incoming = GradientIn(grad, addend)
         grads = kernels.backward(EvolutionStep(0.3, 0.4, 1), StepMaps(x, end, None), incoming, saved, weight)
         return out, saved, *grads
@@ -189,7 +189,7 @@ def test_a_build_without_avx512_matches_the_default_build(heads, cols, avx2_libr
     for library in (kernels.cpu_kernel(), avx2_library):
         saved = packed_gate(x)
         with kernels.using_library(library):
-            results.append((cpu_binding.correlate(x, weight, bias, row_shift=-1, saved=saved, **options), saved))
+            results.append((binding.correlate(x, weight, bias, row_shift=-1, saved=saved, **options), saved))
             results[-1] += kernels.backward(*backward)
     (out, saved, *grads), (avx2_out, avx2_saved, *avx2_grads) = results
     assert torch.equal(avx2_saved, saved)
@@ -241,17 +241,17 @@ def test_without_a_compiler_evolution_falls_back_to_torch(tmp_path, monkeypatch,
         with_kernel = model(**inputs).last_hidden_state
     monkeypatch.setenv("EA_HF_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(native_build.shutil, "which", lambda name: str(tmp_path / "broken-c++") if name else None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: str(tmp_path / "broken-c++") if name else None)
     (tmp_path / "broken-c++").write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 1\n")
     (tmp_path / "broken-c++").chmod(0o755)
-    monkeypatch.setattr(cpu_binding, "_loaded", {})
-    with caplog.at_level(logging.WARNING, logger="ea_hf.ops.cpu_binding"):
+    monkeypatch.setattr(binding, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger="ea_hf.ops.cpu.binding"):
         assert kernels.cpu_kernel() is None
     assert "building the CPU kernel failed" in caplog.text and "broken compiler" in caplog.text
     with torch.no_grad():
         without = model(**inputs).last_hidden_state
     assert (with_kernel - without).abs().max() <= 1e-5
-    monkeypatch.setattr(cpu_binding, "_loaded", {})
+    monkeypatch.setattr(binding, "_loaded", {})
     monkeypatch.setenv("EA_HF_KERNELS", "0")
     assert kernels.cpu_kernel() is None  # switched off: not even a build is tried
 
@@ -284,7 +284,7 @@ def test_select_kept_gives_torch_where_bit_for_bit(keep_shape, scale, fill, in_p
     if fill == 0.0 and keep_shape == x.shape:  # the same values (its zeros keep x's sign)
         assert torch.equal(expected, torch.ops.aten.native_dropout_backward(x, keep, scale))
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    monkeypatch.setattr(cpu_binding, "SELECT_KEPT_MIN_ENTRIES", 0)  # these small maps too
+    monkeypatch.setattr(binding, "SELECT_KEPT_MIN_ENTRIES", 0)  # these small maps too
     out = x.clone() if in_place else None
     result = kernels.select_kept(x if out is None else out, keep, scale, fill, out)
     assert result is not None and (result is out or out is None)
@@ -294,7 +294,7 @@ def test_select_kept_gives_torch_where_bit_for_bit(keep_shape, scale, fill, in_p
 def test_select_kept_declines_what_the_kernel_does_not_take(monkeypatch):
     x, keep = torch.randn(2, 3, 5, 8), torch.rand(2, 1, 5, 8) > 0.5
     assert kernels.select_kept(x, keep) is None  # smaller than SELECT_KEPT_MIN_ENTRIES: torch's operators
-    monkeypatch.setattr(cpu_binding, "SELECT_KEPT_MIN_ENTRIES", x.numel())
+    monkeypatch.setattr(binding, "SELECT_KEPT_MIN_ENTRIES", x.numel())
     assert torch.equal(kernels.select_kept(x, keep), torch.where(keep, x, 0.0))  # from there on, the kernel
     assert kernels.select_kept(x.double(), keep) is None  # float32 only
     assert kernels.select_kept(x.transpose(-1, -2), keep.transpose(-1, -2)) is None  # contiguous maps only
@@ -310,7 +310,7 @@ def test_select_kept_falls_back_to_torch_with_the_same_numbers(monkeypatch):
     torch operations: the same numbers."""
     torch.manual_seed(0)
     x, keep = torch.randn(2, 3, 5, 8), torch.rand(2, 3, 5, 8) > 0.3
-    monkeypatch.setattr(cpu_binding, "SELECT_KEPT_MIN_ENTRIES", 0)
+    monkeypatch.setattr(binding, "SELECT_KEPT_MIN_ENTRIES", 0)
     fused = convolution.select_kept(x, keep, 1 / 0.9)
     monkeypatch.setattr(registry, "FUSED_KERNELS", [])
     for scale, fill in ((1 / 0.9, 0.0), (1.0, 0.0), (1.0, -5.0)):
@@ -337,9 +337,9 @@ def test_in_place_output_equals_a_separate_one(batch, heads, rows, kernel_rows, 
         weight, bias = torch.randn(heads, heads, kernel_rows, 3), torch.randn(heads)
         keep = (torch.rand(batch, 1, rows, 37) > 0.2).float()
         options = dict(row_shift=row_shift, lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend_coef=0.6)
-        separate = cpu_binding.correlate(x, weight, bias, blend=x, **options)
+        separate = binding.correlate(x, weight, bias, blend=x, **options)
         overwritten = x.clone()
-        result = cpu_binding.correlate(overwritten, weight, bias, blend=overwritten, in_place=True, **options)
+        result = binding.correlate(overwritten, weight, bias, blend=overwritten, in_place=True, **options)
     finally:
         torch.set_num_threads(before)
     assert result.data_ptr() == overwritten.data_ptr()
@@ -372,7 +372,7 @@ def test_spent_maps_take_the_results_bit_identically(batch, heads, rows, kernel_
         maps = StepMaps(scores, previous, keep)
         expected = kernels.backward(step, maps, GradientIn(grad), gate, weight)
         consumed = grad.clone()
-        got = cpu_binding.backward_pass(step, maps, GradientIn(consumed), gate, weight, into=(consumed, spent))
+        got = binding.backward_pass(step, maps, GradientIn(consumed), gate, weight, into=(consumed, spent))
     finally:
         torch.set_num_threads(before)
     assert logits_over.data_ptr() == overwritten.data_ptr()
@@ -402,7 +402,7 @@ def test_a_second_incoming_gradient_is_added_as_rows_are_read(batch, heads, rows
         expected = kernels.backward(step, maps, GradientIn(grad + second), gate, weight)
         consumed = grad.clone()
         incoming = GradientIn(consumed, second)
-        got = cpu_binding.backward_pass(step, maps, incoming, gate, weight, into=(consumed, spent))
+        got = binding.backward_pass(step, maps, incoming, gate, weight, into=(consumed, spent))
     finally:
         torch.set_num_threads(before)
     assert got[0].data_ptr() == consumed.data_ptr() and torch.equal(second, kept_second)
@@ -420,7 +420,7 @@ def test_maps_that_backward_reads_are_never_written():
     step, maps = EvolutionStep(0.3, 0.4, 1), StepMaps(scores, previous, None)
     expected = kernels.backward(step, maps, GradientIn(grad), gate, weight)
     kept = scores.clone(), previous.clone()
-    got = cpu_binding.backward_pass(step, maps, GradientIn(grad), gate, weight, into=(scores, previous))
+    got = binding.backward_pass(step, maps, GradientIn(grad), gate, weight, into=(scores, previous))
     assert torch.equal(scores, kept[0]) and torch.equal(previous, kept[1])
     assert got[0].data_ptr() != scores.data_ptr() and got[1].data_ptr() != previous.data_ptr()
     for got_one, expected_one in zip(got, expected, strict=True):
@@ -561,10 +561,10 @@ def with_threads(threads: int, function, *args, **kwargs):
 
 
 def record_skipped_tails(monkeypatch) -> list[int]:
-    """Spies on ``cpu_binding.correlate``: for each call asked to skip masked tails (with a mask), the number of
+    """Spies on ``binding.correlate``: for each call asked to skip masked tails (with a mask), the number of
     rows that have a tail to skip, appended to the returned list."""
     calls: list[int] = []
-    correlate = cpu_binding.correlate
+    correlate = binding.correlate
 
     def spying_correlate(*args, skip_masked_tails=False, **kwargs):
         keep = kwargs.get("in_keep")
@@ -573,7 +573,7 @@ def record_skipped_tails(monkeypatch) -> list[int]:
             calls.append(int((tail_starts(keep.float().expand(shape)) < keep.shape[-1]).sum()))
         return correlate(*args, skip_masked_tails=skip_masked_tails, **kwargs)
 
-    monkeypatch.setattr(cpu_binding, "correlate", spying_correlate)
+    monkeypatch.setattr(binding, "correlate", spying_correlate)
     return calls
 
 
@@ -592,10 +592,10 @@ def test_skipped_masked_tails_leave_every_other_output_bit_identical(kind, heads
     weight, bias = torch.randn(heads, heads, 2 if kind == "causal" else 3, 3), torch.randn(heads)
     options = dict(row_shift=-1, lerp_end=end, lerp_weight=0.3, in_keep=keep, relu=True, blend_coef=0.6)
     full_gate, skipped_gate = packed_gate(x), packed_gate(x)
-    full = with_threads(threads, cpu_binding.correlate, x, weight, bias, blend=x, saved=full_gate, **options)
+    full = with_threads(threads, binding.correlate, x, weight, bias, blend=x, saved=full_gate, **options)
     target = x.clone() if in_place else x
     skipped = with_threads(
-        threads, cpu_binding.correlate, target, weight, bias, blend=target, saved=skipped_gate, in_place=in_place,
+        threads, binding.correlate, target, weight, bias, blend=target, saved=skipped_gate, in_place=in_place,
         skip_masked_tails=True, **options,
     )  # fmt: skip
     computed = (torch.arange(x.shape[-1]) < tail_starts(keep)).expand_as(x)
@@ -755,21 +755,21 @@ def test_skipping_masked_tails_changes_no_output_or_gradient_of_a_model(family, 
         return values.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     backward_asked: list[bool] = []
-    correlate, backward = cpu_binding.correlate, cpu_binding.backward_pass
+    correlate, backward = binding.correlate, binding.backward_pass
 
     def spying_backward(step, *args, **kwargs):
         backward_asked.append(step.skip_masked_tails)
         return backward(step, *args, **kwargs)
 
     rows_with_tails = record_skipped_tails(monkeypatch)
-    monkeypatch.setattr(cpu_binding, "backward_pass", spying_backward)
+    monkeypatch.setattr(binding, "backward_pass", spying_backward)
     skipped = [run(False), run(True)]
     # Every evolved layer, in inference and training, had tails to skip, forward and backward (or none was asked).
     asked = [rows > 0 for rows in rows_with_tails]
     assert (asked and all(asked) and backward_asked and all(backward_asked)) if skips else not any(backward_asked)
     assert skips or not asked
-    monkeypatch.setattr(cpu_binding, "correlate", correlate)
-    monkeypatch.setattr(cpu_binding, "backward_pass", backward)
+    monkeypatch.setattr(binding, "correlate", correlate)
+    monkeypatch.setattr(binding, "backward_pass", backward)
     for evolution in evolutions:
         monkeypatch.setattr(evolution, "skip_masked_tails", False)
     whole = [run(False), run(True)]

@@ -1,4 +1,5 @@
-"""The per-call chain: how one layer's attention logits reach the next layer of its stack.
+"""The per-call state of a layer stack: the dict (the "chain") that carries one layer's attention logits to the
+next layer of its stack, with what the layers of one forward call share.
 
 A_logit_i reaches layer i+1 through a dict that lives for one forward call of the layer stack: a forward
 pre-hook on the stack (:func:`start_chain`) puts a fresh dict into the keyword arguments that transformers

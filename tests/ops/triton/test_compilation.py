@@ -1,7 +1,7 @@
 """The Triton kernels compiled for an H100 without a GPU: every launch the evolution step makes, with its own
 arguments and tiles, through Triton's whole compiler (to PTX, then a cubin by the ptxas triton ships).
 
-``test_triton_kernel.py`` checks the kernels' numbers in Triton's CPU interpreter. The interpreter runs the
+``test_evolution.py`` checks the kernels' numbers in Triton's CPU interpreter. The interpreter runs the
 kernels as Python, and takes code that the compiler refuses (such as a device function jitted for the other
 setting); it ignores tiles, warps and tensor cores. This module checks those where no GPU is: that the compiler
 takes every kernel as launched, that a program's shared memory fits an H100, and that the products run on

@@ -1,0 +1,2 @@
+"""Tests of ea_hf.ops: a package, so that its test modules may share names with those of the other kernel
+folders, as the kernels' own modules do."""
