@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import tempfile
+from pathlib import Path
 
 # Before transformers is imported anywhere: never reach the Hub. The run's remote-code modules (out of ~/.cache)
 # and the temporary files of the processes it starts (torchrun leaves a torchelastic_* folder in the temporary
@@ -59,10 +60,21 @@ def _loopback_only_connect(self, address):
 socket.socket.connect = _loopback_only_connect
 
 
+#: Module fixtures of tests/bench that run a benchmark's whole dry run (half a minute to two minutes on 2 cores).
+#: The tests that take one are marked ``full_table``, as every dry run is: the README's test command leaves them to
+#: CI's second stage, and a run of the file itself (no ``-m``) still takes them.
+DRY_RUN_FIXTURES = frozenset({"report", "static_report", "device_report"})
+BENCH_TESTS = Path(__file__).parent / "bench"
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the marks
 def pytest_collection_modifyitems(config, items):
     """Tests parametrised with an architecture that the installed transformers is too old for (its entry's
-    ``since``, which ``patch`` refuses with an error naming the release) skip, saying which release they need."""
+    ``since``, which ``patch`` refuses with an error naming the release) skip, saying which release they need;
+    the benchmarks' tests that take a whole dry run are marked ``full_table``."""
     for item in items:
+        if item.path.is_relative_to(BENCH_TESTS) and DRY_RUN_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.full_table)
         parameters = getattr(getattr(item, "callspec", None), "params", {})
         for value in parameters.values():
             spec = ARCHITECTURES.get(value) if isinstance(value, str) else None
