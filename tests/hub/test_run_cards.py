@@ -279,6 +279,7 @@ print(json.dumps({"class": type(model).__module__ + "." + type(model).__name__, 
 """
 
 
+@pytest.mark.full_table  # CI's second stage: fast: every kind of run gets its card
 @pytest.mark.slow
 def test_the_card_of_a_head_no_auto_class_loads_tells_how_to_load_it(runs, hub, monkeypatch, tmp_path):
     run_dir, repo = runs["timeseries-regression"], "test-user/series-regression"

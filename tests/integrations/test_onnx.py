@@ -63,6 +63,7 @@ def test_the_reported_torch_onnx_export_of_a_patched_bert_classifier_runs_in_onn
     assert np.abs(onnx_logits(tmp_path / "model.onnx", inputs) - torch_logits(model, inputs)).max() <= 1e-5
 
 
+@pytest.mark.full_table  # CI's second stage: fast: BERT and Llama round trips
 @pytest.mark.slow
 def test_a_modernbert_classifier_round_trips_with_padding_at_another_shape(tmp_path):
     # Global and sliding-window layers (a window of 2 tokens each side): the exported masks keep both.
@@ -90,6 +91,7 @@ def test_a_llama_prefill_round_trips_with_left_padding_and_position_ids(tmp_path
         assert onnx.shape == expected.shape and np.abs(onnx[real] - expected[real]).max() <= 1e-5
 
 
+@pytest.mark.full_table  # CI's second stage: fast: BERT and Llama round trips
 @pytest.mark.slow
 def test_a_vit_classifier_round_trips_with_a_dynamic_batch(tmp_path):
     model = ea_hf.patch(tiny_model("vit", transformers.AutoModelForImageClassification, num_labels=3), **SETTINGS)

@@ -83,6 +83,7 @@ def test_padding_changes_no_embedding(minilm_path):
         assert (encode(model, [sentence])[0] - batched[i]).abs().max() <= 1e-5  # measured: 1.6e-7
 
 
+@pytest.mark.full_table  # CI's second stage: fast: `ea-hf patch` to a folder
 def test_trains_with_a_sentence_transformers_loss_and_loads_with_and_without_ea_hf(minilm_path, tmp_path):
     pytest.importorskip("datasets", reason="training needs the train extra (datasets, accelerate)")
     from datasets import Dataset

@@ -80,7 +80,9 @@ def assert_compiles_like_eager(model, model_type: str, length: int = 9) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize(  # t5: CI's second stage (bart is the fast run's encoder-decoder)
+    "model_type", [pytest.param(m, marks=FULL_TABLE if m == "t5" else ()) for m in sorted(FAMILIES)]
+)
 def test_fullgraph_compile_matches_eager_in_inference_and_training(model_type):
     model = patched_model(model_type, {"alpha": 0.3, "beta": 0.4}, head=FAMILIES[model_type])
     assert_compiles_like_eager(model, model_type)
@@ -90,7 +92,7 @@ def test_fullgraph_compile_matches_eager_in_inference_and_training(model_type):
 @pytest.mark.skipif(
     cpu_binding.cpu_kernel() is None, reason="no C++ compiler: compiled_core checkpoints the CPU kernel only"
 )
-@pytest.mark.parametrize("model_type", ["bert", "llama"])
+@pytest.mark.parametrize("model_type", [pytest.param("bert", marks=FULL_TABLE), "llama"])  # bert: CI's second stage
 def test_fullgraph_compile_of_large_maps_recomputes_them_like_eager(model_type):
     """Sequences longer than twice the heads' width (8 here): a compiled training step runs each layer inside a
     selective activation checkpoint, still without a graph break and with eager mode's gradients."""
@@ -101,8 +103,8 @@ def test_fullgraph_compile_of_large_maps_recomputes_them_like_eager(model_type):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(  # the fast run: an encoder's and a decoder's remote code (the test above: every kind)
-    "model_type", [pytest.param(m, marks=() if m in ("bert", "llama") else FULL_TABLE) for m in sorted(FAMILIES)]
+@pytest.mark.parametrize(  # the fast run: a decoder's remote code (the test above: every kind)
+    "model_type", [pytest.param(m, marks=() if m == "llama" else FULL_TABLE) for m in sorted(FAMILIES)]
 )
 def test_a_loaded_ea_checkpoint_compiles_like_eager(model_type, tmp_path):
     """An EA checkpoint saved and loaded back with the Auto class (remote code) compiles like the patched model."""

@@ -349,6 +349,7 @@ def test_text_generation_pipeline(minilm_tokenizer):
     assert len(text.split()) >= 2
 
 
+@pytest.mark.full_table  # CI's second stage: fast: MiniLM, and every tiny decoder
 @pytest.mark.slow
 def test_pretrained_smollm2(smollm2_path):
     """A real pretrained decoder (SmolLM2-135M-Instruct): alpha = beta = 0 reproduces it (sdpa) and generates

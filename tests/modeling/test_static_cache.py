@@ -118,6 +118,7 @@ def test_the_kept_rows_of_a_static_cache_are_buffers_allocated_once():
     assert {h.seen for h in histories.values()} == {12}
 
 
+@pytest.mark.full_table  # CI's second stage: fast: the sliding-window cache compiles
 @pytest.mark.slow
 def test_a_window_filling_while_decoding_recompiles_as_the_plain_model_does():
     """A prompt shorter than the 4-token window: transformers' sliding-window cache layer takes another branch once

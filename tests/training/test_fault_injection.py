@@ -285,6 +285,7 @@ def small_disk(folder, size):
         subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
+@pytest.mark.full_table  # CI's second stage: fast: a killed run resumes
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_with_one_error_and_resume_finishes_once_space_is_freed(
     run_quickstart, uninterrupted, tmp_path

@@ -240,6 +240,7 @@ def test_the_generated_recipes_are_the_ones_shipped():
     assert set(files) == set((RECIPES_DIR / "glue").glob("*/*.yaml"))
 
 
+@pytest.mark.full_table  # CI's second stage: it builds a wheel
 @pytest.mark.slow
 def test_an_installed_wheel_ships_the_recipes(tmp_path):
     """Built and installed without the repository around it, the package still lists and loads the recipes

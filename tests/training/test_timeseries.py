@@ -194,6 +194,7 @@ def test_timeseries_recipes_are_checked():
     )
 
 
+@pytest.mark.full_table  # CI's second stage: fast: the regression runs from local files
 @pytest.mark.slow
 def test_japanese_vowels_with_pretraining_end_to_end(tmp_path):
     overrides = [

@@ -166,6 +166,7 @@ class CountSteps(transformers.TrainerCallback):
         self.steps.append(state.global_step)
 
 
+@pytest.mark.full_table  # CI's second stage: fast: test_fault_injection resumes
 def test_an_interrupted_run_resumes_from_its_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     recipe = short_quickstart(run_dir)
