@@ -1,9 +1,10 @@
 """Checkpoints saved by earlier ea_hf versions keep loading, with ea_hf and (as remote code) without it, and give
 the outputs they gave when saved (tests/fixtures/checkpoints_v0_1 and checkpoints_v0_2, each made by its make.py).
 
-The 0.1 fixture keeps one copy of the 0.1 modeling files (``code/``) beside the weights of each checkpoint; a
-checkpoint as it was saved (weights and its remote code in one folder) is assembled from them where a test loads
-it without ea_hf. The 0.2 fixture is one saved folder, archived (encoder.tar.gz), extracted where a test loads it:
+The 0.1 fixture keeps one copy of the 0.1 modeling files, archived as released (``code.tar.gz``: frozen code,
+never edited, so not a second source tree to maintain), beside the weights of each checkpoint; a checkpoint as it
+was saved (weights and its remote code in one folder) is assembled from them where a test loads it without
+ea_hf. The 0.2 fixture is one saved folder, archived (encoder.tar.gz), extracted where a test loads it:
 its modeling files carry the names they had before the package's modules were renamed."""
 
 import json
@@ -38,8 +39,8 @@ def saved_checkpoint(name: str, destination: Path) -> Path:
     files beside them (every 0.1 file: a checkpoint's auto_map names the ones it loads, which import their
     siblings)."""
     folder = shutil.copytree(FIXTURES / name, destination / name)
-    for code in (FIXTURES / "code").glob("*.py"):
-        shutil.copy(code, folder)
+    with tarfile.open(FIXTURES / "code.tar.gz") as archive:
+        archive.extractall(folder, filter="data")
     return folder
 
 
