@@ -230,6 +230,25 @@ def test_the_docs_tables_of_the_text_evidence_are_the_committed_runs():
     assert_page_shows(["smollm2-python-docs/*/seed=*"], 3 * 3, reference="ea")  # baseline, EA, EA with LoRA
 
 
+def test_the_docs_retrofits_are_the_committed_runs_and_selection():
+    """The retrofits section of docs/does-ea-help.md: every candidate against the baseline on validation (the
+    baseline and alpha = beta = 0.05 are the quickstart section's runs), the runner's selection as its
+    selection.json records it, and test for the chosen candidate and the baseline only."""
+    reused = ["quickstart-defaults/baseline/seed=*", "quickstart-defaults/ab0.05-ramp/seed=*"]
+    assert_page_shows([*reused, "retrofits/*/seed=*"], 5 * 5, reference="baseline", split="validation")
+    selection = json.loads((EVIDENCE / "retrofits" / "selection.json").read_text())
+    assert (selection["chosen"], selection["baseline"]) == ("learned-gates", "baseline")
+    rows = []
+    for candidate in selection["candidates"]:  # in rank order
+        mark = {selection["chosen"]: " chosen ", selection["baseline"]: " baseline "}.get(candidate["name"], " ")
+        rows.append(f"| `{candidate['name']}` | {candidate['mean']:.4f} |{mark}|")
+    assert "\n".join(rows) in PAGE.read_text()
+    tested = sorted(run.parents[2].name for run in EVIDENCE.glob("retrofits/*/seed=*/eval/test"))
+    assert tested == [selection["chosen"]] * 5  # test scored for the chosen candidate alone of the new runs
+    chosen = f"retrofits/{selection['chosen']}/seed=*"
+    assert_page_shows([reused[0], chosen], 2 * 5, reference="baseline", split="test")
+
+
 def test_by_example_graded_scores_where_lower_is_better_have_no_mcnemar():
     """A language model's mean token loss per block: the reference is better where its losses are lower."""
     rng = np.random.default_rng(5)
