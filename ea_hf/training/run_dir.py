@@ -245,12 +245,20 @@ def check_finished(run_dir: str | Path) -> Path:
 
 
 def describe_evolution(settings: EvolvingAttentionSettings) -> str:
-    """A short label for a comparison table: ``a=0.2 b=0.2 k=3`` (``residual a=0.2``, ``echo S=2 scalar``)."""
+    """A short label for a comparison table: ``a=0.2 b=0.2 k=3`` (``residual a=0.2``, ``echo S=2 scalar``,
+    ``linear a=0 b=0.2 k=3``); learned gates add ``learned gates``, alpha and beta being their start.
+
+    Example:
+        >>> describe_evolution(EvolvingAttentionSettings.for_method("conv", gates="learned"))
+        'a=0 b=0 k=3 learned gates'
+    """
+    gates = " learned gates" if settings.gates == "learned" else ""
     if settings.method == "echo":
         return f"echo S={settings.echoes} {settings.echo_state}"
     if settings.method == "residual":
-        return f"residual a={settings.alpha:g}"
-    return f"a={settings.alpha:g} b={settings.beta:g} k={settings.kernel_size}"
+        return f"residual a={settings.alpha:g}{gates}"
+    method = "linear " if settings.method == "linear" else ""
+    return f"{method}a={settings.alpha:g} b={settings.beta:g} k={settings.kernel_size}{gates}"
 
 
 def compare_runs(run_dirs: list[str | Path], splits: Sequence[str] | None = None) -> str:

@@ -71,9 +71,9 @@ def test_the_card_renders_offline_with_settings_results_recipe_versions_and_cita
     )
     assert (result.metric_type, result.metric_value) == ("accuracy", round(accuracy, 4))
     text = parsed.text
-    assert "| attention | alpha | beta | kernel_size | layers | init | method |" in text
-    assert "| encoder | 0.05 | 0.05 | 3 | all | kaiming_uniform | conv |" in text  # the quickstart's
-    assert "The convolutions add 7,848 parameters to the\nEABertForSequenceClassification architecture" in text
+    assert "| attention | alpha | beta | kernel_size | layers | init | method | gates |" in text
+    assert "| encoder | 0.0 | 0.0 | 3 | all | kaiming_uniform | conv | learned |" in text  # the quickstart's
+    assert "The convolutions add 7,860 parameters to the\nEABertForSequenceClassification architecture" in text
     assert f'AutoModelForSequenceClassification.from_pretrained("{REPO}", trust_remote_code=True)' in text
     assert f"| SST-2-format local files | validation | accuracy | {accuracy:.4f} |" in text
     assert "learning_rate: 0.001" in text and "max_steps: 2" in text  # the resolved recipe
@@ -125,7 +125,7 @@ def test_card_and_push_read_each_file_of_the_run_once(run_dir, hub, monkeypatch,
         shapes = {name: weights.get_slice(name).get_shape() for name in weights.keys()}  # noqa: SIM118
     assert record.parameters.total == sum(math.prod(shape) for shape in shapes.values())
     assert record.parameters.evolution == sum(math.prod(s) for n, s in shapes.items() if ".evolving_attention." in n)
-    assert record.parameters.evolution == 7848  # 6 layers x (12 x 12 x 9 + 12)
+    assert record.parameters.evolution == 7860  # 6 layers x (12 x 12 x 9 + 12 + the 2 learned gates)
     read = {"recipe.yaml": 1, "config.json": 1, "model.safetensors": 1, "eval/validation/metrics.json": 1}
     opened.counts.clear()
     assert main(["card", str(run_dir), "--repo-id", REPO, "-o", str(tmp_path / "README.md")]) == 0
@@ -188,7 +188,7 @@ def test_push_uploads_the_run_byte_for_byte_and_is_idempotent(run_dir, hub, monk
     assert not any(name.startswith(("checkpoints/", "eval/")) or name == "training_args.bin" for name in stored)
     assert stored["README.md"].decode() == str(run_card(run_dir, REPO))
     config = json.loads(stored["config.json"])
-    assert config["evolving_attention"]["encoder"]["alpha"] == 0.05 and "AutoModel" in config["auto_map"]
+    assert config["evolving_attention"]["encoder"]["gates"] == "learned" and "AutoModel" in config["auto_map"]
 
     commits = hub.commits(REPO)
     assert main(["push", str(run_dir), "--repo-id", REPO, "--endpoint", hub.endpoint]) == 0
@@ -320,8 +320,8 @@ def test_adapter_runs_get_an_adapter_card(tmp_path):
     assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
     assert card.data.base_model_relation == "adapter" and card.data.license == "apache-2.0"
     assert "ea_hf.adapters.load_adapter(base" in card.text
-    assert "| encoder | 0.05 | 0.05 | 3 | all | kaiming_uniform | conv |" in card.text
-    assert "The convolutions add 7,848 parameters" in card.text
+    assert "| encoder | 0.0 | 0.0 | 3 | all | kaiming_uniform | conv | learned |" in card.text
+    assert "The convolutions add 7,860 parameters" in card.text
     assert "package:" not in str(card)
 
 

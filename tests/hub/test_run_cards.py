@@ -32,8 +32,9 @@ pytest.importorskip("aeon", reason="the time-series runs read .ts files with the
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "runs_v0_1"
 #: The quickstart as ea_hf 0.1 shipped it: two epochs on the SST-2-format sample (then in recipes/data).
-#: The quickstart's EA settings in ea_hf 0.1 (the papers'; 0.1 had no ramp), which its runs were written with.
-V0_1_EA = ["ea.alpha=0.2", "ea.beta=0.2", "ea.ramp_ratio=0"]
+#: The quickstart's EA settings in ea_hf 0.1 (the papers'; 0.1 had no ramp nor learned gates), which its runs were
+#: written with.
+V0_1_EA = ["ea.gates=fixed", "ea.alpha=0.2", "ea.beta=0.2", "ea.ramp_ratio=0"]
 V0_1_QUICKSTART = [
     "data.source=local",
     f"data.files={{train: {RECIPES_DIR / 'data/sst2-sample/train.tsv'}, "

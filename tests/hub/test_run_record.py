@@ -61,8 +61,8 @@ def test_the_record_holds_what_the_run_wrote(tmp_path):
     assert record.recipe == read_run_recipe(run_dir) and record.recipe.peft.method == "lora"
     # The settings the base model gets from ea_hf.patch: the quickstart's, on the encoder.
     assert {key: record.settings["encoder"][key] for key in ("alpha", "beta", "kernel_size")} == {
-        "alpha": 0.05,
-        "beta": 0.05,
+        "alpha": 0.0,
+        "beta": 0.0,
         "kernel_size": 3,
     }
     assert record.selection_name == "ea" and record.selection.chosen.name == "ea"
@@ -86,7 +86,7 @@ def test_a_lora_run_s_card_renders_where_peft_is_not_installed(tmp_path, monkeyp
     assert card.data.library_name == "peft" and card.data.tags == ["evolving-attention", "ea_hf", "peft", "lora"]
     assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
     assert card.data.base_model_relation == "adapter" and card.data.license == "apache-2.0"
-    assert "| encoder | 0.05 | 0.05 | 3 | all | kaiming_uniform | conv |" in card.text
+    assert "| encoder | 0.0 | 0.0 | 3 | all | kaiming_uniform | conv | learned |" in card.text
     assert f"The convolutions add {EVOLUTION_PARAMETERS:,} parameters" in card.text
     assert "| SST-2-format local files | validation | accuracy | 0.7500 |" in card.text
     assert "Selected on validation, as `ea-hf run` does with `select`: the configuration with the highest mean" in (

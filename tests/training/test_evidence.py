@@ -204,25 +204,49 @@ def test_runs_with_per_example_scores_are_also_compared_example_by_example(tmp_p
 
 ROOT = Path(__file__).resolve().parents[2]
 EVIDENCE = ROOT / "bench" / "results" / "evidence"
+PAGE = ROOT / "docs" / "does-ea-help.md"
+
+
+def assert_page_shows(patterns: list[str], runs: int, **options) -> None:
+    """docs/does-ea-help.md holds the tables ``ea-hf compare --seeds`` prints for the committed run records that
+    ``patterns`` name under bench/results/evidence (each expanded and sorted as the shell does, pattern by
+    pattern), which must be ``runs`` runs; ``options``: those of :func:`seed_evidence` (reference, split)."""
+    run_dirs = [path for pattern in patterns for path in sorted(EVIDENCE.glob(pattern), key=str)]
+    assert len(run_dirs) == runs
+    assert seed_evidence(run_dirs, **options).to_markdown() in PAGE.read_text()
 
 
 def test_the_docs_tables_of_the_text_evidence_are_the_committed_runs():
     """docs/does-ea-help.md shows what ``ea-hf compare --seeds`` computes from the committed run records
     (bench/results/evidence, written by bench/analyses/collect_evidence.py from real runs), for MiniLM, the quickstart's
     settings and SmolLM2, and every search run."""
-    page = (ROOT / "docs" / "does-ea-help.md").read_text()
-    runs = sorted((EVIDENCE / "minilm-rotten-tomatoes").glob("*/seed=*"), key=str)  # as the shell sorts them
-    assert len(runs) == 5 * 5  # 5 variants, 5 seeds
-    assert seed_evidence(runs, reference="ea").to_markdown() in page
+    page = PAGE.read_text()
+    assert_page_shows(["minilm-rotten-tomatoes/*/seed=*"], 5 * 5, reference="ea")  # 5 variants, 5 seeds
     for run in sorted((EVIDENCE / "minilm-rotten-tomatoes-search").iterdir()):
         accuracy = json.loads((run / "eval" / "validation" / "metrics.json").read_text())["accuracy"]
         assert re.search(rf"^\| `{re.escape(run.name)}` \|.*\| {accuracy:.4f} \|$", page, flags=re.M), run.name
-    quickstart = sorted((EVIDENCE / "quickstart-defaults").glob("*/seed=*"), key=str)
-    assert len(quickstart) == 3 * 5  # the baseline and two EA settings, 5 seeds, on validation
-    assert seed_evidence(quickstart, reference="baseline", split="validation").to_markdown() in page
-    decoder = sorted((EVIDENCE / "smollm2-python-docs").glob("*/seed=*"), key=str)
-    assert len(decoder) == 3 * 3  # baseline, EA and EA with LoRA, 3 seeds
-    assert seed_evidence(decoder, reference="ea").to_markdown() in page
+    # The quickstart's settings: the baseline and two EA settings, 5 seeds, on validation.
+    assert_page_shows(["quickstart-defaults/*/seed=*"], 3 * 5, reference="baseline", split="validation")
+    assert_page_shows(["smollm2-python-docs/*/seed=*"], 3 * 3, reference="ea")  # baseline, EA, EA with LoRA
+
+
+def test_the_docs_retrofits_are_the_committed_runs_and_selection():
+    """The retrofits section of docs/does-ea-help.md: every candidate against the baseline on validation (the
+    baseline and alpha = beta = 0.05 are the quickstart section's runs), the runner's selection as its
+    selection.json records it, and test for the chosen candidate and the baseline only."""
+    reused = ["quickstart-defaults/baseline/seed=*", "quickstart-defaults/ab0.05-ramp/seed=*"]
+    assert_page_shows([*reused, "retrofits/*/seed=*"], 5 * 5, reference="baseline", split="validation")
+    selection = json.loads((EVIDENCE / "retrofits" / "selection.json").read_text())
+    assert (selection["chosen"], selection["baseline"]) == ("learned-gates", "baseline")
+    rows = []
+    for candidate in selection["candidates"]:  # in rank order
+        mark = {selection["chosen"]: " chosen ", selection["baseline"]: " baseline "}.get(candidate["name"], " ")
+        rows.append(f"| `{candidate['name']}` | {candidate['mean']:.4f} |{mark}|")
+    assert "\n".join(rows) in PAGE.read_text()
+    tested = sorted(run.parents[2].name for run in EVIDENCE.glob("retrofits/*/seed=*/eval/test"))
+    assert tested == [selection["chosen"]] * 5  # test scored for the chosen candidate alone of the new runs
+    chosen = f"retrofits/{selection['chosen']}/seed=*"
+    assert_page_shows([reused[0], chosen], 2 * 5, reference="baseline", split="test")
 
 
 def test_by_example_graded_scores_where_lower_is_better_have_no_mcnemar():

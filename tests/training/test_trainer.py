@@ -75,7 +75,7 @@ def test_quickstart_runs_and_saves_everything(tmp_path, capsys):
     assert evidence not in capsys.readouterr().out  # the baseline has no EA settings to speak of
     assert main(["compare", str(run_dir), str(baseline)]) == 0
     table = capsys.readouterr().out
-    assert "a=0.05 b=0.05 k=3" in table and " off " in table and table.count("accuracy=") == 2
+    assert "a=0 b=0 k=3 learned gates" in table and " off " in table and table.count("accuracy=") == 2
 
     # An existing run is never overwritten; --skip-finished leaves it as it is and goes on.
     assert main(["run", "quickstart", *SHORT, f"output_dir={run_dir}"]) == 2
@@ -87,7 +87,7 @@ def test_quickstart_runs_and_saves_everything(tmp_path, capsys):
 
 
 def test_a_ramp_starts_from_the_checkpoint_and_reaches_the_full_alpha_and_beta(tmp_path):
-    recipe = short_quickstart(tmp_path / "ramp", "ea.ramp_ratio=0.5", "ea.alpha=0.4", "ea.beta=0.2")
+    recipe = short_quickstart(tmp_path / "ramp", "ea.gates=fixed", "ea.ramp_ratio=0.5", "ea.alpha=0.4", "ea.beta=0.2")
     seen = RecordEvolution()
     trainer, eval_splits = prepare(recipe, tmp_path / "ramp", callbacks=[seen])
     batch = next(iter(trainer.get_eval_dataloader(eval_splits["validation"])))
@@ -123,7 +123,7 @@ def test_evolution_parameters_get_their_own_learning_rate(tmp_path):
     trainer, _ = prepare(recipe, tmp_path / "lr")
     optimizer = trainer.create_optimizer()
     evolution = {id(p) for p in evolution_parameters(trainer.model)}
-    assert len(evolution) == 2 * 6
+    assert len(evolution) == 4 * 6  # per layer: the convolution's weight and bias, the two learned gates
     groups = [g for g in optimizer.param_groups if {id(p) for p in g["params"]} & evolution]
     assert len(groups) == 1 and groups[0]["lr"] == 0.005 and {id(p) for p in groups[0]["params"]} == evolution
     others = [g for g in optimizer.param_groups if g is not groups[0]]
@@ -234,12 +234,12 @@ def test_a_lora_run_saves_what_reproduces_its_metrics(tmp_path, merge):
         assert "model.safetensors" in files and "adapter_config.json" not in files
         model = transformers.AutoModelForSequenceClassification.from_pretrained(run_dir)
         assert type(model).__name__ == "EABertForSequenceClassification"
-    else:  # only the adapter: LoRA matrices, evolution convolutions and classifier
+    else:  # only the adapter: LoRA matrices, evolution convolutions and gates, and classifier
         assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
         from safetensors.torch import load_file
 
         names = load_file(run_dir / "adapter_model.safetensors").keys()
-        assert sum("evolving_attention" in n for n in names) == 2 * 6 and sum("lora_A" in n for n in names) == 6 * 3
+        assert sum("evolving_attention" in n for n in names) == 4 * 6 and sum("lora_A" in n for n in names) == 6 * 3
         assert all("lora_" in n or "evolving_attention" in n or "classifier" in n for n in names)
     again = evaluate_run(run_dir)["validation"]
     assert again["accuracy"] == metrics["validation"]["accuracy"]
