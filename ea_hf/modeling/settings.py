@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +79,8 @@ class EvolvingAttentionSettings:
         method: one of :data:`METHODS`. ``residual`` has no convolution (beta must be 0); ``echo`` neither
             mixes layers nor convolves (alpha and beta must be 0); ``linear`` drops the ReLU of ``conv``'s branch.
         gates: one of :data:`GATES`. ``learned`` makes alpha and beta parameters of each layer, started at the
-            values given here (``for_method``'s default for them is then 0: step 0 is the checkpoint exactly).
+            values given here (``for_method``'s default for them is then 0: step 0 is the checkpoint exactly;
+            beta keeps the linear method's 0.2 with its identity start, which is exact for any beta).
         echoes: ``echo``: the number of echo steps S.
         echo_state: ``echo``: the state transition, one of :data:`ECHO_STATES`.
         max_positions: ``echo`` with a ``row`` or ``column`` state: the longest sequence it can take.
@@ -148,13 +150,19 @@ class EvolvingAttentionSettings:
             (0.2, 0.0)
             >>> s = EvolvingAttentionSettings.for_method("linear", gates="learned")
             >>> s.alpha, s.beta, s.init
-            (0.0, 0.0, 'dirac')
+            (0.0, 0.2, 'dirac')
         """
         default_alpha, default_beta = METHOD_DEFAULTS.get(method, (0.2, 0.2))
-        if fields.get("gates") == "learned":
-            default_alpha = default_beta = 0.0
         if method == "linear" and "init" not in fields:  # the identity start
             fields["init"] = "dirac"
+        if fields.get("gates") == "learned":
+            # Started where the layer computes the checkpoint: alpha 0, and beta 0 unless the convolution branch
+            # starts as the identity (the linear method's dirac start, exact for any beta). There beta keeps the
+            # method's default: at 0 neither beta (its gradient reads Conv(A_in) - A_in = 0) nor the kernel
+            # (scaled by beta) would ever move.
+            default_alpha = 0.0
+            if not (method == "linear" and fields["init"] == "dirac"):
+                default_beta = 0.0
         alpha = default_alpha if alpha is None else alpha
         beta = default_beta if beta is None else beta
         return cls(alpha=alpha, beta=beta, method=method, **fields)
@@ -250,6 +258,12 @@ class EvolvingAttentionSettings:
         problems += self._method_problems()
         if problems:
             raise ValueError("Invalid evolving-attention settings: " + "; ".join(problems))
+        if self.gates == "learned" and self.method == "linear" and self.init == "dirac" and self.beta == 0:
+            warnings.warn(
+                "learned gates with the linear method's identity start and beta = 0 never move beta or the kernel "
+                "(neither has a gradient there); start beta above 0, which the identity start keeps exact",
+                stacklevel=3,
+            )
         object.__setattr__(self, "alpha", float(self.alpha))
         object.__setattr__(self, "beta", float(self.beta))
 

@@ -392,6 +392,37 @@ def test_residual_attention_learns_its_alpha_from_an_exact_start():
     assert all(m.alpha_gate.grad.abs() > 0 for m in modules[1:])
 
 
+def test_the_linear_method_with_learned_gates_starts_where_its_convolution_learns():
+    """Its default start keeps beta at the method's 0.2, exact with the identity kernel: the kernels get a gradient
+    at once, and beta one as soon as they move. Started at beta = 0 neither ever moves, and a warning says so."""
+    inputs = tiny_inputs("bert")
+    with torch.no_grad():
+        expected = real_positions("bert", inputs, first_output(tiny_model("bert")(**inputs)))
+
+    def gradients(model):
+        model.zero_grad()
+        output = first_output(model(**inputs))
+        output.pow(2).mean().backward()
+        return output, evolution_modules(model)
+
+    model = ea_hf.patch(tiny_model("bert"), method="linear", gates="learned")
+    output, modules = gradients(model)
+    assert [(m.alpha, m.beta) for m in modules] == [(0.0, pytest.approx(0.2))] * len(modules)
+    assert max_abs_diff(real_positions("bert", inputs, output), expected) < 1e-5
+    assert all(m.weight.grad.abs().max() > 1e-6 for m in modules)
+    with torch.no_grad():
+        for m in modules:
+            m.weight.sub_(10.0 * m.weight.grad)
+    _, modules = gradients(model)
+    assert all(m.beta_gate.grad.abs() > 1e-9 for m in modules)
+
+    with pytest.warns(UserWarning, match="never move beta or the kernel"):
+        stuck = ea_hf.patch(tiny_model("bert"), method="linear", gates="learned", beta=0.0)
+    _, modules = gradients(stuck)
+    assert all(m.weight.grad is None or m.weight.grad.abs().max() == 0 for m in modules)
+    assert all(m.beta_gate.grad is None or m.beta_gate.grad.abs().max() == 0 for m in modules)
+
+
 def test_a_models_gate_gradients_match_finite_differences():
     """Through a whole model (float64, interior gate values): the attention path with autograd hands every layer's
     gates their exact gradients. (The causal step is checked on its own above.)"""
