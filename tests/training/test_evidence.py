@@ -227,7 +227,10 @@ def test_the_docs_tables_of_the_text_evidence_are_the_committed_runs():
         assert re.search(rf"^\| `{re.escape(run.name)}` \|.*\| {accuracy:.4f} \|$", page, flags=re.M), run.name
     # The quickstart's settings: the baseline and two EA settings, 5 seeds, on validation.
     assert_page_shows(["quickstart-defaults/*/seed=*"], 3 * 5, reference="baseline", split="validation")
-    assert_page_shows(["smollm2-python-docs/*/seed=*"], 3 * 3, reference="ea")  # baseline, EA, EA with LoRA
+    assert_page_shows(["smollm2-python-docs/*/seed=*"], 4 * 3, reference="ea")  # with EA-LoRA, learned gates
+    # Learned gates (the best MiniLM retrofit) against the baseline and EA.
+    smollm2 = [f"smollm2-python-docs/{variant}/seed=*" for variant in ("baseline", "ea", "learned-gates")]
+    assert_page_shows(smollm2, 3 * 3, reference="learned-gates")
 
 
 def test_the_docs_retrofits_are_the_committed_runs_and_selection():
