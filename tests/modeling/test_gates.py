@@ -27,10 +27,11 @@ from ea_hf.modeling.step import EvolutionStep, StepMaps
 from ea_hf.ops.cpu import binding as cpu_binding
 from ea_hf.ops.cpu import evolution as cpu_evolution
 
-#: One family per kind: encoder, vision encoder, seq2seq, decoder-only.
+#: One family per kind: encoder, vision encoder, audio encoder, seq2seq, decoder-only.
 KINDS = {
     "bert": transformers.AutoModel,
     "vit": transformers.AutoModel,
+    "wav2vec2": transformers.AutoModel,
     "t5": transformers.AutoModelForSeq2SeqLM,
     "llama": transformers.AutoModelForCausalLM,
 }
@@ -52,6 +53,8 @@ def real_positions(model_type: str, inputs: dict, output: torch.Tensor) -> torch
     moves the outputs of padding positions (which nothing reads); real ones see every kept entry unchanged."""
     if model_type in ("bert", "llama"):
         return output[inputs["attention_mask"].bool()]
+    if model_type == "wav2vec2":  # the clips without padding (frames of a padded clip are not samples)
+        return output[inputs["attention_mask"].all(-1)]
     return output  # ViT has no padding; T5's output is the decoder's, whose inputs are unpadded
 
 
