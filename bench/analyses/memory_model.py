@@ -17,7 +17,8 @@ attention keeps its softmax per layer (Llama-style families upcast the softmax: 
 sdpa keeps no map. Layers that ``layers=`` leaves plain run ea_hf's eager attention, which keeps its softmax in the
 maps' dtype.
 
-On the Triton path (``EA_HF_TRITON=1``: the evolution kernels and the fused attention tail) a layer keeps A_logit,
+On the Triton path (the evolution kernels and the fused attention tail: half-precision maps on Hopper GPUs by
+default, any with ``EA_HF_TRITON=1``) a layer keeps A_logit,
 the gate bit-packed (an eighth of a byte an element, the fused kernels' form) and two floats a query row, and its
 backward forms no fp32 map:
 ``TRITON_TRANSIENT_MAPS``, measured with the kernels in Triton's interpreter on CPU tensors, where MemTracker

@@ -587,27 +587,39 @@ def compare(cases: list[dict], dry_run: bool) -> list[dict]:
     return rows
 
 
-def default_choice(rows: list[dict], checks: list[dict]) -> dict:
-    """The rule that sets ea_hf's default path on CUDA from the decision table: the fastest correct candidate.
+def precision_of(dtype_name: str) -> str:
+    """The precision a case's dtype belongs to (``"float32"`` or ``"half"``), as ea_hf chooses its default per
+    precision (``ea_hf.ops.triton.common.precision``)."""
+    return "float32" if dtype_name == "fp32" else "half"
 
-    The candidates are :data:`DEFAULT_CANDIDATES`. One is correct where every case of it in the table (``rows``, as
-    :func:`compare` gives them) ran without error on its own path (:data:`CANDIDATE_PATHS`: a case that fell back
-    measured another path) and, for all but the reference ``ea-torch``, it has agreement checks against ea-torch
-    (``checks``) and every one agrees. Of the correct ones, the fastest has the least geometric mean of its time over
-    eager across the cases (N, batch, dtype, mode) in which every correct candidate has one. Without such a case,
-    or without a correct candidate, the default stays ``ea-torch``.
+
+def default_choice(rows: list[dict], checks: list[dict], precision: str) -> dict:
+    """The rule that sets ea_hf's default path on CUDA for maps of one ``precision`` (``"half"``: bf16 and fp16;
+    ``"float32"``) from the decision table: the fastest correct candidate.
+
+    Only the table's cases and checks of that precision count. The candidates are :data:`DEFAULT_CANDIDATES`. One is
+    correct where every case of it in the table (``rows``, as :func:`compare` gives them) ran without error on its
+    own path (:data:`CANDIDATE_PATHS`: a case that fell back measured another path) and, for all but the reference
+    ``ea-torch``, it has agreement checks against ea-torch (``checks``) and every one agrees. Of the correct ones, the
+    fastest has the least geometric mean of its time over eager across the cases (N, batch, dtype, mode) in which
+    every correct candidate has one. Without such a case, or without a correct candidate, the default stays
+    ``ea-torch``.
 
     Example:
         >>> def row(variant, ratio):
         ...     return {"n": 512, "batch": 8, "dtype": "bf16", "mode": "training", "variant": variant, "status": "ok",
         ...             "time_over_eager": ratio, "evolution_path": CANDIDATE_PATHS[variant]}
         >>> rows = [row("ea-torch", 2.0), row("ea-triton", 1.8), row("ea-torch-nhwc", 1.9)]
-        >>> checks = [{"candidate": "ea-triton", "status": "ok", "agree": False},
-        ...           {"candidate": "ea-torch-nhwc", "status": "ok", "agree": True}]
-        >>> choice = default_choice(rows, checks)
+        >>> checks = [{"dtype": "bf16", "candidate": "ea-triton", "status": "ok", "agree": False},
+        ...           {"dtype": "bf16", "candidate": "ea-torch-nhwc", "status": "ok", "agree": True}]
+        >>> choice = default_choice(rows, checks, "half")
         >>> choice["default"], choice["excluded"]
         ('ea-torch-nhwc', {'ea-triton': 'disagrees with ea-torch in an agreement check'})
+        >>> default_choice(rows, checks, "float32")["default"]  # no fp32 case: the reference
+        'ea-torch'
     """
+    rows = [row for row in rows if precision_of(row["dtype"]) == precision]
+    checks = [check for check in checks if precision_of(check["dtype"]) == precision]
     excluded = {}
     for candidate in DEFAULT_CANDIDATES:
         own = [row for row in rows if row["variant"] == candidate]
@@ -635,8 +647,10 @@ def default_choice(rows: list[dict], checks: list[dict]) -> dict:
         if compared
     }
     return {
-        "rule": "the fastest correct candidate: the least geometric mean of time over eager, over the cases every "
-        "correct candidate ran, among those whose cases ran on their path and that agree with ea-torch",
+        "precision": precision,
+        "rule": "the fastest correct candidate: the least geometric mean of time over eager, over the cases of this "
+        "precision every correct candidate ran, among those whose cases ran on their path and that agree with "
+        "ea-torch",
         "default": min(geomeans, key=geomeans.get) if geomeans else "ea-torch",
         "correct": correct,
         "excluded": excluded,
@@ -649,14 +663,60 @@ def default_choice(rows: list[dict], checks: list[dict]) -> dict:
     }
 
 
-def choice_text(choice: dict) -> str:
-    """:func:`default_choice`'s verdict as Markdown."""
-    means = ", ".join(f"`{name}` {mean:.3f}x" for name, mean in choice["geomean_time_over_eager"].items())
-    excluded = "; ".join(f"`{name}`: {why}" for name, why in choice["excluded"].items())
-    return (
-        f"Rule: {choice['rule']}. **Default on CUDA by this table: `{choice['default']}`.** Geometric mean of time "
-        f"over eager over {choice['cases_compared']} case(s): {means or 'none'}. Excluded: {excluded or 'none'}.\n"
-    )
+def default_choices(rows: list[dict], checks: list[dict]) -> dict[str, dict]:
+    """:func:`default_choice` for each precision: what a GPU session's table says ea_hf's default on that GPU
+    should be (``ea_hf.ops.triton.common.TRITON_BY_DEFAULT`` follows it)."""
+    return {precision: default_choice(rows, checks, precision) for precision in ("half", "float32")}
+
+
+def decision_table(reports: list[dict]) -> dict:
+    """One GPU's decision table from a session's reports (one per N, as ``sessions/gpu_session.sh`` writes them):
+    the candidates' rows and the agreement checks of them all, the GPU, its compute capability and versions, and the
+    rule's verdict per precision (:func:`default_choices`). Committed as ``bench/results/<gpu>/decision_table.json``,
+    it is what ``ea_hf.ops.triton.common.TRITON_BY_DEFAULT`` must follow for that GPU's compute capability (a test
+    checks it).
+
+    Example:
+        >>> row = {"n": 512, "batch": 8, "dtype": "bf16", "mode": "training", "variant": "ea-torch", "status": "ok",
+        ...        "time_over_eager": 2.0, "evolution_path": "torch operations"}
+        >>> report = {"gpu": "NVIDIA H200", "machine": {"gpu_capability": [9, 0]}, "versions": {},
+        ...           "comparison": [row, dict(row, variant="eager")], "agreement": []}
+        >>> table = decision_table([report])
+        >>> table["capability"], len(table["comparison"]), table["default_choice"]["half"]["default"]
+        ([9, 0], 1, 'ea-torch')
+    """
+    if not reports:
+        raise ValueError("a decision table needs at least one report")
+    where = {(report["gpu"], tuple(report["machine"].get("gpu_capability") or ())) for report in reports}
+    if len(where) != 1:
+        raise ValueError(f"the reports come from more than one GPU: {sorted(where)}")
+    ((gpu, capability),) = where
+    rows = [row for report in reports for row in report["comparison"] if row["variant"] in DEFAULT_CANDIDATES]
+    checks = [check for report in reports for check in report["agreement"]]
+    return {
+        "about": "The decision table of ea_hf's default path on CUDA for this GPU (bench/benchmarks/attention_gpu.py "
+        "--decision-table): the candidates' cases and agreement checks, and the rule's verdict per precision.",
+        "gpu": gpu,
+        "capability": list(capability) or None,  # None: a CPU dry run's, no GPU's
+        "versions": reports[0]["versions"],
+        "comparison": rows,
+        "agreement": checks,
+        "default_choice": default_choices(rows, checks),
+    }
+
+
+def choice_text(choices: dict[str, dict]) -> str:
+    """:func:`default_choices`' verdicts as Markdown, one line per precision."""
+    lines = []
+    for precision, choice in choices.items():
+        means = ", ".join(f"`{name}` {mean:.3f}x" for name, mean in choice["geomean_time_over_eager"].items())
+        excluded = "; ".join(f"`{name}`: {why}" for name, why in choice["excluded"].items())
+        lines.append(
+            f"- {precision} maps: **default on CUDA by this table: `{choice['default']}`.** Geometric mean of time "
+            f"over eager over {choice['cases_compared']} case(s): {means or 'none'}. Excluded: {excluded or 'none'}."
+        )
+    rule = next(iter(choices.values()))["rule"] if choices else ""
+    return f"Rule, per precision: {rule}.\n\n" + "\n".join(lines) + "\n"
 
 
 def achieved_bandwidth(case: dict) -> float | None:
@@ -952,7 +1012,7 @@ def collect(args: argparse.Namespace) -> dict:
             agreement=checks,
             markdown_table=cases_table(rows, cases),
             markdown_agreement=agreement_table(checks),
-            default_choice=default_choice(rows, checks),
+            default_choice=default_choices(rows, checks),
             wall_time_s=elapsed(),
         )
         json_path.write_text(json.dumps(report, indent=2) + "\n")
@@ -989,6 +1049,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--isolate", action="store_true", help="run every case and check in a fresh process")
     add("--resume", action="store_true", help="reuse the finished cases of the output JSON")
     add("--no-check", action="store_true", help="skip the agreement checks of ea-torch against the candidates")
+    add("--decision-table", nargs="+", metavar=("OUT", "REPORT"), help="merge a session's reports (JSON) into the "
+        "GPU's decision table at OUT (decision_table.json) and print its verdicts; runs nothing")  # fmt: skip
     internal = parser.add_mutually_exclusive_group()
     internal.add_argument("--case", nargs=5, metavar=("VARIANT", "N", "BATCH", "MODE", "DTYPE"), help="internal: "
                           "run one case")  # fmt: skip
@@ -1009,6 +1071,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if variant not in VARIANTS or mode not in MODES or dtype not in DTYPES:
             parser.error(f"--case expects VARIANT in {VARIANTS}, MODE in {MODES}, DTYPE in {DTYPES}")
         args.case = (variant, int(length), int(batch), mode, dtype)
+    if args.decision_table is not None and len(args.decision_table) < 2:
+        parser.error("--decision-table expects OUT and at least one REPORT")
     if args.check:
         length, batch, dtype, candidate = args.check
         if dtype not in DTYPES or candidate not in CHECKED_CANDIDATES:
@@ -1020,6 +1084,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """The whole run by default; ``--case`` / ``--check`` run one case or check and print it as a result line."""
     args = parse_args(argv)
+    if args.decision_table:
+        out, *paths = map(Path, args.decision_table)
+        table = decision_table([json.loads(path.read_text()) for path in paths])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(table, indent=2) + "\n")
+        print(choice_text(table["default_choice"]) + f"wrote {out}")
+        return
     if args.dry_run:
         # Before torch (transformers imports triton through torch._dynamo): Triton then starts interpreted.
         os.environ.setdefault("TRITON_INTERPRET", "1")

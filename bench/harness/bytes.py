@@ -18,11 +18,12 @@ that reads each input once and writes each output once moves them:
 The meta device takes the choices ea_hf makes for CUDA tensors: every branch on ``device.type == "cpu"`` (the CPU
 kernel, the fused masked passes, the weight gradient by taps) goes the GPU way, and for autocast ``meta`` stands for
 ``cuda`` (:func:`meta_autocast`). The EA candidates are the variants of ``attention_gpu.py``: ``ea-torch`` (torch
-operations, the default on CUDA), ``ea-triton`` (the Triton kernels and fused attention tail, counted through
+operations), ``ea-triton`` (the Triton kernels and fused attention tail, counted through
 their operators on meta: :func:`triton_on_meta`) and ``ea-torch-nhwc`` (torch operations with the convolutions on
 channels-last maps whose heads are padded to a multiple of 8, ``EA_HF_CHANNELS_LAST=1``: the padding and the
-layout's copies counted with the rest). Compiled variants are not counted: inductor fuses and plans its own
-buffers, which the meta device cannot show.
+layout's copies counted with the rest). ea_hf's default on CUDA is one of them, per GPU and precision
+(:func:`default_variant`: on an H100 or H200, ``ea-triton`` for bf16 and fp16 maps). Compiled variants are not
+counted: inductor fuses and plans its own buffers, which the meta device cannot show.
 
 The public API: :func:`count_bytes` (any callable), :func:`count_step_bytes` (a model's step by mode),
 :func:`count_case` (one :class:`ByteCase` of :data:`CASES` for one variant), :func:`byte_table` (a Markdown table of
@@ -343,6 +344,36 @@ CASES = (
     ByteCase("llama", "decode", 2048, 1),
 )
 
+#: Issue 72's targets: EA's bytes over eager's on ea_hf's default path on CUDA (:func:`default_variant`), at most.
+TARGETS = {
+    ByteCase("bert", "training", 512, 8): 1.25,
+    ByteCase("bert", "inference", 512, 8): 1.25,
+    ByteCase("bert", "training", 2048, 2): 1.35,
+    ByteCase("llama", "decode", 2048, 1): 1.15,
+}
+#: The GPU whose default the table's "default" columns follow: compute capability 9 (an H100 or H200), the GPU of
+#: the committed decision table (``bench/results/nvidia-h200/decision_table.json``).
+DEFAULT_GPU_CAPABILITY = 9
+
+
+def default_variant(case: ByteCase) -> str:
+    """The EA variant that ea_hf's default takes for ``case``'s maps on a CUDA GPU of :data:`DEFAULT_GPU_CAPABILITY`
+    without ``EA_HF_TRITON`` set (``ea_hf.ops.triton.common.TRITON_BY_DEFAULT``).
+
+    Example:
+        >>> bf16, fp32 = ByteCase("bert", "training", 512, 8), ByteCase("bert", "training", 512, 8, "float32")
+        >>> default_variant(bf16), default_variant(fp32)
+        ('ea-triton', 'ea-torch')
+    """
+    import torch
+
+    import_ea_hf()
+    from ea_hf.ops.triton.common import TRITON_BY_DEFAULT, precision
+
+    key = (DEFAULT_GPU_CAPABILITY, precision(getattr(torch, case.dtype)))
+    return "ea-triton" if key in TRITON_BY_DEFAULT else "ea-torch"
+
+
 #: BERT-Base as attention_gpu.py builds it, and the decoder benchmarks' ~125M Llama (12 query and 4 key/value heads).
 BERT_CONFIG, LLAMA_CONFIG = BERT_BASE_CONFIG, LLAMA_125M_CONFIG
 
@@ -387,21 +418,29 @@ def count_cases(cases: tuple[ByteCase, ...] = CASES, variants: tuple[str, ...] =
 
 
 def byte_table(rows: list[dict[str, Any]], variants: tuple[str, ...] = VARIANTS) -> str:
-    """A Markdown table of :func:`count_cases`' rows: GB per variant, each EA variant's ratio to eager, and the
-    largest op of the first EA variant."""
+    """A Markdown table of :func:`count_cases`' rows: GB per variant, each EA variant's ratio to eager, the variant
+    ea_hf's default takes on the table's GPU (:func:`default_variant`) with its ratio against the case's target
+    (:data:`TARGETS`), and that variant's largest op."""
     ea_variants = [v for v in variants if v != "eager"]
     header = ["case", *(f"{v} GB" for v in variants), *(f"{v} / eager" for v in ea_variants)]
-    header.append(f"largest op of {ea_variants[0]}" if ea_variants else "largest op")
+    header += ["default on CUDA", "default / eager (target)", "largest op of the default"]
     lines = []
     for row in rows:
+        case = ByteCase(**{field.name: row[field.name] for field in dataclasses.fields(ByteCase)})
         counted = row["variants"]
         eager = counted["eager"]["bytes"] if "eager" in counted else None
         cells = [row["name"], *(f"{counted[v]['bytes'] / 1e9:.2f}" for v in variants)]
         cells += [f"{counted[v]['bytes'] / eager:.2f}x" if eager else "-" for v in ea_variants]
-        op, moved = next(iter(counted[(ea_variants or list(variants))[0]]["by_op"].items()))
-        cells.append(f"`{op}` {moved / 1e9:.2f} GB")
+        default = default_variant(case)
+        if default in counted and eager:
+            ratio, target = counted[default]["bytes"] / eager, TARGETS.get(case)
+            verdict = "" if target is None else f" (<= {target}: {'pass' if ratio <= target else 'FAIL'})"
+            op, moved = next(iter(counted[default]["by_op"].items()))
+            cells += [f"`{default}`", f"{ratio:.2f}x{verdict}", f"`{op}` {moved / 1e9:.2f} GB"]
+        else:
+            cells += [f"`{default}`", "not counted", "-"]
         lines.append(cells)
-    return markdown_table(header, "l" + "r" * (len(header) - 2) + "l", lines)
+    return markdown_table(header, "l" + "r" * (len(header) - 4) + "lll", lines)
 
 
 def environment_variables() -> dict[str, str | None]:

@@ -259,7 +259,7 @@ def where_it_ran(device: str, dtype: str) -> dict:
         "device_name": torch.cuda.get_device_name(device) if is_cuda(device) else "cpu",
         "dtype": dtype,
         "torch": torch.__version__,
-        # On CUDA ea_hf evolves the maps with torch operations unless EA_HF_TRITON=1 selects its Triton kernels.
+        # Unset, ea_hf's default per GPU and precision chooses the path (Triton for half precision on Hopper).
         "ea_hf_triton": os.environ.get("EA_HF_TRITON"),
     }
 

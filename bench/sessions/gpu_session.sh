@@ -8,8 +8,8 @@
 #      ea-torch-nhwc) on bf16 and fp32 training and inference at N = 512 (batch 8), bf16 training at N = 2048
 #      (batch 2); then eager, ea-compile and ea-triton-compile on bf16 training at N = 512. Each case's bytes are
 #      counted (bench/harness/bytes.py, on the meta device) beside its time, and their quotient is its achieved
-#      bandwidth; the report names the default by the rule (attention_gpu.default_choice: the fastest correct
-#      candidate). The byte table of every case of issue 72 (bytes_per_step.py) is counted meanwhile on the CPU, in
+#      bandwidth; the report names the default per precision by the rule (attention_gpu.default_choice: the fastest
+#      correct candidate), and the session's reports are merged into the GPU's decision table. The byte table of every case of issue 72 (bytes_per_step.py) is counted meanwhile on the CPU, in
 #      the background                                                                                  -> b_table/
 #   c. the Triton tiles tuned on this GPU: every setting of the sweep timed and checked against torch operations,
 #      the fastest correct ones written into the tuned-tile table (commit c_tune/tuned_tiles.json as
@@ -22,7 +22,7 @@
 #   f. the evolution step beside Liger-Kernel's Multi-Token Attention (where bench/wheels holds its wheel) -> f_liger/
 # Meanwhile, on four cores of their own with CUDA hidden, the paired CPU timing and step memory of attention_cpu.py
 # (cpu/), and on the GPU steps' cores the byte table (b_table/bytes/). Everything comes back as one file, $OUT/gpu_session.tgz, beside this script's log (session.log). The steps'
-# limits add up to 580 s, more than the lease's 510: a run cut short leaves the folders of the steps it finished
+# limits add up to 595 s, more than the lease's 510: a run cut short leaves the folders of the steps it finished
 # under $OUT, untarred, and the last steps (f, then e's dynamic cache) are the ones cut. The device machine has torch, transformers and triton but not ea_hf (it runs from the working
 # tree) and no network: run bench/sessions/fetch_wheels.sh here first and carry bench/wheels.
 #     device run: bash bench/sessions/gpu_session.sh   (timeout_s 510, carry ["bench/wheels"])
@@ -120,6 +120,10 @@ step b_table 55 "${ON_GPU_CPUS[@]}" $PYTHON bench/benchmarks/attention_gpu.py $D
 step b_table 70 "${ON_GPU_CPUS[@]}" $PYTHON bench/benchmarks/attention_gpu.py $DRY $(gpu_or_dry \
     "--cases 512:8 --dtypes bf16 --variants eager ea-compile ea-triton-compile" "--cases 16:2 --variants ea-compile") \
     --modes training --no-check --out "$OUT/b_table/compiled"
+# The GPU's decision table (the candidates' cases and checks, the verdict per precision): commit it as
+# bench/results/<gpu>/decision_table.json, and ea_hf.ops.triton.common.TRITON_BY_DEFAULT with it.
+step b_table 15 $PYTHON bench/benchmarks/attention_gpu.py --decision-table "$OUT/b_table/decision_table.json" \
+    "$OUT"/b_table/512/*.json "$OUT"/b_table/2048/*.json
 [ "$DRY_RUN" = 1 ] && step b_table 60 $PYTHON "${BYTES[@]}" --cases "bert training 64 1" --variants eager ea-torch \
     ea-torch-nhwc
 

@@ -13,8 +13,9 @@ none applies, the core runs the same steps as torch operations.
   caches the library, :mod:`~ea_hf.ops.cpu.binding` calls it through ctypes, :mod:`~ea_hf.ops.cpu.operators`
   declares the torch operators, and :mod:`~ea_hf.ops.cpu.evolution` dispatches between them (the
   ``FusedKernel`` protocol).
-- :mod:`ea_hf.ops.triton`: Triton kernels for GPUs (the ``gpu`` extra), opt-in with ``EA_HF_TRITON=1``, since
-  whole EA models are not yet faster on them than on torch operations (docs/performance.md):
+- :mod:`ea_hf.ops.triton`: Triton kernels for GPUs (the ``gpu`` extra), by default for half-precision maps on
+  the GPUs where a session's decision table chose them (Hopper), else with ``EA_HF_TRITON=1``
+  (docs/performance.md):
   :mod:`~ea_hf.ops.triton.evolution` (the evolution step) and :mod:`~ea_hf.ops.triton.attention_tail` (the masked
   softmax and the product with the values after it, flash-style, without forming P), which run as the torch
   operators of :mod:`~ea_hf.ops.triton.operators` while torch.compile traces.

@@ -38,11 +38,17 @@ def torch_logits(model, inputs: dict[str, torch.Tensor], **options) -> np.ndarra
 def test_the_kernels_step_aside_while_a_trace_runs_and_only_then(monkeypatch):
     maps, weight = torch.randn(1, 4, 5, 5), torch.randn(4, 4, 3, 3)
     monkeypatch.setenv("EA_HF_TRITON", "1")
-    outside = (tracing_without_kernels(), cpu_evolution.applicable(maps, weight=weight), triton_common.enabled())
+    cuda = torch.device("cuda")  # the Triton kernels' judgement of CUDA maps, which needs no GPU
+    outside = (
+        tracing_without_kernels(),
+        cpu_evolution.applicable(maps, weight=weight),
+        triton_common.enabled(cuda, maps.dtype),
+    )
     inside = []
 
     def probe(x):
-        inside.append((tracing_without_kernels(), cpu_evolution.applicable(x, weight=weight), triton_common.enabled()))
+        triton_enabled = triton_common.enabled(cuda, x.dtype)
+        inside.append((tracing_without_kernels(), cpu_evolution.applicable(x, weight=weight), triton_enabled))
         return x * 2
 
     torch.jit.trace(probe, maps, check_trace=False)

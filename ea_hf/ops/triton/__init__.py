@@ -1,7 +1,8 @@
-"""Triton kernels for GPUs (the ``gpu`` extra), opt-in with ``EA_HF_TRITON=1``; on CPU tensors they run in Triton's
-interpreter under ``TRITON_INTERPRET=1`` (for tests).
+"""Triton kernels for GPUs (the ``gpu`` extra): by default for bf16 and fp16 maps on Hopper GPUs, elsewhere with
+``EA_HF_TRITON=1`` (``0`` turns them off); on CPU tensors they run in Triton's interpreter under
+``TRITON_INTERPRET=1`` (for tests).
 
-- :mod:`.common`: what the families share: triton (optional), the opt-in, how products are multiplied, the tile
+- :mod:`.common`: what the families share: triton (optional), where they run, how products are multiplied, the tile
   product, and the jitting of a family's kernels once per interpreter setting.
 - :mod:`.evolution`: the evolution step's kernels (the correlation, the input and weight gradients), as the
   ``FusedKernel`` protocol of ``ea_hf.modeling``.

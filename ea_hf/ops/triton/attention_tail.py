@@ -28,10 +28,10 @@ Products run as the evolution kernels' do (:func:`~.common.tile_product`): half-
 in their dtype, float32 in TF32 where cuDNN may use it, else as three TF32 products; float32 accumulators, and
 float32 for the softmax's sums everywhere.
 
-Opt-in with the evolution kernels (``EA_HF_TRITON=1``; on CPU tensors under ``TRITON_INTERPRET=1``, for tests),
-and only where nobody reads the attention weights (the attention core asks): P is never formed. The kernels stand
-beside their launchers, jitted on first use (:data:`jitted`), and launched over a few configurations of tiles,
-warps and stages (:data:`CONFIGS`), which autotune searches on a GPU (see :mod:`.common`).
+It runs where the evolution kernels do (:func:`.common.enabled`; on CPU tensors under ``TRITON_INTERPRET=1``, for
+tests), and only where nobody reads the attention weights (the attention core asks): P is never formed. The
+kernels stand beside their launchers, jitted on first use (:data:`jitted`), and launched over a few configurations
+of tiles, warps and stages (:data:`CONFIGS`), which autotune searches on a GPU (see :mod:`.common`).
 """
 
 from __future__ import annotations
@@ -71,14 +71,15 @@ CONFIGS: dict[str, dict[str, tuple[dict, ...]]] = {
 
 
 def applicable(logits: Tensor, allowed: Tensor | None, additive: Tensor | None, value: Tensor) -> bool:
-    """Whether these kernels take this tail: triton importable and opted in (as the evolution kernels),
+    """Whether these kernels take this tail: where the kernels may run on the logits' device and dtype (as the
+    evolution kernels, :func:`.common.enabled`),
     [B, H, Q, K] logits and [B, H_kv, K, D] values (H a multiple of H_kv, D at most MAX_HEAD_DIM) of the kernels'
     dtypes on one device, masks that broadcast to the logits, and fewer than 2**31 entries in a batch element's
     map."""
-    if not common.enabled():
-        return False
     dtypes = common.DTYPES
     if logits.dim() != 4 or value.dim() != 4 or logits.dtype not in dtypes or value.dtype not in dtypes:
+        return False
+    if not common.enabled(logits.device, logits.dtype):
         return False
     batch, heads, rows, cols = logits.shape
     if value.shape[0] != batch or value.shape[2] != cols or value.shape[1] == 0 or heads % value.shape[1]:
@@ -94,11 +95,7 @@ def applicable(logits: Tensor, allowed: Tensor | None, additive: Tensor | None, 
             torch.broadcast_shapes(mask.shape, logits.shape)
         except RuntimeError:
             return False
-    if value.device != logits.device:
-        return False
-    if logits.device.type == "cuda":
-        return True
-    return logits.device.type == "cpu" and common.interpreting()
+    return value.device == logits.device
 
 
 def _mask_view(mask: Tensor | None, shape: torch.Size) -> tuple[Tensor | None, tuple[int, int, int, int]]:

@@ -1,11 +1,13 @@
 """What the Triton kernel families share: triton itself (optional), the opt-in, how products are multiplied, the
 device function that multiplies a tile, and the jitting of a family's kernels once per interpreter setting.
 
-**Opt-in.** The kernels run only with ``EA_HF_TRITON=1`` (:func:`enabled`): whole EA models are not yet faster on
-them than on torch operations (docs/performance.md, "GPU: torch operations by default, Triton opt-in"). CUDA
-tensors need that variable alone; CPU tensors, for tests, also ``TRITON_INTERPRET=1`` (:func:`interpreting`), which
-runs the kernels in Triton's interpreter. Both are read at call time. Without triton installed, or with one older
-than :data:`MIN_TRITON`, this package still imports and no kernel applies.
+**Where they run.** On CUDA the kernels take the maps where ``EA_HF_TRITON=1`` asks for them, never with
+``EA_HF_TRITON=0``, and, unset, where a GPU session's decision table chose them for the GPU and the maps' precision
+(:func:`by_default`, :data:`TRITON_BY_DEFAULT`: bf16 and fp16 maps on Hopper GPUs; docs/performance.md, "How the
+default on CUDA is set"). CPU tensors, for tests, need ``EA_HF_TRITON=1`` and ``TRITON_INTERPRET=1``
+(:func:`interpreting`), which runs the kernels in Triton's interpreter. All are read at call time
+(:func:`enabled`). Without triton installed, or with one older than :data:`MIN_TRITON`, this package still
+imports and no kernel applies.
 
 **Products.** On a GPU, products of float32 maps run on tensor cores: in TF32 where
 ``torch.backends.cudnn.allow_tf32`` allows it (as the torch operations' cuDNN convolution does; torch's default),
@@ -181,15 +183,78 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+#: The environment variable that chooses the path of the maps: ``1`` the Triton kernels wherever they apply, ``0``
+#: torch operations, unset the default of :func:`by_default`.
+VARIABLE = "EA_HF_TRITON"
+
+#: Where the kernels run by default (``EA_HF_TRITON`` unset): the NVIDIA GPUs (compute capability, major) and map
+#: precisions for which a GPU session's decision table chose them as the fastest correct candidate
+#: (``bench/benchmarks/attention_gpu.py``, ``default_choice``; docs/performance.md, "How the default on CUDA is
+#: set"). The H200's table (``bench/results/nvidia-h200/decision_table.json``) chose them for bf16 and fp16 maps
+#: and torch operations for fp32 ones. GPUs no table measured, and ROCm, keep torch operations.
+TRITON_BY_DEFAULT = frozenset({(9, "half")})
+
+
+def precision(dtype: torch.dtype) -> str:
+    """The precision a map dtype belongs to, by which the kernels' configurations and the default are chosen:
+    ``"float32"`` or ``"half"`` (bf16 and fp16).
+
+    Example:
+        >>> precision(torch.bfloat16), precision(torch.float32)
+        ('half', 'float32')
+    """
+    return "float32" if dtype == torch.float32 else "half"
+
+
+def requested(environment: dict[str, str] | None = None) -> bool | None:
+    """What ``EA_HF_TRITON`` in ``environment`` (the process's, read at call time) asks for: True (``1``), False
+    (``0``) or nothing (unset or empty: the default, :func:`by_default`).
+
+    Example:
+        >>> requested({"EA_HF_TRITON": "1"}), requested({"EA_HF_TRITON": "0"}), requested({})
+        (True, False, None)
+    """
+    value = (os.environ if environment is None else environment).get(VARIABLE, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"{VARIABLE}={value!r}: expected 1 (the Triton kernels), 0 (torch operations) or unset (the default "
+            "for the GPU and the maps' precision)"
+        )
+    return None if value == "" else value == "1"
+
+
+@torch.compiler.assume_constant_result
+def _capability_major(device: torch.device) -> int:
+    # A constant of the process while torch.compile traces (the device does not change under a graph).
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def by_default(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether maps of ``dtype`` on the CUDA ``device`` take the kernels without ``EA_HF_TRITON`` set: an NVIDIA
+    GPU and precision of :data:`TRITON_BY_DEFAULT`."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return (_capability_major(device), precision(dtype)) in TRITON_BY_DEFAULT
+
+
 def opted_in() -> bool:
     """Whether ``EA_HF_TRITON=1`` asks for the kernels, read at call time."""
-    return os.environ.get("EA_HF_TRITON", "0") == "1"
+    return requested() is True
 
 
-def enabled() -> bool:
-    """Whether any kernel may run: a usable triton is installed, the kernels are asked for, and no ONNX export or
-    jit trace runs (:func:`~ea_hf.ops.fused_step.tracing_without_kernels`)."""
-    return triton is not None and opted_in() and not tracing_without_kernels()
+def enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels may take maps of ``dtype`` on ``device``: a usable triton is installed, no ONNX export
+    or jit trace runs (:func:`~ea_hf.ops.fused_step.tracing_without_kernels`), and on CUDA ``EA_HF_TRITON=1`` or,
+    unset, :func:`by_default`; CPU tensors (for tests) need ``EA_HF_TRITON=1`` and the interpreter
+    (``TRITON_INTERPRET=1``). Read at call time."""
+    if triton is None or tracing_without_kernels():
+        return False
+    asked = requested()
+    if device.type == "cpu":
+        return bool(asked) and interpreting()
+    if device.type != "cuda":
+        return False
+    return by_default(device, dtype) if asked is None else asked
 
 
 def float32_precision() -> str:

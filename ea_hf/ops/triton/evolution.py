@@ -17,7 +17,7 @@
   Neither materialises A_in, the gated gradient or the masked input.
 
 Each kernel stands beside its launcher, and launches over a few configurations of tiles, warps and stages
-(:data:`CONFIGS`), which autotune searches on a GPU. The opt-in (``EA_HF_TRITON=1``), how products are multiplied,
+(:data:`CONFIGS`), which autotune searches on a GPU. Where they run (``EA_HF_TRITON``), how products are multiplied,
 how a launch's configuration is chosen and why the kernels are jitted on first use (:data:`jitted`) are
 :mod:`.common`'s. Whole models in half precision evolve maps in their own dtype.
 ``tests/ops/triton/test_evolution.py`` runs every kernel in Triton's CPU interpreter (and compiled where a GPU is),
@@ -88,25 +88,25 @@ def configs(kernel: str, dtype: torch.dtype, heads: int, device: torch.device) -
         >>> configs("weight_grad", torch.bfloat16, 12, torch.device("cpu"))[0]
         {'BLOCK_Q': 4, 'BLOCK_K': 16, 'BLOCK_TAPS': 128, 'num_warps': 8, 'num_stages': 3}
     """
-    listed = CONFIGS["float32" if dtype == torch.float32 else "half"][kernel]
+    listed = CONFIGS[common.precision(dtype)][kernel]
     return common.launch_configs("evolution", kernel, listed, device, dtype, tile_bucket(heads))
 
 
 def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, weight: torch.Tensor) -> bool:
     """Whether these kernels take these maps and this kernel weight.
 
-    True only with triton importable, ``EA_HF_TRITON=1`` (and ``TRITON_INTERPRET=1`` for CPU tensors), no ONNX
-    export or jit trace running (see :func:`.common.enabled`), 4-D maps of one dtype (float32, bfloat16 or
+    True only where the kernels may run on the maps' device and dtype (:func:`.common.enabled`: triton importable,
+    no ONNX export or jit trace running; on CUDA ``EA_HF_TRITON=1`` or, unset, the default for the GPU and the
+    precision; on CPU ``EA_HF_TRITON=1`` and ``TRITON_INTERPRET=1``), 4-D maps of one dtype (float32, bfloat16 or
     float16) on one CUDA or CPU device, fewer than 2**31 entries in one batch element's map (offsets within it are
     int32), a mask shared by the heads, and a kernel of odd width within the CPU kernel's limits.
     """
-    if not common.enabled():
-        if common.TOO_OLD_TRITON is not None and common.opted_in():
-            warnings.warn(
-                f"EA_HF_TRITON=1, but triton {common.TOO_OLD_TRITON} is older than the {common.MIN_TRITON} the "
-                f"kernels need; using torch operations (pip install 'triton>={common.MIN_TRITON}')",
-                stacklevel=2,
-            )
+    if common.TOO_OLD_TRITON is not None and common.opted_in():
+        warnings.warn(
+            f"EA_HF_TRITON=1, but triton {common.TOO_OLD_TRITON} is older than the {common.MIN_TRITON} the "
+            f"kernels need; using torch operations (pip install 'triton>={common.MIN_TRITON}')",
+            stacklevel=2,
+        )
         return False
     if weight.dim() != 4 or weight.shape[-1] % 2 == 0:  # an even width has no centre column
         return False
@@ -118,6 +118,8 @@ def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, 
     device, dtype = maps[0].device, maps[0].dtype
     if any(t.dim() != 4 or t.device != device or t.dtype != dtype for t in maps) or dtype not in common.DTYPES:
         return False
+    if not common.enabled(device, dtype):
+        return False
     heads = maps[0].shape[1]
     if not 1 <= heads <= MAX_HEADS or tuple(weight.shape[:2]) != (heads, heads):
         return False
@@ -127,9 +129,7 @@ def applicable(*tensors: torch.Tensor | None, keep: torch.Tensor | None = None, 
         # Broadcast from the right, keep's third-last dimension is the heads: it must be 1 (a shared mask).
         if keep.device != device or keep.dim() > 4 or (keep.dim() >= 3 and keep.shape[-3] != 1):
             return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and common.interpreting()
+    return True
 
 
 def _keep_view(

@@ -173,8 +173,10 @@ def test_counted_bytes_and_the_achieved_bandwidth(bench, report):
 
 def test_the_rule_names_the_fastest_correct_candidate_of_the_dry_run(bench, report):
     result, _ = report
-    choice = result["default_choice"]
-    assert choice == bench.default_choice(result["comparison"], result["agreement"])
+    choice = result["default_choice"]["float32"]  # the dry run's cases are fp32
+    assert choice == bench.default_choice(result["comparison"], result["agreement"], "float32")
+    assert result["default_choice"]["half"]["default"] == "ea-torch"  # no half-precision case: the reference
+    assert result["default_choice"]["half"]["cases_compared"] == 0
     assert choice["correct"] == list(bench.DEFAULT_CANDIDATES) and choice["excluded"] == {}
     assert choice["cases_compared"] == len(LENGTHS) * len(bench.MODES)
     means = choice["geomean_time_over_eager"]
@@ -195,32 +197,74 @@ def rule_row(variant, dtype, ratio, path=None, status="ok"):
 
 
 def test_the_rule_excludes_what_is_wrong_or_fell_back_and_takes_the_geometric_mean(bench):
-    agree = [{"candidate": c, "status": "ok", "agree": True} for c in ("ea-triton", "ea-torch-nhwc")]
-    rows = [rule_row("eager", "bf16", 1.0), rule_row("eager", "fp32", 1.0)]
-    rows += [rule_row("ea-torch", "bf16", 2.0), rule_row("ea-torch", "fp32", 1.6)]
-    rows += [rule_row("ea-triton", "bf16", 1.8), rule_row("ea-triton", "fp32", 1.8)]
-    rows += [rule_row("ea-torch-nhwc", "bf16", 1.5), rule_row("ea-torch-nhwc", "fp32", 2.4)]
-    choice = bench.default_choice(rows, agree)
+    agree = [{"dtype": "bf16", "candidate": c, "status": "ok", "agree": True} for c in ("ea-triton", "ea-torch-nhwc")]
+    rows = [rule_row("eager", "bf16", 1.0), rule_row("eager", "fp16", 1.0)]
+    rows += [rule_row("ea-torch", "bf16", 2.0), rule_row("ea-torch", "fp16", 1.6)]
+    rows += [rule_row("ea-triton", "bf16", 1.8), rule_row("ea-triton", "fp16", 1.8)]
+    rows += [rule_row("ea-torch-nhwc", "bf16", 1.5), rule_row("ea-torch-nhwc", "fp16", 2.4)]
+
+    def default_choice(rows, checks):  # bf16 and fp16 are one precision
+        return bench.default_choice(rows, checks, "half")
+
+    choice = default_choice(rows, agree)
     # Geometric means: ea-torch sqrt(3.2) = 1.789, ea-triton 1.8, ea-torch-nhwc sqrt(3.6) = 1.897.
     assert choice["default"] == "ea-torch" and choice["cases_compared"] == 2
     assert choice["geomean_time_over_eager"]["ea-torch"] == pytest.approx(3.2**0.5)
     assert [c["fastest"] for c in choice["fastest_by_case"]] == ["ea-torch-nhwc", "ea-torch"]
-    faster = [*rows[:6], rule_row("ea-torch-nhwc", "bf16", 1.5), rule_row("ea-torch-nhwc", "fp32", 1.2)]
-    assert bench.default_choice(faster, agree)["default"] == "ea-torch-nhwc"
-    disagreeing = [agree[0], {"candidate": "ea-torch-nhwc", "status": "ok", "agree": False}]
-    assert bench.default_choice(faster, disagreeing)["excluded"] == {
+    faster = [*rows[:6], rule_row("ea-torch-nhwc", "bf16", 1.5), rule_row("ea-torch-nhwc", "fp16", 1.2)]
+    assert default_choice(faster, agree)["default"] == "ea-torch-nhwc"
+    disagreeing = [agree[0], {"dtype": "fp16", "candidate": "ea-torch-nhwc", "status": "ok", "agree": False}]
+    assert default_choice(faster, disagreeing)["excluded"] == {
         "ea-torch-nhwc": "disagrees with ea-torch in an agreement check"
     }
-    assert bench.default_choice(faster, agree[:1])["excluded"] == {
-        "ea-torch-nhwc": "no agreement check against ea-torch"
-    }
-    fell_back = [*faster[:-1], rule_row("ea-torch-nhwc", "fp32", 1.2, path="torch operations")]
-    choice = bench.default_choice(fell_back, agree)
+    assert default_choice(faster, agree[:1])["excluded"] == {"ea-torch-nhwc": "no agreement check against ea-torch"}
+    fell_back = [*faster[:-1], rule_row("ea-torch-nhwc", "fp16", 1.2, path="torch operations")]
+    choice = default_choice(fell_back, agree)
     assert choice["excluded"] == {"ea-torch-nhwc": "1 of its cases failed or ran on another path"}
     assert choice["default"] == "ea-torch" and set(choice["geomean_time_over_eager"]) == {"ea-torch", "ea-triton"}
     # Only the cases every correct candidate ran are compared; with none, ea-torch stays the default.
-    assert bench.default_choice(rows[2:3], [])["default"] == "ea-torch"
-    assert bench.default_choice([], [])["default"] == "ea-torch"
+    assert default_choice(rows[2:3], [])["default"] == "ea-torch"
+    assert default_choice([], [])["default"] == "ea-torch"
+    # Each precision is decided on its own: fp32 cases and checks change nothing in half precision, and back.
+    fp32 = [rule_row("ea-torch", "fp32", 1.0), rule_row("ea-triton", "fp32", 0.5)]
+    fp32_agree = [{"dtype": "fp32", "candidate": "ea-triton", "status": "ok", "agree": True}]
+    half = default_choice(rows, agree)
+    assert default_choice(rows + fp32, agree + fp32_agree) == half
+    choices = bench.default_choices(rows + fp32, agree + fp32_agree)
+    assert choices["half"] == half and choices["float32"]["default"] == "ea-triton"
+    assert choices["float32"]["excluded"] == {"ea-torch-nhwc": "not in the table"}
+
+
+DECISION_TABLES = sorted((BENCH_DIR / "results").glob("*/decision_table.json"))
+
+
+def test_the_code_default_on_cuda_follows_every_committed_decision_table(bench):
+    """ea_hf's default path on CUDA (``TRITON_BY_DEFAULT``) is, for each GPU and precision, what the rule names
+    from that GPU's committed decision table, and no GPU takes the kernels by default without a table."""
+    from ea_hf.ops.triton.common import TRITON_BY_DEFAULT
+
+    assert DECISION_TABLES, "no decision table is committed under bench/results"
+    decided = set()
+    for path in DECISION_TABLES:
+        table = json.loads(path.read_text())
+        choices = bench.default_choices(table["comparison"], table["agreement"])
+        assert table["default_choice"] == json.loads(json.dumps(choices)), path  # the verdict as written
+        major = table["capability"][0]
+        for precision, choice in choices.items():
+            assert ((major, precision) in TRITON_BY_DEFAULT) == (choice["default"] == "ea-triton"), (path, precision)
+            decided.add((major, precision))
+    assert TRITON_BY_DEFAULT <= decided
+
+
+def test_the_h200_table_chose_triton_for_half_precision_and_torch_operations_for_fp32(bench):
+    """The H200's verdict, as docs/performance.md states it: in bf16 the kernels' geometric mean of step time over
+    eager is the lesser (2.236x against 2.259x over three cases); in fp32 they have no agreement check."""
+    table = json.loads((BENCH_DIR / "results" / "nvidia-h200" / "decision_table.json").read_text())
+    half, single = table["default_choice"]["half"], table["default_choice"]["float32"]
+    assert (half["default"], half["cases_compared"]) == ("ea-triton", 3)
+    assert half["geomean_time_over_eager"] == pytest.approx({"ea-torch": 2.259, "ea-triton": 2.236}, abs=5e-4)
+    assert single["default"] == "ea-torch"
+    assert single["excluded"]["ea-triton"] == "no agreement check against ea-torch"
 
 
 def test_files_are_written(bench, report):
@@ -231,7 +275,8 @@ def test_files_are_written(bench, report):
     markdown = (out / "bench_gpu_dry_run.md").read_text()
     assert "| " + " | ".join(bench.TABLE_HEADER) + " |" in markdown
     assert "Dry run on CPU" in markdown and "ea-torch vs each candidate" in markdown
-    assert f"**Default on CUDA by this table: `{result['default_choice']['default']}`.**" in markdown
+    for precision, choice in result["default_choice"].items():
+        assert f"- {precision} maps: **default on CUDA by this table: `{choice['default']}`.**" in markdown
     rows = len(bench.VARIANTS) * len(bench.MODES) + len(bench.CHECKED_CANDIDATES)  # + agreement
     assert sum(line.startswith("| 16 | 2 | fp32 |") for line in markdown.splitlines()) == rows
     assert "FELL BACK" not in markdown and "FAILED" not in markdown

@@ -84,8 +84,9 @@ def test_the_gpu_session_dry_run_runs_every_step(tmp_path):
         }
         table = json.loads(archive.extractfile("c_tune/tuned_tiles.json").read())
         decisions = json.loads(archive.extractfile("b_table/512/bench_gpu_dry_run.json").read())
+        merged = json.loads(archive.extractfile("b_table/decision_table.json").read())
         counted = json.loads(archive.extractfile("b_table/bytes/bench_bytes.json").read())
-    assert statuses == {"a_smoke": ["0"], "b_table": ["0"] * 4, "c_tune": ["0"], "e_decoder": ["0", "0"]}
+    assert statuses == {"a_smoke": ["0"], "b_table": ["0"] * 5, "c_tune": ["0"], "e_decoder": ["0", "0"]}
     for result in ("512", "2048", "compiled"):
         assert f"b_table/{result}/bench_gpu_dry_run.json" in names
     # The candidates' table: the channels-last candidate ran, was checked against ea-torch, its bytes counted (also
@@ -94,7 +95,13 @@ def test_the_gpu_session_dry_run_runs_every_step(tmp_path):
     assert [case["evolution_path"] for case in nhwc] == ["torch operations, channels-last"] * 2
     assert all(case["counted_bytes"] > 0 for case in nhwc)
     assert [(check["candidate"], check["agree"]) for check in decisions["agreement"]] == [("ea-torch-nhwc", True)]
-    assert decisions["default_choice"]["default"] in ("ea-torch", "ea-torch-nhwc")
+    assert decisions["default_choice"]["float32"]["default"] in ("ea-torch", "ea-torch-nhwc")
+    # The reports merged into the decision table: the candidates' cases of both N, the checks, the same verdicts.
+    assert merged["capability"] is None  # a CPU dry run's
+    assert {(row["n"], row["variant"]) for row in merged["comparison"]} == {
+        (16, "ea-torch"), (16, "ea-torch-nhwc"), (24, "ea-triton"),
+    }  # fmt: skip
+    assert merged["agreement"] == decisions["agreement"]
     assert counted["variants"] == ["eager", "ea-torch", "ea-torch-nhwc"]
     assert {"c_tune/triton_kernels_dry_run.json", "a_smoke/tests.xml", "machine.txt"} <= names
     decoder = {"e_decoder/bench_decoder_static_dry_run_tiny.json", "e_decoder/bench_decoder_gpu_dry_run_tiny.json"}
