@@ -55,22 +55,21 @@ def tail_traffic(batch: int, heads: int, n: int, dtype: str, fused: bool, head_d
     On torch operations (the core's path, every map in the logits' dtype): forward, A_logit read and P written,
     dropout's mask drawn and applied, dropout(P) read by the product; backward, P recomputed, dropout applied
     again and read by the product for dV, dO @ V^T written, dropout's gradient, the softmax's gradient (P and G
-    read, written over G). Fused (ea_hf's Triton
-    attention tail): forward, A_logit read and dropout's mask drawn (by torch) and read;
-    backward, A_logit and the mask read twice (the row terms' pass, then the gradients' one) and A_logit's
-    gradient written. The products: P @ V forward, dV and dP backward and dP again for the row terms, 2 *
-    head_dim FLOPs an element each.
+    read, written over G). Fused (ea_hf's Triton attention tail): forward, A_logit read and dropout's mask drawn
+    (by torch) and read; backward, A_logit and the mask read twice (the row terms' pass, then the gradients' one),
+    the next layer's gradient of A_logit read and A_logit's gradient, with it added, written. The products: P @ V
+    forward, dV and dP backward and dP again for the row terms, 2 * head_dim FLOPs an element each.
 
     Example:
         >>> [round(tail_traffic(8, 12, 512, "bf16", fused).backward_bytes / 1e6) for fused in (False, True)]  # MB
-        [604, 201]
+        [604, 252]
     """
     elements = batch * heads * n * n
     size = DTYPE_BYTES[dtype]
     product = 2 * head_dim * elements
     if fused:
         forward = size + 1 + 1
-        backward = (size + 1) * 2 + size
+        backward = (size + 1) * 2 + 2 * size
         return Traffic(forward * elements, backward * elements, product, 3 * product)
     forward = size + size + (1 + 2 * size) + size
     backward = (size + size) + (2 * size + 1) + size + size + (2 * size + 1) + 3 * size

@@ -37,18 +37,20 @@ class Traffic:
 
 def evolution_traffic(batch: int, heads: int, n: int, dtype: str, kernel: int = 3) -> Traffic:
     """What one layer's fused evolution step must move and compute (see the module docstring); the padding mask
-    (one map of the model's dtype per sequence) is read once a pass.
+    (one map of the model's dtype per sequence) is read once a pass. The incoming gradient already holds the next
+    layer's (the fused attention tail's backward adds it as it writes A_logit's: ``roofline.tail_traffic``), and
+    the input and weight gradients' kernels each read it.
 
     Example:
         >>> traffic = evolution_traffic(8, 12, 512, "bf16")
         >>> round(traffic.forward_bytes / 1e6), round(traffic.backward_bytes / 1e6)  # MB
-        (158, 367)
+        (158, 317)
     """
     elements = batch * heads * n * n
     size = DTYPE_BYTES[dtype]
     mask = batch * n * n * size
     gate = elements / 8  # bit-packed
     forward = 3 * size * elements + gate + mask  # S, A_prev in; A_logit, the gate out
-    backward = 7 * size * elements + 2 * gate + 2 * mask  # G, addend, S, A_prev, G again in; 2 grads out
+    backward = 6 * size * elements + 2 * gate + 2 * mask  # G, S, A_prev, G again in; 2 grads out
     flops = 2 * kernel * kernel * heads * elements
     return Traffic(forward, backward, flops, 2 * flops)
