@@ -203,7 +203,7 @@ def evolving_call(
             f"{type(module).__name__} attends to {key.shape[-2]} keys from {query_length} queries, but its KV "
             f"cache did not reach evolving attention: the module takes it under none of {CACHE_ARGUMENTS}."
         )
-    keeps_rows = cache is not None and evolution.causal and evolution.beta != 0.0
+    keeps_rows = cache is not None and evolution.causal and evolution.may_convolve()
     if keeps_rows and static_layout(cache):
         # A static cache (torch.compile's): the tokens seen are a tensor of the kept rows, not read on the host.
         history = static_convolution_history(cache, evolution.key, query_length, evolution.context_rows)

@@ -295,11 +295,28 @@ class AttentionMapEvolution(nn.Module):
                 f"Evolving attention layer {self.position} ({self.role}) expected the logits of layer "
                 f"{self.previous}, which did not run in this forward call (layers skipped or reordered?)."
             )
-        return previous if self.alpha != 0.0 or self.gates_need_previous() else None
+        return previous if self.gates_need_previous() or self.alpha != 0.0 else None
 
     def gates_need_previous(self) -> bool:
-        """Whether A_prev is needed at alpha = 0: for the gradient of a learned alpha."""
-        return self.learned_gates and torch.is_grad_enabled() and self.alpha_gate.requires_grad
+        """Whether A_prev is needed at alpha = 0: for the gradient of a learned alpha, and while a graph is traced,
+        where a learned alpha's value is not read (:meth:`gates_are_traced`)."""
+        if not self.learned_gates:
+            return False
+        return self.gates_are_traced() or (torch.is_grad_enabled() and self.alpha_gate.requires_grad)
+
+    def gates_are_traced(self) -> bool:
+        """Whether learned gates are tensors of a graph being traced (``torch.compile``, ``torch.export``), whose
+        values must not be read as numbers: the graph would depend on them (a data-dependent guard, which
+        ``fullgraph=True`` and export refuse), and a trained gate changes every step. The step then runs as torch
+        operations that take the gates as tensors (:func:`~.gates.evolve_with_autograd`)."""
+        return self.learned_gates and torch.compiler.is_compiling()
+
+    def may_convolve(self) -> bool:
+        """Whether the convolution branch may change A_logit: beta is not 0, or is a learned gate being traced
+        (its value not read, :meth:`gates_are_traced`)."""
+        if self.gates_are_traced():
+            return self.beta_gate is not None
+        return self.beta != 0.0
 
     def record_logits(self, chain: dict[Any, Any], logits: torch.Tensor) -> None:
         """Put this layer's A_logit in ``chain`` for the next layer; in a replay, drop the entry instead.
@@ -324,7 +341,7 @@ class AttentionMapEvolution(nn.Module):
                 "each call reads the logits of the call before it."
             )
         previous = chain.pop(self.key, None)
-        return previous if self.alpha != 0.0 or self.gates_need_previous() else None
+        return previous if self.gates_need_previous() or self.alpha != 0.0 else None
 
     def reference(
         self,
@@ -442,7 +459,7 @@ class AttentionMapEvolution(nn.Module):
         Returns:
             A_logit, the evolved logits [B, H, Q, K].
         """
-        if self.method == "linear" or (self.learned_gates and torch.is_grad_enabled()):
+        if self.method == "linear" or (self.learned_gates and (torch.is_grad_enabled() or self.gates_are_traced())):
             return self.gated_forward(scores, conv_mask, chain, history)
         if history is not None and history.rows is not None and torch.is_grad_enabled():
             # Later decoding steps with autograd on (not what generate does): the plain formulation carries
@@ -468,12 +485,20 @@ class AttentionMapEvolution(nn.Module):
     ) -> torch.Tensor:
         """:meth:`forward` of the ``linear`` method and of learned gates with autograd: A_logit from the gates'
         tensors (see :mod:`~.gates`). Learned gates on ``conv`` run the step's kernels
-        (:class:`~.gates.GatedEvolveConvolution`) where no earlier decoding rows are kept; the rest runs as torch
-        operations (:func:`~.gates.evolve_with_autograd`)."""
+        (:class:`~.gates.GatedEvolveConvolution`) where no earlier decoding rows are kept and the gates are not
+        traced (:meth:`gates_are_traced`); the rest runs as torch operations (:func:`~.gates.evolve_with_autograd`)."""
         previous = self.previous_logits(chain)
         keep = None if conv_mask is None else conv_mask.to(scores.dtype)
         maps = StepMaps(scores, previous, keep)
         alpha, beta = self.gate_tensors()
+        if self.gates_are_traced():
+            # The step's alpha and beta are not read here (the gates' tensors are): the settings stand in.
+            step = EvolutionStep(self._alpha, self._beta, self.context_rows, self.causal)
+            logits = evolve_with_autograd(
+                alpha, beta, maps, self.weight, self.bias, step, linear=self.method == "linear", history=history
+            )
+            self.record_logits(chain, logits)
+            return logits
         numbers = [float(g.detach()) if isinstance(g, torch.Tensor) else g for g in (alpha, beta)]
         step = EvolutionStep(*numbers, self.context_rows, self.causal)
         if history is not None and history.rows is None and self.weight is not None:

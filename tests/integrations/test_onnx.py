@@ -69,6 +69,17 @@ def test_the_reported_torch_onnx_export_of_a_patched_bert_classifier_runs_in_onn
     assert np.abs(onnx_logits(tmp_path / "model.onnx", inputs) - torch_logits(model, inputs)).max() <= 1e-5
 
 
+@pytest.mark.slow
+def test_a_classifier_with_learned_gates_exports_them_as_they_are(tmp_path):
+    """Learned gates (the quickstart's setting), off their exact start: the exporter traces them as tensors (their
+    values read as numbers would stop it), and onnxruntime computes what the model does."""
+    model = patched_model("bert", {**SETTINGS, "gates": "learned"}, transformers.AutoModelForSequenceClassification)
+    exported = export_model(model, tmp_path / "model.onnx")
+    assert exported.max_difference <= 1e-5  # onnxruntime at CHECK_SHAPE, padded
+    inputs = tiny_inputs("bert", batch=3, length=10, seed=5)
+    assert np.abs(onnx_logits(exported.path, inputs) - torch_logits(model, inputs)).max() <= 1e-5
+
+
 @pytest.mark.full_table  # CI's second stage: fast: BERT and Llama round trips
 @pytest.mark.slow
 def test_a_modernbert_classifier_round_trips_with_padding_at_another_shape(tmp_path):

@@ -81,18 +81,29 @@ def assert_same_generation(got, expected, tolerance: float = TOLERANCE) -> None:
             torch.testing.assert_close(a, b, atol=tolerance, rtol=0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", table(FAMILIES))
-def test_compiled_static_generation_traces_two_graphs_and_matches_eager(family):
-    """Every family: fullgraph compiles, a prefill graph and a decoding graph, eager EA's tokens."""
-    skip_unsupported(family)
-    model = evolved_lm(family)
+def assert_two_graphs_with_eager_tokens(model) -> None:
+    """fullgraph compiles a prefill graph and a decoding graph, and generates eager EA's tokens."""
     inputs = left_padded_inputs()
     with torch.no_grad():
         expected = static_generation(model, inputs)
     got, graphs = compiled_generation(model, inputs)
     assert graphs == 2
     assert_same_generation(got, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", table(FAMILIES))
+def test_compiled_static_generation_traces_two_graphs_and_matches_eager(family):
+    """Every family: fullgraph compiles, a prefill graph and a decoding graph, eager EA's tokens."""
+    skip_unsupported(family)
+    assert_two_graphs_with_eager_tokens(evolved_lm(family))
+
+
+@pytest.mark.slow
+def test_learned_gates_compile_into_the_same_two_graphs():
+    """A decoder with learned gates (the quickstart's setting, here off the exact start): the gates are read as
+    tensors while dynamo traces, so fullgraph compiles the same prefill and decoding graphs, with eager EA's tokens."""
+    assert_two_graphs_with_eager_tokens(ea_hf.patch(causal_lm("llama"), **EVOLVED, gates="learned"))
 
 
 def test_the_kept_rows_of_a_static_cache_are_buffers_allocated_once():
