@@ -45,6 +45,7 @@ from .attention_tail import (
     softmax_probabilities,
 )
 from .convolution import evolve_backward, evolve_step, scale_kernel
+from .gates import alpha_gradient, beta_gradient
 from .kernels import fused_attention_tail
 from .map_reuse import leave_spare_map, take_spare_map
 from .masks import AttentionMask
@@ -63,9 +64,10 @@ class CoreInputs(NamedTuple):
     """The layer's tensors that autograd differentiates, each a direct argument of the core (after
     :class:`CoreConstants` and :class:`CoreMasks`, in this order): ``query`` [B, H, Q, D], ``key`` and ``value``
     [B, H_kv, K, D] (grouped-query attention: each of the H_kv key/value heads serves H / H_kv query heads, see
-    :func:`~.scores.grouped_product`), ``previous`` (A_prev or None), ``position_bias`` (or None), and the
-    convolution's ``weight`` and ``bias``. Backward names its gradients, and which of them are needed, the same
-    way."""
+    :func:`~.scores.grouped_product`), ``previous`` (A_prev or None), ``position_bias`` (or None), the
+    convolution's ``weight`` and ``bias``, and learned gates' clamped values ``alpha`` and ``beta`` (0-dim tensors,
+    :mod:`.gates`; None for fixed gates, whose values the step holds). Backward names its gradients, and which of
+    them are needed, the same way."""
 
     query: Tensor
     key: Tensor
@@ -74,6 +76,8 @@ class CoreInputs(NamedTuple):
     position_bias: Tensor | None
     weight: Tensor
     bias: Tensor
+    alpha: Tensor | None = None
+    beta: Tensor | None = None
 
 
 class CoreMasks(NamedTuple):
@@ -141,7 +145,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, constants, masks, query, key, value, previous, position_bias, weight, bias):
+    def forward(ctx, constants, masks, query, key, value, previous, position_bias, weight, bias, alpha=None, beta=None):
         scaling, softcap, dropout, mask = constants.scaling, constants.softcap, constants.dropout, masks.attention
         # Keys and values as contiguous [B, H, K, D] (they arrive as views of the projections' [B, K, H * D]
         # outputs): every product with them, here and in backward, then reads them in place instead of copying
@@ -176,7 +180,7 @@ class EvolvingAttentionCore(torch.autograd.Function):
         # Kept: S and P (A_logit is kept by the next layer, as its A_prev). Else A_logit, to recompute P from;
         # with a fused tail, A_logit (and S where small) and the rows' statistics.
         saved = SavedTensors(
-            CoreInputs(query, key, value, previous, position_bias, weight, bias), gate, masks.convolution,
+            CoreInputs(query, key, value, previous, position_bias, weight, bias, alpha, beta), gate, masks.convolution,
             mask.allowed, mask.additive, dropout_kept, scores=scores if small else None,
             probabilities=full if small else None, logits=None if full is not None and small else logits, stats=stats,
         )  # fmt: skip
@@ -235,25 +239,45 @@ class EvolvingAttentionCore(torch.autograd.Function):
         if grad_evolved.dtype != scores.dtype:  # a fused tail's gradient in another dtype than the maps
             grad_evolved = grad_evolved.to(scores.dtype)
         keep = None if saved.conv_mask is None else saved.conv_mask.to(scores.dtype)
+        maps = StepMaps(scores.detach(), inputs.previous, keep)
+        grad_beta = None
+        if needs.beta:  # before the evolution's backward, which may write over G
+            grads = (grad_evolved, grad_logits)
+            grad_beta = beta_gradient(grads, constants.step, maps, inputs.weight, inputs.bias).to(inputs.beta.dtype)
         grad_scores, grad_previous, grad_weight, grad_bias = evolve_backward(
             constants.step,
-            StepMaps(scores.detach(), inputs.previous, keep),
+            maps,
             # G is spent here: the gradients may go over it. The next layer's gradient, through its A_prev, is
             # added to it where the tail has not added it already (over G, or as the CPU kernel reads).
             GradientIn(grad_evolved, grad_logits, spent=True),
             saved.gate,
             scaled_weight,
-            needs_input=needs.query or needs.key or needs.previous or needs.position_bias,
+            needs_input=needs.query or needs.key or needs.previous or needs.position_bias or needs.alpha,
             needs_kernel=needs.weight or needs.bias,
             scaled_scores=True,  # S's gradient may share A_prev's map (see ScaledMap)
         )
         del grad_evolved, full
+        grad_alpha = None
+        if needs.alpha:  # the first layer has no A_prev: its alpha changes nothing
+            grad_alpha = torch.zeros_like(inputs.alpha)
+            if inputs.previous is not None:
+                grad_alpha = alpha_gradient(grad_scores, grad_previous, maps, constants.step.alpha).to(grad_alpha.dtype)
         if spent_scores is not None and inputs.previous is not None:  # a layer below, whose backward comes next
             leave_spare_map(constants.spare_maps, spent_scores)
         grad_query, grad_key, grad_positions = _scores_input_gradients(ctx, inputs, needs, scores, leaves, grad_scores)
         if grad_weight is not None:
             grad_weight, grad_bias = grad_weight.to(inputs.weight.dtype), grad_bias.to(inputs.bias.dtype)
-        grads = CoreInputs(grad_query, grad_key, grad_value, grad_previous, grad_positions, grad_weight, grad_bias)
+        grads = CoreInputs(
+            grad_query,
+            grad_key,
+            grad_value,
+            grad_previous,
+            grad_positions,
+            grad_weight,
+            grad_bias,
+            grad_alpha,
+            grad_beta,
+        )
         return None, None, *grads
 
 

@@ -65,6 +65,8 @@ def compiled_core(
     position_bias: Tensor | None,
     weight: Tensor,
     bias: Tensor,
+    alpha: Tensor | None = None,
+    beta: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """What :class:`~.attention_core.EvolvingAttentionCore` computes, with the arguments of its ``apply``, in a
     form ``torch.compile`` traces (whose kernel operators correlate the masked tails too: the step's
@@ -88,6 +90,8 @@ def compiled_core(
         >>> all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
         True
     """
+    if alpha is not None or beta is not None:  # a traced layer's learned gates run in its forward (see .gates)
+        raise ValueError("compiled_core takes fixed gates only; learned gates are traced as torch operations")
     step, scaling, softcap, dropout = constants.step, constants.scaling, constants.softcap, constants.dropout
     conv_mask, mask = masks
 

@@ -23,6 +23,7 @@ transformers and sibling files (single-dot relative imports).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -369,9 +370,11 @@ class AttentionMapEvolution(nn.Module):
         """Whether :meth:`attend` should run this layer's whole attention core: with autograd, a convolution and
         no earlier decoding rows (a forward pass with a fresh cache, as training with ``use_cache`` makes, has
         none). While torch.compile traces, the core is :func:`~.compiled.compiled_core`."""
-        if self.learned_gates or self.method == "linear":  # they run in :meth:`forward` (see :mod:`~.gates`)
+        if self.method == "linear" or self.gates_are_traced():  # they run in :meth:`forward` (see :mod:`~.gates`)
             return False
-        return self.beta != 0.0 and (history is None or history.rows is None) and torch.is_grad_enabled()
+        # Learned gates take the core at any value: a beta of 0 (their exact start) gets its gradient there.
+        convolves = self.beta_gate is not None if self.learned_gates else self.beta != 0.0
+        return convolves and (history is None or history.rows is None) and torch.is_grad_enabled()
 
     def attend(
         self,
@@ -400,8 +403,12 @@ class AttentionMapEvolution(nn.Module):
         if history is not None:
             self.begin_history(history, query, key, previous, conv_mask, scaling, position_bias, softcap)
         spare_maps = chain.setdefault(BACKWARD_SPARES_KEY, {})
-        constants = CoreConstants(self.step, scaling, softcap, dropout, spare_maps, weights_read)
-        inputs = CoreInputs(query, key, value, previous, position_bias, self.weight, self.bias)
+        step = self.step
+        if self.learned_gates:  # the gates' gradients read every entry (masked tails included)
+            step = dataclasses.replace(step, skip_masked_tails=False)
+        constants = CoreConstants(step, scaling, softcap, dropout, spare_maps, weights_read)
+        alpha, beta = self.gate_tensors() if self.learned_gates else (None, None)
+        inputs = CoreInputs(query, key, value, previous, position_bias, self.weight, self.bias, alpha, beta)
         output, logits, probabilities = evolving_attention_core(constants, CoreMasks(conv_mask, mask), inputs)
         self.record_logits(chain, logits)
         return output, probabilities

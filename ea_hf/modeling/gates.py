@@ -12,11 +12,13 @@ The gradients of the gates are exact:
 
     dL/dalpha = <G_in, A_prev - S>,   dL/dbeta = <G, R - A_in>,   R = ReLU(Conv(A_in * keep))
 
-with G = dL/dA_logit and G_in = dL/dA_in. :class:`GatedEvolveConvolution` takes the step's kernels for the
-rest (they take alpha and beta as numbers: the fused CPU kernel where it applies, torch operations elsewhere);
-G_in is the sum of the gradients of S and A_prev that they return ((1 - alpha) G_in + alpha G_in), and R is
-recomputed in backward with the unscaled kernel (the step convolves with beta * kernel, which is zero at
-beta = 0): one convolution more in backward, only with learned gates.
+with G = dL/dA_logit and G_in = dL/dA_in (:func:`alpha_gradient`, :func:`beta_gradient`). In training the
+attention core (``attention_core.EvolvingAttentionCore``) takes the step's kernels for the rest, as with fixed
+gates (they take alpha and beta as numbers), and adds these two; :class:`GatedEvolveConvolution` does the same for
+the step alone, where the core does not run. G_in is read from the gradients of S and A_prev that the kernels
+return ((1 - alpha) G_in and alpha G_in), and R is recomputed in backward with the unscaled kernel (the step
+convolves with beta * kernel, which is zero at beta = 0): one convolution more in backward, only with learned
+gates.
 
 The ``linear`` method has no ReLU: A_logit = beta * Conv(A_in * keep) + (1 - beta) * A_in, computed as
 lerp(A_in, Conv(A_in * keep), beta). With the ``dirac`` start Conv is the identity on every kept entry (the
@@ -128,6 +130,56 @@ def evolve_with_autograd(
     return torch.lerp(attention_in, branch, gates[1])
 
 
+def accumulation_dtype(maps: Tensor) -> torch.dtype:
+    """The dtype the gates' gradients are summed in: float64 for float64 maps, else float32."""
+    return torch.float64 if maps.dtype == torch.float64 else torch.float32
+
+
+def alpha_gradient(
+    grad_scores: Tensor | ScaledMap | None, grad_previous: Tensor | None, maps: StepMaps, alpha: float
+) -> Tensor:
+    """dL/dalpha = <G_in, A_prev - S> from the gradients of S and A_prev that a step's backward returns,
+    (1 - ``alpha``) G_in and ``alpha`` G_in (S's may be a :class:`~.step.ScaledMap` of A_prev's map, or either may be
+    absent where its factor is 0): G_in is read from A_prev's where alpha is not 0, else from S's. A 0-dim tensor in
+    :func:`accumulation_dtype`.
+
+    Example:
+        >>> s, prev, grad_in = torch.randn(3, 1, 4, 4, dtype=torch.float64).unbind()
+        >>> expected = (grad_in * (prev - s)).sum()
+        >>> parts = [(0.7 * grad_in, 0.3 * grad_in, 0.3), (ScaledMap(0.3 * grad_in, 0.7 / 0.3), 0.3 * grad_in, 0.3),
+        ...          (grad_in, None, 0.0)]
+        >>> all(torch.allclose(alpha_gradient(gs, gp, StepMaps(s, prev, None), a), expected) for gs, gp, a in parts)
+        True
+    """
+    scores, previous, _ = maps
+    if grad_previous is not None and alpha != 0.0:
+        grad_in, factor = grad_previous, 1.0 / alpha
+    elif isinstance(grad_scores, ScaledMap):
+        grad_in, factor = grad_scores.map, grad_scores.scale / (1.0 - alpha)
+    else:
+        grad_in, factor = grad_scores, 1.0 / (1.0 - alpha)
+    return (grad_in * (previous - scores)).sum(dtype=accumulation_dtype(scores)) * factor
+
+
+def beta_gradient(
+    grads: tuple[Tensor | None, ...], step: EvolutionStep, maps: StepMaps, weight: Tensor, bias: Tensor
+) -> Tensor:
+    """dL/dbeta = <G, R - A_in>, R = ReLU(Conv(A_in * keep)) recomputed with the unscaled kernel (the step's own
+    convolution is beta-scaled, zero at beta = 0), G the sum of ``grads`` (the gradients of A_logit; None ones
+    left out). A 0-dim tensor in :func:`accumulation_dtype`."""
+    scores, previous, keep = maps
+    attention_in = scores if previous is None else torch.lerp(scores, previous, step.alpha)
+    conv_input = attention_in if keep is None else attention_in * keep
+    rows, columns = scores.shape[-2:]
+    branch = convolution_branch(
+        conv_input, weight.to(scores.dtype), bias.to(scores.dtype), step.context_rows, step.causal
+    )[..., :rows, :columns]
+    del conv_input
+    difference = branch.sub_(attention_in)
+    accumulate = accumulation_dtype(scores)
+    return sum((grad * difference).sum(dtype=accumulate) for grad in grads if grad is not None)
+
+
 class GatedEvolveConvolution(torch.autograd.Function):
     """A_logit = beta * ReLU(Conv(A_in * keep)) + (1 - beta) * A_in, A_in = lerp(S, A_prev, alpha), with alpha and
     beta learned: the step runs on the step's kernels with the gates' values as numbers (``step``), and backward
@@ -171,20 +223,12 @@ class GatedEvolveConvolution(torch.autograd.Function):
         if isinstance(grad_scores, ScaledMap):
             grad_scores = grad_scores.map * grad_scores.scale
         grad_alpha = grad_beta = None
-        accumulate = torch.float64 if scores.dtype == torch.float64 else torch.float32
         if needs[6] and previous is not None:
-            grad_in = grad_scores if grad_previous is None else grad_scores + grad_previous  # G_in, split back
-            grad_alpha = (grad_in * (previous - scores)).sum(dtype=accumulate).to(alpha.dtype)
+            grad_alpha = alpha_gradient(grad_scores, grad_previous, maps, step.alpha).to(alpha.dtype)
         elif needs[6]:
             grad_alpha = torch.zeros_like(alpha)
         if needs[7]:
-            attention_in = scores if previous is None else torch.lerp(scores, previous, step.alpha)
-            conv_input = attention_in if keep is None else attention_in * keep
-            rows, columns = scores.shape[-2:]
-            branch = convolution_branch(
-                conv_input, weight.to(scores.dtype), bias.to(scores.dtype), step.context_rows, step.causal
-            )[..., :rows, :columns]
-            grad_beta = (grad_logits * (branch - attention_in)).sum(dtype=accumulate).to(beta.dtype)
+            grad_beta = beta_gradient((grad_logits,), step, maps, weight, bias).to(beta.dtype)
         if not needs[1]:
             grad_scores = None
         if not needs[2]:

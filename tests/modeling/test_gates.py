@@ -198,6 +198,39 @@ def test_learned_gates_on_the_cpu_kernel_equal_the_torch_path(monkeypatch, model
     assert any(name.endswith("beta_gate") and g.abs() > 0 for name, g in torch_gradients.items())
 
 
+@pytest.mark.parametrize("gates", [[(0.0, 0.0), (0.0, 0.0)], [(0.3, 0.4), (0.6, 0.8)]], ids=["start", "interior"])
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_learned_gates_train_in_the_fused_core_as_the_gated_step_does(monkeypatch, model_type, gates):
+    """In training, learned gates take the attention core (which keeps A_logit and the ReLU gate, not S and P),
+    at the exact start (beta = 0) too, and give the outputs and every gradient, the gates' included, of the gated
+    step (:class:`GatedEvolveConvolution`, the path they took through unfused attention)."""
+    from ea_hf.modeling import attention_core
+
+    model = ea_hf.patch(tiny_model(model_type, KINDS[model_type]), gates="learned")
+    set_gates(model, gates)
+    inputs = tiny_inputs(model_type)
+    mask = inputs["attention_mask"].bool()
+
+    def outputs_and_gradients():
+        model.zero_grad()
+        output = first_output(model(**inputs))
+        output[mask].pow(2).mean().backward()
+        return output[mask].detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    with monkeypatch.context() as patched:
+        cores = spy_on(patched, attention_core.EvolvingAttentionCore, ("apply",))
+        in_core, core_gradients = outputs_and_gradients()
+    assert len(cores) == len(evolution_modules(model))
+    monkeypatch.setattr(AttentionMapEvolution, "fuses_attention", lambda self, history: False)
+    gated, gated_gradients = outputs_and_gradients()
+    assert max_abs_diff(in_core, gated) < 1e-5
+    assert core_gradients.keys() == gated_gradients.keys()
+    for name, gradient in gated_gradients.items():
+        assert max_abs_diff(core_gradients[name], gradient) < 1e-5 * (1.0 + gradient.abs().max().item()), name
+    assert any(name.endswith("beta_gate") and g.abs() > 0 for name, g in gated_gradients.items())
+    assert any(name.endswith("alpha_gate") and g.abs() > 0 for name, g in gated_gradients.items())
+
+
 def step_function(keep: torch.Tensor | None, causal: bool):
     """A_logit of :class:`GatedEvolveConvolution` as a function of its tensors, the step's numbers taken from the
     gates at each call (as the layer does), so that finite differences move both."""

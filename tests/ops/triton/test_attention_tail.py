@@ -196,7 +196,8 @@ def test_applicable_only_where_opted_in_and_the_shapes_fit(device, monkeypatch):
     assert not tail.applicable(logits, None, None, value)
 
 
-def test_patched_model_runs_the_tail_unless_the_weights_are_read(monkeypatch, device):
+@pytest.mark.parametrize("gates", ["fixed", "learned"])
+def test_patched_model_runs_the_tail_unless_the_weights_are_read(monkeypatch, device, gates):
     """A whole EA BERT in training on the Triton kernels runs the fused tail in every layer (forward and
     backward), with the outputs and gradients of the torch tail within 1e-5; asked for its attention weights
     (``output_attentions=True``) it forms them with torch's softmax instead and returns them.
@@ -208,7 +209,8 @@ def test_patched_model_runs_the_tail_unless_the_weights_are_read(monkeypatch, de
     monkeypatch.setattr(registry, "FUSED_KERNELS", [evolution])
     inputs = {key: value.to(device) for key, value in tiny_inputs("bert").items()}
     dropout = 0.1 if device == "cpu" else 0.0
-    model = patched_model("bert", METHODS["conv"], attention_probs_dropout_prob=dropout, hidden_dropout_prob=0.0)
+    settings = {**METHODS["conv"], "gates": gates}  # learned gates train in the core too, the tail's gradient theirs
+    model = patched_model("bert", settings, attention_probs_dropout_prob=dropout, hidden_dropout_prob=0.0)
     model = model.to(device).train()
 
     def step(tails):
@@ -221,6 +223,7 @@ def test_patched_model_runs_the_tail_unless_the_weights_are_read(monkeypatch, de
 
     (got, got_grads), (want, want_grads) = step([tail]), step([])
     assert calls == ["forward"] * 3 + ["backward"] * 3
+    assert (gates == "learned") == any(name.endswith("beta_gate") for name in want_grads)
     assert max_error(got, want) <= FP32_TOLERANCE * want.abs().max().item()
     scale = max(grad.abs().max().item() for grad in want_grads.values())
     assert got_grads.keys() == want_grads.keys()
