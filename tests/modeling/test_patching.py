@@ -239,12 +239,12 @@ def test_train_eval_and_no_grad_modes_agree():
     assert evolution.weight.grad is not None and evolution.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("gates", ["fixed", "learned"])
 @pytest.mark.parametrize("model_type", ["bert", "vit"])
-def test_gradient_checkpointing_gives_the_same_gradients(model_type):
+def test_gradient_checkpointing_gives_the_same_gradients(model_type, gates):
     def gradients(checkpointing: bool):
-        model = ea_hf.patch(
-            tiny_model(model_type, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), alpha=0.4, beta=0.4
-        )
+        model = tiny_model(model_type, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = ea_hf.patch(model, alpha=0.4, beta=0.4, gates=gates)
         if checkpointing:
             enable_checkpointing(model)
             assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
@@ -255,6 +255,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_type):
     plain, checkpointed = gradients(False), gradients(True)
     assert plain.keys() == checkpointed.keys()
     assert any("evolving_attention" in name for name in plain)
+    assert (gates == "learned") == any(name.endswith("beta_gate") for name in plain)
     # The first layer's convolution only gets gradient through the chain to later layers.
     first_conv = [n for n in plain if "evolving_attention.weight" in n][0]
     assert plain[first_conv].abs().sum() > 0
