@@ -258,10 +258,10 @@ class EvolvingAttentionCore(torch.autograd.Function):
         )
         del grad_evolved, full
         grad_alpha = None
-        if needs.alpha:  # the first layer has no A_prev: its alpha changes nothing
+        if needs.alpha and inputs.previous is None:  # the first layer has no A_prev: its alpha changes nothing
             grad_alpha = torch.zeros_like(inputs.alpha)
-            if inputs.previous is not None:
-                grad_alpha = alpha_gradient(grad_scores, grad_previous, maps, constants.step.alpha).to(grad_alpha.dtype)
+        elif needs.alpha:
+            grad_alpha = alpha_gradient(grad_scores, grad_previous, maps, constants.step.alpha).to(inputs.alpha.dtype)
         if spent_scores is not None and inputs.previous is not None:  # a layer below, whose backward comes next
             leave_spare_map(constants.spare_maps, spent_scores)
         grad_query, grad_key, grad_positions = _scores_input_gradients(ctx, inputs, needs, scores, leaves, grad_scores)

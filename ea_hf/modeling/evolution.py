@@ -296,14 +296,16 @@ class AttentionMapEvolution(nn.Module):
                 f"Evolving attention layer {self.position} ({self.role}) expected the logits of layer "
                 f"{self.previous}, which did not run in this forward call (layers skipped or reordered?)."
             )
-        return previous if self.gates_need_previous() or self.alpha != 0.0 else None
+        return previous if self.mixes_previous() else None
 
-    def gates_need_previous(self) -> bool:
-        """Whether A_prev is needed at alpha = 0: for the gradient of a learned alpha, and while a graph is traced,
-        where a learned alpha's value is not read (:meth:`gates_are_traced`)."""
-        if not self.learned_gates:
-            return False
-        return self.gates_are_traced() or (torch.is_grad_enabled() and self.alpha_gate.requires_grad)
+    def mixes_previous(self) -> bool:
+        """Whether the step takes A_prev: alpha is not 0, or alpha is learned and A_prev is needed at 0 too, for
+        alpha's gradient or while a graph is traced, where its value is not read (:meth:`gates_are_traced`)."""
+        if self.learned_gates and (
+            self.gates_are_traced() or (torch.is_grad_enabled() and self.alpha_gate.requires_grad)
+        ):
+            return True
+        return self.alpha != 0.0
 
     def gates_are_traced(self) -> bool:
         """Whether learned gates are tensors of a graph being traced (``torch.compile``, ``torch.export``), whose
@@ -342,7 +344,7 @@ class AttentionMapEvolution(nn.Module):
                 "each call reads the logits of the call before it."
             )
         previous = chain.pop(self.key, None)
-        return previous if self.gates_need_previous() or self.alpha != 0.0 else None
+        return previous if self.mixes_previous() else None
 
     def reference(
         self,

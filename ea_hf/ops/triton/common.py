@@ -1,5 +1,5 @@
-"""What the Triton kernel families share: triton itself (optional), the opt-in, how products are multiplied, the
-device function that multiplies a tile, and the jitting of a family's kernels once per interpreter setting.
+"""What the Triton kernel families share: triton itself (optional), where they run, how products are multiplied,
+the device function that multiplies a tile, and the jitting of a family's kernels once per interpreter setting.
 
 **Where they run.** On CUDA the kernels take the maps where ``EA_HF_TRITON=1`` asks for them, never with
 ``EA_HF_TRITON=0``, and, unset, where a GPU session's decision table chose them for the GPU and the maps' precision
